@@ -1,0 +1,108 @@
+//! Grouped-query self-attention with rotary embeddings and an optional KV cache.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, Device, Int, Tensor};
+
+use super::cache::LayerCache;
+use super::rope::Rope;
+use crate::config::LlamaConfig;
+
+/// `softmax(QKᵀ/√d + mask)·V` over `n_heads` query heads sharing `n_kv_heads` key/value heads.
+#[derive(Module, Debug)]
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        let hidden = config.hidden_size;
+        let head_dim = config.head_dim();
+        let (n_heads, n_kv_heads) = (config.num_attention_heads, config.num_kv_heads());
+        let qkv_bias = config.qkv_bias();
+        let proj = |d_in, d_out, bias| LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
+        Self {
+            q_proj: proj(hidden, n_heads * head_dim, qkv_bias),
+            k_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
+            v_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
+            o_proj: proj(n_heads * head_dim, hidden, config.o_bias()),
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        }
+    }
+
+    /// `x: [batch, seq, hidden]` → `[batch, seq, hidden]`.
+    ///
+    /// `mask` (`[batch, 1, seq, keys]`, `true` = masked out) is needed only when keys must be
+    /// hidden beyond causality (left padding); without it attention is causal, aligned to the
+    /// last key, which is exact for right-padded batches and for decoding with a cache.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        positions: &Tensor<2, Int>,
+        rope: &Rope,
+        mask: Option<&Tensor<4, Bool>>,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        let [batch, seq, _] = x.dims();
+        let heads = |proj: &Linear, n: usize| {
+            proj.forward(x.clone())
+                .reshape([batch, seq, n, self.head_dim])
+                .swap_dims(1, 2)
+        };
+        let q = rope.apply(heads(&self.q_proj, self.n_heads), positions);
+        let k = rope.apply(heads(&self.k_proj, self.n_kv_heads), positions);
+        let v = heads(&self.v_proj, self.n_kv_heads);
+        let (k, v) = match cache {
+            Some(cache) => cache.append(k, v),
+            None => (k, v),
+        };
+        let out = self.attend(q, k, v, mask);
+        let out = out.swap_dims(1, 2).reshape([batch, seq, self.n_heads * self.head_dim]);
+        self.o_proj.forward(out)
+    }
+
+    fn attend(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Option<&Tensor<4, Bool>>) -> Tensor<4> {
+        let [batch, _, seq, _] = q.dims();
+        let keys = k.dims()[2];
+        let options = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: mask.is_none(),
+        };
+        // The fused CPU kernel shares KV heads itself and broadcasts the mask; autodiff runs
+        // the generic fallback, which needs both materialised to full size.
+        let (k, v, mask) = if q.is_autodiff() {
+            let full = [batch, self.n_heads, seq, keys];
+            (
+                self.repeat_kv(k),
+                self.repeat_kv(v),
+                mask.map(|m| m.clone().expand(full)),
+            )
+        } else {
+            (k, v, mask.cloned())
+        };
+        attention(q, k, v, mask, None, options)
+    }
+
+    /// `[b, kv_heads, s, d]` → `[b, heads, s, d]`, each KV head serving consecutive query heads.
+    fn repeat_kv(&self, x: Tensor<4>) -> Tensor<4> {
+        let groups = self.n_heads / self.n_kv_heads;
+        if groups == 1 {
+            return x;
+        }
+        let [b, kv, s, d] = x.dims();
+        x.unsqueeze_dim::<5>(2)
+            .expand([b, kv, groups, s, d])
+            .reshape([b, kv * groups, s, d])
+    }
+}

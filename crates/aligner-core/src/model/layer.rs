@@ -1,0 +1,78 @@
+//! One pre-norm decoder block: attention and a SwiGLU MLP, each with a residual.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use burn::tensor::activation::silu;
+use burn::tensor::{Bool, Device, Int, Tensor};
+
+use super::attention::Attention;
+use super::cache::LayerCache;
+use super::rope::Rope;
+use crate::config::LlamaConfig;
+
+/// `down(silu(gate(x)) ⊙ up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        let (h, f, bias) = (config.hidden_size, config.intermediate_size, config.mlp_bias());
+        let proj = |d_in, d_out| LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
+        Self {
+            gate_proj: proj(h, f),
+            up_proj: proj(h, f),
+            down_proj: proj(f, h),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let gate = silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}
+
+/// `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    pub input_layernorm: RmsNorm,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: Mlp,
+}
+
+/// An HF-style RMSNorm (`x · rsqrt(mean(x²) + ε) · w`) of width `d`.
+pub fn rms_norm(d: usize, eps: f64, device: &Device) -> RmsNorm {
+    RmsNormConfig::new(d).with_epsilon(eps).init(device)
+}
+
+impl DecoderLayer {
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        let norm = || rms_norm(config.hidden_size, config.rms_norm_eps, device);
+        Self {
+            input_layernorm: norm(),
+            self_attn: Attention::new(config, device),
+            post_attention_layernorm: norm(),
+            mlp: Mlp::new(config, device),
+        }
+    }
+
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        positions: &Tensor<2, Int>,
+        rope: &Rope,
+        mask: Option<&Tensor<4, Bool>>,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        let attn = self
+            .self_attn
+            .forward(self.input_layernorm.forward(x.clone()), positions, rope, mask, cache);
+        let x = x + attn;
+        let mlp = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()));
+        x + mlp
+    }
+}

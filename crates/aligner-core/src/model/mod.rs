@@ -1,0 +1,167 @@
+//! The Llama-family decoder: a trunk that maps tokens to hidden states, and heads on top.
+//!
+//! The trunk ([`LlamaModel`]) is shared by every head: the language-model head of
+//! [`CausalLm`] now, scalar value/reward and multi-attribute regression heads later. Weights
+//! live in Burn's layout (`Linear` weights are `[in, out]`); checkpoint I/O converts to and
+//! from Hugging Face's `[out, in]` exactly (a transpose).
+
+mod attention;
+mod cache;
+mod layer;
+mod rope;
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+pub use attention::Attention;
+pub use cache::{KvCache, LayerCache};
+pub use layer::{DecoderLayer, Mlp};
+pub use rope::{Rope, inverse_frequencies};
+
+use crate::config::LlamaConfig;
+use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
+
+/// Token embeddings, decoder layers and the final norm: tokens → hidden states.
+#[derive(Module, Debug)]
+pub struct LlamaModel {
+    pub embed_tokens: Embedding,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    pub rope: Rope,
+}
+
+impl LlamaModel {
+    /// A randomly initialised trunk (weights are replaced when loading a checkpoint).
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        Self {
+            embed_tokens: EmbeddingConfig::new(config.vocab_size, config.hidden_size).init(device),
+            layers: (0..config.num_hidden_layers)
+                .map(|_| DecoderLayer::new(config, device))
+                .collect(),
+            norm: layer::rms_norm(config.hidden_size, config.rms_norm_eps, device),
+            rope: Rope::new(config, device),
+        }
+    }
+
+    /// Final hidden states `[batch, seq, hidden]` of `tokens: [batch, seq]` at `positions`.
+    ///
+    /// With a cache, `tokens` continue the cached sequence and their keys/values are appended.
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, Bool>>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Tensor<3> {
+        let mut x = self.embed_tokens.forward(tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            x = layer.forward(x, positions, &self.rope, mask, layer_cache);
+        }
+        self.norm.forward(x)
+    }
+}
+
+/// A decoder with a language-model head (`LlamaForCausalLM`).
+#[derive(Module, Debug)]
+pub struct CausalLm {
+    pub model: LlamaModel,
+    /// `None` when the output embeddings are tied to the input embeddings.
+    pub lm_head: Option<Linear>,
+}
+
+impl CausalLm {
+    /// A randomly initialised model for `config`.
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        let lm_head = (!config.tied_embeddings()).then(|| {
+            LinearConfig::new(config.hidden_size, config.vocab_size)
+                .with_bias(false)
+                .init(device)
+        });
+        Self {
+            model: LlamaModel::new(config, device),
+            lm_head,
+        }
+    }
+
+    /// The output projection `[hidden, vocab]` (the transposed embeddings when tied).
+    pub fn output_weight(&self) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.model.embed_tokens.weight.val().transpose(),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` of hidden states.
+    pub fn logits_from_hidden(&self, hidden: Tensor<3>) -> Tensor<3> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => hidden.matmul(self.output_weight().unsqueeze()),
+        }
+    }
+
+    /// Logits of right-padded (or unpadded) `tokens: [batch, seq]` at positions `0..seq`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let positions = default_positions(&tokens);
+        let hidden = self.model.forward(tokens, &positions, None, None);
+        self.logits_from_hidden(hidden)
+    }
+
+    /// Per-token log-probabilities `[batch, seq - 1]`: entry `t` is `log p(tokens[t+1] | ..=t)`.
+    ///
+    /// Computed from hidden states in chunks, so `[batch, seq, vocab]` logits never exist at
+    /// once. Differentiable. Positions after a sequence's end (right padding) are computed but
+    /// meaningless; callers mask them.
+    pub fn token_logprobs(&self, tokens: Tensor<2, Int>) -> Tensor<2> {
+        let [batch, seq] = tokens.dims();
+        let positions = default_positions(&tokens);
+        let hidden = self.model.forward(tokens.clone(), &positions, None, None);
+        let [_, _, d] = hidden.dims();
+        let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
+        let targets = tokens.narrow(1, 1, seq - 1);
+        token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
+    }
+}
+
+/// Positions `0..seq` for every row of `tokens: [batch, seq]`.
+pub fn default_positions(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
+    let [batch, seq] = tokens.dims();
+    Tensor::<1, Int>::arange(0..seq as i64, &tokens.device())
+        .unsqueeze_dim::<2>(0)
+        .expand([batch, seq])
+}
+
+/// Positions and attention mask for left-padded rows.
+///
+/// `valid[b][t]` says whether key `t` of row `b` is a real token. Positions count real tokens
+/// only (HF's `cumsum(mask) - 1`, pads at 0). The mask (`true` = hidden) is
+/// `[batch, 1, queries, keys]` for the last `queries` of `keys` positions: padding keys and
+/// future keys are hidden.
+pub fn left_padded_layout(valid: &[Vec<bool>], queries: usize, device: &Device) -> (Tensor<2, Int>, Tensor<4, Bool>) {
+    let batch = valid.len();
+    let keys = valid.first().map_or(0, Vec::len);
+    let mut positions = Vec::with_capacity(batch * queries);
+    let mut mask = Vec::with_capacity(batch * queries * keys);
+    for row in valid {
+        let mut pos = Vec::with_capacity(keys);
+        let mut count = 0i64;
+        for &v in row {
+            pos.push(if v { count } else { 0 });
+            count += v as i64;
+        }
+        positions.extend_from_slice(&pos[keys - queries..]);
+        for q in keys - queries..keys {
+            mask.extend((0..keys).map(|k| k > q || !row[k]));
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(positions, [batch, queries]), device),
+        Tensor::from_data(TensorData::new(mask, [batch, 1, queries, keys]), device),
+    )
+}
+
+/// The trainable parameter count of any module.
+pub fn parameter_count<M: Module>(module: &M) -> usize {
+    module.num_params()
+}

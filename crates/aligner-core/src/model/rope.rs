@@ -1,0 +1,172 @@
+//! Rotary position embeddings exactly as Hugging Face applies them: `rotate_half` layout
+//! (the two halves of each head are the real and imaginary parts), with `rope_theta` and
+//! Llama-3 / linear frequency scaling.
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::config::{LlamaConfig, RopeScaling};
+
+/// Precomputed `cos` and `sin` tables `[max_positions, head_dim]`.
+#[derive(Module, Debug)]
+pub struct Rope {
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+    max_positions: usize,
+}
+
+/// Inverse frequencies `1 / theta^(2i/d)` in float32, as transformers computes them, after
+/// the configured scaling.
+pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f32> {
+    let base = theta as f32;
+    let plain: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    match *scaling {
+        RopeScaling::Default => plain,
+        RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old_len = original_max_position_embeddings as f32;
+            let (factor, low, high) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+            let low_freq_wavelen = old_len / low;
+            let high_freq_wavelen = old_len / high;
+            plain
+                .iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_freq_wavelen {
+                        f
+                    } else if wavelen > low_freq_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old_len / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl Rope {
+    /// Tables for every position below `max_position_embeddings`.
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        let head_dim = config.head_dim();
+        let theta = config.rope_theta_value().unwrap_or(10000.0);
+        let scaling = config.rope_scaling_kind().unwrap_or(RopeScaling::Default);
+        let inv_freq = inverse_frequencies(head_dim, theta, &scaling);
+        let max_positions = config.max_position_embeddings.max(1);
+        let mut cos = Vec::with_capacity(max_positions * head_dim);
+        let mut sin = Vec::with_capacity(max_positions * head_dim);
+        for pos in 0..max_positions {
+            // The angle is a float32 product, like transformers' float32 matmul of position and
+            // frequency; cos/sin of that angle are then exact.
+            let angles: Vec<f32> = inv_freq.iter().map(|f| pos as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|&a| (a as f64).cos() as f32));
+                sin.extend(angles.iter().map(|&a| (a as f64).sin() as f32));
+            }
+        }
+        let shape = [max_positions, head_dim];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            max_positions,
+        }
+    }
+
+    /// Positions the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Rotates `x: [batch, heads, seq, head_dim]` by `positions: [batch, seq]`.
+    pub fn apply(&self, x: Tensor<4>, positions: &Tensor<2, Int>) -> Tensor<4> {
+        let (cos, sin) = self.tables_for(positions);
+        let [_, _, _, head_dim] = x.dims();
+        let half = head_dim / 2;
+        let first = x.clone().narrow(3, 0, half);
+        let second = x.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![second.neg(), first], 3);
+        x * cos + rotated * sin
+    }
+
+    /// `cos` and `sin` gathered for `positions`, shaped `[batch, 1, seq, head_dim]`.
+    fn tables_for(&self, positions: &Tensor<2, Int>) -> (Tensor<4>, Tensor<4>) {
+        let [batch, seq] = positions.dims();
+        let [_, head_dim] = self.cos.dims();
+        let flat = positions.clone().reshape([batch * seq]);
+        let gather = |table: &Tensor<2>| {
+            table
+                .clone()
+                .select(0, flat.clone())
+                .reshape([batch, 1, seq, head_dim])
+        };
+        (gather(&self.cos), gather(&self.sin))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_matches_transformers_formula() {
+        // Values computed with transformers' `_compute_llama3_parameters` for head_dim 8,
+        // theta 500000, factor 8, low 1, high 4, original 8192 — checked by hand here:
+        // the highest frequency (wavelength 2π) is untouched, the lowest is divided by 8.
+        let scaling = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let plain = inverse_frequencies(8, 500000.0, &RopeScaling::Default);
+        let scaled = inverse_frequencies(8, 500000.0, &scaling);
+        assert_eq!(plain[0], 1.0);
+        assert_eq!(scaled[0], 1.0);
+        // wavelength of plain[3] = 2π / 500000^(-0.75) ≈ 117k > 8192 → low frequency, ÷ 8.
+        assert!((scaled[3] - plain[3] / 8.0).abs() < 1e-12);
+        // plain[2] = 500000^-0.5 ≈ 1.414e-3 → wavelength ≈ 4443, between 2048 and 8192: smoothed.
+        let wavelen = 2.0 * std::f32::consts::PI / plain[2];
+        let smooth = (8192.0 / wavelen - 1.0) / 3.0;
+        let expected = (1.0 - smooth) * plain[2] / 8.0 + smooth * plain[2];
+        assert!((scaled[2] - expected).abs() < 1e-9);
+        assert!(scaled[2] < plain[2] && scaled[2] > plain[2] / 8.0);
+    }
+
+    #[test]
+    fn linear_scaling_divides_every_frequency() {
+        let plain = inverse_frequencies(16, 10000.0, &RopeScaling::Default);
+        let scaled = inverse_frequencies(16, 10000.0, &RopeScaling::Linear { factor: 4.0 });
+        for (p, s) in plain.iter().zip(&scaled) {
+            assert!((p / 4.0 - s).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn position_zero_is_identity_and_rotation_keeps_norm() {
+        let device = Device::flex();
+        let config = LlamaConfig::llama(10, 16, 1, 2, 2, 8);
+        let rope = Rope::new(&config, &device);
+        let x = Tensor::<4>::from_data(
+            TensorData::new((0..32).map(|v| v as f32 / 7.0).collect::<Vec<_>>(), [1, 1, 4, 8]),
+            &device,
+        );
+        let positions = Tensor::<2, Int>::from_ints([[0, 1, 2, 300]], &device);
+        let y = rope.apply(x.clone(), &positions);
+        let x0: Vec<f32> = x.clone().narrow(2, 0, 1).into_data().try_to_vec().unwrap();
+        let y0: Vec<f32> = y.clone().narrow(2, 0, 1).into_data().try_to_vec().unwrap();
+        assert_eq!(x0, y0);
+        let nx: Vec<f32> = x.square().sum_dim(3).into_data().try_to_vec().unwrap();
+        let ny: Vec<f32> = y.square().sum_dim(3).into_data().try_to_vec().unwrap();
+        for (a, b) in nx.iter().zip(&ny) {
+            assert!((a - b).abs() < 1e-4 * a.max(1.0));
+        }
+    }
+}

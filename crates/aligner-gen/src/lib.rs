@@ -1,0 +1,1 @@
+//! aligner-gen
