@@ -69,3 +69,19 @@ impl KvCache {
         self.layers.first().map_or(0, |l| l.keys.dims()[2])
     }
 }
+
+impl KvCache {
+    /// Keeps only the batch rows `rows` (in that order), dropping finished sequences.
+    pub fn retain_rows(&mut self, rows: &[usize]) {
+        let Some(first) = self.layers.first() else { return };
+        let device = first.keys.device();
+        let index = Tensor::<1, burn::tensor::Int>::from_data(
+            burn::tensor::TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
+            &device,
+        );
+        for layer in &mut self.layers {
+            layer.keys = layer.keys.clone().select(0, index.clone());
+            layer.values = layer.values.clone().select(0, index.clone());
+        }
+    }
+}

@@ -152,7 +152,9 @@ pub fn left_padded_layout(valid: &[Vec<bool>], queries: usize, device: &Device) 
         }
         positions.extend_from_slice(&pos[keys - queries..]);
         for q in keys - queries..keys {
-            mask.extend((0..keys).map(|k| k > q || !row[k]));
+            // A padding query keeps its own key, so no row is fully masked (which would
+            // give NaN in some kernels and poison the cache through its values).
+            mask.extend((0..keys).map(|k| k > q || (!row[k] && k != q)));
         }
     }
     (

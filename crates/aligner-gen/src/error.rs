@@ -1,0 +1,17 @@
+//! The error type of aligner-gen.
+
+/// What can go wrong generating.
+#[derive(Debug, thiserror::Error)]
+pub enum GenError {
+    #[error("prompt {0} is empty (it needs at least a BOS token)")]
+    EmptyPrompt(usize),
+    #[error("a prompt of {tokens} tokens leaves no room in the model's context of {max}")]
+    PromptTooLong { tokens: usize, max: usize },
+    #[error("stop strings need a tokenizer to decode the response")]
+    StopStringsNeedTokenizer,
+    #[error(transparent)]
+    Core(#[from] aligner_core::CoreError),
+}
+
+/// Result alias for aligner-gen.
+pub type Result<T, E = GenError> = std::result::Result<T, E>;

@@ -1,0 +1,198 @@
+//! Choosing the next token from logits: greedy, temperature, top-k and top-p, in the order
+//! transformers applies them.
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+/// How one request samples.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 = off.
+    pub top_p: f32,
+    /// Seed of this request's own random stream, so its sample does not depend on what else
+    /// is in the batch.
+    pub seed: u64,
+    pub max_new_tokens: usize,
+    /// Generation stops once the decoded response contains one of these.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            max_new_tokens: 128,
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of `max_new_tokens`.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        Self {
+            temperature: 0.0,
+            max_new_tokens,
+            ..Self::default()
+        }
+    }
+}
+
+/// `log softmax(logits)[token]`, in f64 for accuracy.
+pub fn log_prob(logits: &[f32], token: usize) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    (logits[token] as f64 - max - sum.ln()) as f32
+}
+
+/// Index of the largest logit (the first one on ties, like `argmax`).
+pub fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Probabilities after temperature, top-k and top-p filtering (zero for removed tokens).
+pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
+    let t = params.temperature.max(f32::MIN_POSITIVE) as f64;
+    let mut scores: Vec<f64> = logits.iter().map(|&l| l as f64 / t).collect();
+    if params.top_k > 0 && params.top_k < scores.len() {
+        let mut sorted = scores.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[params.top_k - 1];
+        for s in scores.iter_mut().filter(|s| **s < kth) {
+            *s = f64::NEG_INFINITY;
+        }
+    }
+    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut probs: Vec<f64> = scores.iter().map(|&s| (s - max).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if params.top_p < 1.0 {
+        // Remove the least likely tokens whose cumulative mass is at most 1 - top_p, as
+        // transformers' TopPLogitsWarper does; the most likely token always stays.
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        order.sort_by(|&a, &b| probs[a].total_cmp(&probs[b]));
+        let mut cumulative = 0.0;
+        let cut = 1.0 - params.top_p as f64;
+        for &i in &order[..order.len() - 1] {
+            cumulative += probs[i];
+            if cumulative > cut {
+                break;
+            }
+            probs[i] = 0.0;
+        }
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+    }
+    probs
+}
+
+/// The next token and its log-prob under the model's own distribution (before temperature
+/// and filtering — the quantity a trainer recomputes).
+pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> (usize, f32) {
+    let token = if params.temperature <= 0.0 {
+        argmax(logits)
+    } else {
+        let probs = filtered_probs(logits, params);
+        let u: f64 = rng.random();
+        let mut cumulative = 0.0;
+        let mut chosen = argmax(logits);
+        for (i, p) in probs.iter().enumerate() {
+            if *p == 0.0 {
+                continue;
+            }
+            cumulative += p;
+            chosen = i;
+            if u < cumulative {
+                break;
+            }
+        }
+        chosen
+    };
+    (token, log_prob(logits, token))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn log_prob_is_log_softmax() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((log_prob(&logits, 2) as f64 - (3.0 - z.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        let params = SamplingParams::greedy(1);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(sample(&[0.0, 5.0, 5.0, 1.0], &params, &mut rng).0, 1);
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_largest() {
+        let params = SamplingParams {
+            top_k: 2,
+            ..SamplingParams::default()
+        };
+        let probs = filtered_probs(&[1.0, 3.0, 2.0, 0.0], &params);
+        assert_eq!(probs[0], 0.0);
+        assert_eq!(probs[3], 0.0);
+        let e = 1f64.exp();
+        assert!((probs[1] - e / (e + 1.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.75 keeps {0.5, 0.3} (0.8 ≥ 0.75).
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let params = SamplingParams {
+            top_p: 0.75,
+            ..SamplingParams::default()
+        };
+        let probs = filtered_probs(&logits, &params);
+        assert!((probs[0] - 0.625).abs() < 1e-6 && (probs[1] - 0.375).abs() < 1e-6);
+        assert_eq!(&probs[2..], &[0.0, 0.0]);
+        // A tiny top_p still keeps the most likely token.
+        let only = filtered_probs(&logits, &SamplingParams { top_p: 0.01, ..params });
+        assert_eq!(only, vec![1.0, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn temperature_sharpens_and_sampling_follows_the_distribution() {
+        let logits = [0.0f32, (3.0f32).ln()];
+        let params = SamplingParams::default();
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let ones = (0..4000).filter(|_| sample(&logits, &params, &mut rng).0 == 1).count();
+        assert!((ones as f64 / 4000.0 - 0.75).abs() < 0.03, "{ones}");
+        let cold = filtered_probs(&logits, &SamplingParams { temperature: 0.5, ..params });
+        assert!((cold[1] - 0.9).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_reported_logprob_ignores_temperature() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let params = SamplingParams {
+            temperature: 0.3,
+            ..SamplingParams::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (token, lp) = sample(&logits, &params, &mut rng);
+        assert_eq!(lp, log_prob(&logits, token));
+    }
+}
