@@ -1,1 +1,94 @@
-fn main() {}
+//! `aligner`: the command line of the aligner toolkit.
+
+mod bench;
+mod convert;
+mod generate;
+mod score;
+
+use anyhow::{Result, bail};
+use burn::tensor::Device;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "aligner", version, about = "Align language models with human preferences")]
+struct Cli {
+    /// Compute device: `cpu`, or `cuda` / `cuda:N` in builds with the `cuda` feature.
+    #[arg(long, global = true, default_value = "cpu")]
+    device: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate responses to prompts.
+    Generate(generate::GenerateArgs),
+    /// Sequence log-probs of responses given prompts.
+    Score(score::ScoreArgs),
+    /// Convert checkpoints from other formats into Hugging Face folders.
+    #[command(subcommand)]
+    Convert(convert::ConvertCommand),
+    /// Benchmarks that print a table.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" | "flex" => Ok(Device::flex()),
+        #[cfg(feature = "cuda")]
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
+            let index: usize = cuda.strip_prefix("cuda:").map(str::parse).transpose()?.unwrap_or(0);
+            Ok(Device::cuda(index))
+        }
+        other => bail!("unknown device {other:?} (this build has: cpu{})", if cfg!(feature = "cuda") { ", cuda" } else { "" }),
+    }
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let device = device(&cli.device)?;
+    match cli.command {
+        Command::Generate(args) => generate::run(args, &device),
+        Command::Score(args) => score::run(args, &device),
+        Command::Convert(cmd) => convert::run(cmd),
+        Command::Bench(cmd) => bench::run(cmd, &device),
+    }
+}
+
+/// The model folder to use: the given one or the shipped default.
+fn model_dir(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+    Ok(match given {
+        Some(dir) => dir,
+        None => aligner_core::default_model_dir()?,
+    })
+}
+
+/// A progress bar on stderr with the given template.
+fn progress(len: u64, template: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// Writes JSON lines to `out` (through a temporary file and a rename) or to stdout.
+fn write_jsonl(out: Option<&std::path::Path>, rows: &[serde_json::Value]) -> Result<()> {
+    let mut text = String::new();
+    for row in rows {
+        text.push_str(&serde_json::to_string(row)?);
+        text.push('\n');
+    }
+    match out {
+        Some(path) => aligner_core::checkpoint::write_atomic(path, text.as_bytes())?,
+        None => print!("{text}"),
+    }
+    Ok(())
+}

@@ -39,6 +39,8 @@ pub enum CoreError {
     ChatTemplate(String),
     #[error("{path}: {message}")]
     Llama2c { path: PathBuf, message: String },
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
     #[error("{0}")]
     Invalid(String),
 }

@@ -7,13 +7,14 @@
 //! ```no_run
 //! use aligner_core::{Device, LoadedModel};
 //! let device = Device::flex();
-//! let lm = LoadedModel::from_dir("assets/stories260K".as_ref(), &device).unwrap();
+//! let lm = LoadedModel::from_dir(&aligner_core::default_model_dir().unwrap(), &device).unwrap();
 //! let ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
 //! println!("{} tokens, {} parameters", ids.len(), lm.parameter_count());
 //! ```
 
 pub mod checkpoint;
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod llama2c;
 pub mod model;
@@ -28,9 +29,33 @@ pub use error::{CoreError, Result};
 pub use model::CausalLm;
 pub use tokenizer::{ChatMessage, TextTokenizer};
 
-/// The folder of the shipped default model, inside the repository.
-pub fn default_model_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/stories260K")
+/// Files of the shipped default model (stories260K), embedded in every binary.
+const EMBEDDED_MODEL: &[(&str, &[u8])] = &[
+    ("config.json", include_bytes!("../../../assets/stories260K/config.json")),
+    ("generation_config.json", include_bytes!("../../../assets/stories260K/generation_config.json")),
+    ("model.safetensors", include_bytes!("../../../assets/stories260K/model.safetensors")),
+    ("special_tokens_map.json", include_bytes!("../../../assets/stories260K/special_tokens_map.json")),
+    ("tokenizer.json", include_bytes!("../../../assets/stories260K/tokenizer.json")),
+    ("tokenizer_config.json", include_bytes!("../../../assets/stories260K/tokenizer_config.json")),
+];
+
+/// The folder of the shipped default model: the repository's `assets/stories260K` when it is
+/// there, else the embedded copy written once to a folder under the system's temp dir.
+pub fn default_model_dir() -> Result<PathBuf> {
+    let in_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/stories260K");
+    if in_repo.join("model.safetensors").exists() {
+        return Ok(in_repo);
+    }
+    let dir = std::env::temp_dir().join(concat!("aligner-stories260K-", env!("CARGO_PKG_VERSION")));
+    std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+    for (name, bytes) in EMBEDDED_MODEL {
+        let path = dir.join(name);
+        let fresh = std::fs::read(&path).map(|b| b == *bytes).unwrap_or(false);
+        if !fresh {
+            checkpoint::write_atomic(&path, bytes)?;
+        }
+    }
+    Ok(dir)
 }
 
 /// A model folder loaded into memory: configuration, weights and tokenizer.

@@ -8,7 +8,7 @@
 //! ```no_run
 //! use aligner_core::{Device, LoadedModel};
 //! use aligner_gen::{GenerationRequest, Generator, SamplingParams};
-//! let lm = LoadedModel::from_dir(&aligner_core::default_model_dir(), &Device::flex()).unwrap();
+//! let lm = LoadedModel::from_dir(&aligner_core::default_model_dir().unwrap(), &Device::flex()).unwrap();
 //! let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
 //! let request = GenerationRequest { prompt_ids, params: SamplingParams::greedy(32) };
 //! let out = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer)).generate(&[request]).unwrap();

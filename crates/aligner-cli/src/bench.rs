@@ -1,0 +1,121 @@
+//! `aligner bench`: speed tables on the shipped model and a random ~16M-parameter Llama.
+
+use std::time::Instant;
+
+use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, model::parameter_count};
+use aligner_gen::{GenerationRequest, Generator, SamplingParams};
+use anyhow::Result;
+use burn::tensor::{Distribution, Int, Tensor};
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Forward-pass tokens/s (batch × seq tokens per pass).
+    Forward {
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Timed passes after one warm-up pass.
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+    },
+    /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
+    Generate {
+        #[arg(long, default_value_t = 64)]
+        prompts: usize,
+        #[arg(long, default_value_t = 128)]
+        new_tokens: usize,
+        #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+        batch_sizes: Vec<usize>,
+    },
+}
+
+/// The ~16M-parameter Llama of the benchmarks: hidden 256, 4 layers, 4 heads, 2 KV heads,
+/// FFN 688, GPT-2's vocabulary of 50257, tied embeddings.
+pub fn random_16m_config() -> LlamaConfig {
+    let mut config = LlamaConfig::llama(50257, 256, 4, 4, 2, 688);
+    config.tie_word_embeddings = Some(true);
+    config
+}
+
+fn models(device: &Device) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
+    let shipped = LoadedModel::from_dir(&aligner_core::default_model_dir()?, device)?;
+    let config = random_16m_config();
+    device.seed(0);
+    let random = CausalLm::new(&config, device);
+    Ok(vec![
+        ("stories260K".into(), shipped.config, shipped.model),
+        ("random-16M".into(), config, random),
+    ])
+}
+
+pub fn run(cmd: BenchCommand, device: &Device) -> Result<()> {
+    match cmd {
+        BenchCommand::Forward { batch, seq, iters } => forward(device, batch, seq, iters),
+        BenchCommand::Generate {
+            prompts,
+            new_tokens,
+            batch_sizes,
+        } => generate(device, prompts, new_tokens, &batch_sizes),
+    }
+}
+
+fn forward(device: &Device, batch: usize, seq: usize, iters: usize) -> Result<()> {
+    println!("| model | params | batch × seq | ms / forward | tokens/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, config, model) in models(device)? {
+        let tokens = Tensor::<2, Int>::random([batch, seq], Distribution::Uniform(0.0, config.vocab_size as f64), device);
+        let pass = || -> Result<()> {
+            model.forward(tokens.clone()).into_data().try_to_vec::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            Ok(())
+        };
+        pass()?;
+        let start = Instant::now();
+        for _ in 0..iters.max(1) {
+            pass()?;
+        }
+        let per = start.elapsed().as_secs_f64() / iters.max(1) as f64;
+        println!(
+            "| {name} | {} | {batch} × {seq} | {:.1} | {:.0} |",
+            parameter_count(&model),
+            per * 1e3,
+            (batch * seq) as f64 / per
+        );
+    }
+    Ok(())
+}
+
+fn generate(device: &Device, prompts: usize, new_tokens: usize, batch_sizes: &[usize]) -> Result<()> {
+    println!("| model | batch | prompts × new tokens | seconds | tokens/s | ms / token / sequence |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (name, config, model) in models(device)? {
+        // Fixed 8-token prompts of arbitrary ids; EOS is ignored so every sequence runs to length.
+        let requests: Vec<GenerationRequest> = (0..prompts)
+            .map(|i| GenerationRequest {
+                prompt_ids: (0..8).map(|t| 1 + ((i * 31 + t * 17) % (config.vocab_size - 1)) as u32).collect(),
+                params: SamplingParams {
+                    seed: i as u64,
+                    max_new_tokens: new_tokens,
+                    ..SamplingParams::default()
+                },
+            })
+            .collect();
+        let generator = Generator::new(&model, &config, None).with_eos_ids(vec![]);
+        for &batch in batch_sizes {
+            let start = Instant::now();
+            let mut tokens = 0;
+            for chunk in requests.chunks(batch.max(1)) {
+                tokens += generator.generate(chunk)?.iter().map(|g| g.token_ids.len()).sum::<usize>();
+            }
+            let secs = start.elapsed().as_secs_f64();
+            let steps = prompts.div_ceil(batch.max(1)) * new_tokens;
+            println!(
+                "| {name} | {batch} | {prompts} × {new_tokens} | {secs:.2} | {:.0} | {:.2} |",
+                tokens as f64 / secs,
+                secs / steps as f64 * 1e3
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! `aligner generate`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use aligner_core::data::{Prompt, PromptRow, read_jsonl};
+use aligner_core::{Device, LoadedModel};
+use aligner_gen::{GenerationRequest, Generator, SamplingParams};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde_json::json;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// HF model folder (default: the shipped stories260K).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// One prompt.
+    #[arg(long, conflicts_with = "prompts")]
+    prompt: Option<String>,
+    /// JSON Lines file of {"prompt": ...}.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Prompt i samples with seed + i, so its output does not depend on the batch.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop once the response contains this text (repeatable).
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+    /// Prompts generated together.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// JSON Lines output, one line per prompt in input order; stdout text otherwise.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
+    let dir = crate::model_dir(args.model.clone())?;
+    let lm = LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let prompts: Vec<Prompt> = match (&args.prompt, &args.prompts) {
+        (Some(text), None) => vec![Prompt::Text(text.clone())],
+        (None, Some(path)) => read_jsonl::<PromptRow>(path)?.into_iter().map(|r| r.prompt).collect(),
+        (None, None) => bail!("give --prompt TEXT or --prompts FILE.jsonl"),
+        (Some(_), Some(_)) => unreachable!("clap rejects both"),
+    };
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let texts: Vec<String> = prompts.iter().map(|p| p.render(&lm.tokenizer)).collect::<Result<_, _>>()?;
+    let requests: Vec<GenerationRequest> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            Ok(GenerationRequest {
+                prompt_ids: lm.tokenizer.encode(text, true)?,
+                params: SamplingParams {
+                    temperature: args.temperature,
+                    top_k: args.top_k,
+                    top_p: args.top_p,
+                    seed: args.seed.wrapping_add(i as u64),
+                    max_new_tokens: args.max_new_tokens,
+                    stop_strings: args.stop.clone(),
+                },
+            })
+        })
+        .collect::<Result<_>>()?;
+
+    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
+    let bar = crate::progress(requests.len() as u64, "{bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]");
+    let start = Instant::now();
+    let mut generated_tokens = 0usize;
+    let mut outputs = Vec::with_capacity(requests.len());
+    for batch in requests.chunks(args.batch_size) {
+        let out = generator.generate(batch)?;
+        generated_tokens += out.iter().map(|g| g.token_ids.len()).sum::<usize>();
+        bar.inc(batch.len() as u64);
+        bar.set_message(format!("{:.0} tokens/s", generated_tokens as f64 / start.elapsed().as_secs_f64()));
+        outputs.extend(out);
+    }
+    bar.finish_and_clear();
+    tracing::info!(
+        prompts = outputs.len(),
+        tokens = generated_tokens,
+        tokens_per_s = format!("{:.0}", generated_tokens as f64 / start.elapsed().as_secs_f64()),
+        "generated"
+    );
+
+    let mut rows = Vec::with_capacity(outputs.len());
+    for ((prompt, text), out) in prompts.iter().zip(&texts).zip(&outputs) {
+        let response = lm.tokenizer.decode(&out.token_ids, true)?;
+        match &args.out {
+            Some(_) => rows.push(json!({
+                "prompt": prompt,
+                "response": response,
+                "token_ids": out.token_ids,
+                "token_logprobs": out.token_logprobs,
+                "stop_reason": out.stop_reason,
+            })),
+            None => println!("{text}{response}\n"),
+        }
+    }
+    if let Some(path) = &args.out {
+        crate::write_jsonl(Some(path), &rows)?;
+    }
+    Ok(())
+}
