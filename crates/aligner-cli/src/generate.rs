@@ -97,8 +97,8 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     );
 
     let mut rows = Vec::with_capacity(outputs.len());
-    for ((prompt, text), out) in prompts.iter().zip(&texts).zip(&outputs) {
-        let response = lm.tokenizer.decode(&out.token_ids, true)?;
+    for (((prompt, text), request), out) in prompts.iter().zip(&texts).zip(&requests).zip(&outputs) {
+        let response = lm.tokenizer.decode_continuation(&request.prompt_ids, &out.token_ids)?;
         match &args.out {
             Some(_) => rows.push(json!({
                 "prompt": prompt,

@@ -137,6 +137,19 @@ impl TextTokenizer {
         })
     }
 
+    /// Text of `generated` as a continuation of `prompt`: `decode(prompt + generated)` less
+    /// `decode(prompt)`. Unlike decoding `generated` alone, this keeps the leading space that
+    /// SentencePiece decoders strip, so `prompt_text + continuation` re-encodes to the same ids.
+    pub fn decode_continuation(&self, prompt: &[u32], generated: &[u32]) -> Result<String> {
+        let all: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+        let full = self.decode(&all, true)?;
+        let prefix = self.decode(prompt, true)?;
+        match full.strip_prefix(&prefix) {
+            Some(rest) => Ok(rest.to_string()),
+            None => self.decode(generated, true),
+        }
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -139,7 +139,7 @@ impl<'a> Generator<'a> {
                 seq.last = token as u32;
                 let stop = if self.eos_ids.contains(&(token as u32)) {
                     Some(StopReason::Eos)
-                } else if self.hit_stop_string(&seq.out.token_ids, &params.stop_strings)? {
+                } else if self.hit_stop_string(&requests[seq.request].prompt_ids, &seq.out.token_ids, &params.stop_strings)? {
                     Some(StopReason::StopString)
                 } else if seq.out.token_ids.len() >= params.max_new_tokens {
                     Some(StopReason::MaxTokens)
@@ -206,14 +206,14 @@ impl<'a> Generator<'a> {
             .expect("logits are f32")
     }
 
-    fn hit_stop_string(&self, ids: &[u32], stops: &[String]) -> Result<bool> {
+    fn hit_stop_string(&self, prompt: &[u32], ids: &[u32], stops: &[String]) -> Result<bool> {
         if stops.is_empty() {
             return Ok(false);
         }
         let Some(tokenizer) = self.tokenizer else {
             return Err(GenError::StopStringsNeedTokenizer);
         };
-        let text = tokenizer.decode(ids, true)?;
+        let text = tokenizer.decode_continuation(prompt, ids)?;
         Ok(stops.iter().any(|s| text.contains(s.as_str())))
     }
 }
