@@ -108,3 +108,32 @@ fn response_logprobs_match_transformers() {
         }
     }
 }
+
+/// Random models made and saved by transformers 5 (tools/hf_parity.py): Llama-3 rope scaling
+/// with positions past the original context, Qwen2 biases stored in bf16, and an explicit
+/// head_dim with attention and MLP biases.
+#[test]
+fn random_transformers_models_match_their_logits() {
+    for name in ["llama3_scaled", "qwen2_bias", "llama_head_dim"] {
+        let dir = repo().join("tests/reference/hf_random").join(name);
+        let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+        let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap()).unwrap();
+        let ids = ids(&expected["ids"]);
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
+            &Device::flex(),
+        );
+        let logits: Vec<f32> = model.forward(tokens).into_data().try_to_vec().unwrap();
+        let want: Vec<f32> = expected["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+            .collect();
+        assert_eq!(logits.len(), want.len(), "{name}");
+        let worst = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "{name}: max |logit difference| {worst}");
+    }
+}

@@ -4,10 +4,10 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Tensor};
 
 use super::cache::LayerCache;
-use super::rope::Rope;
+use super::rope::RotaryAngles;
 use crate::config::LlamaConfig;
 
 /// `softmax(QKᵀ/√d + mask)·V` over `n_heads` query heads sharing `n_kv_heads` key/value heads.
@@ -48,8 +48,7 @@ impl Attention {
     pub fn forward(
         &self,
         x: Tensor<3>,
-        positions: &Tensor<2, Int>,
-        rope: &Rope,
+        rope: &RotaryAngles,
         mask: Option<&Tensor<4, Bool>>,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
@@ -59,8 +58,8 @@ impl Attention {
                 .reshape([batch, seq, n, self.head_dim])
                 .swap_dims(1, 2)
         };
-        let q = rope.apply(heads(&self.q_proj, self.n_heads), positions);
-        let k = rope.apply(heads(&self.k_proj, self.n_kv_heads), positions);
+        let q = rope.apply(heads(&self.q_proj, self.n_heads));
+        let k = rope.apply(heads(&self.k_proj, self.n_kv_heads));
         let v = heads(&self.v_proj, self.n_kv_heads);
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v),

@@ -3,11 +3,11 @@
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::silu;
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Tensor};
 
 use super::attention::Attention;
 use super::cache::LayerCache;
-use super::rope::Rope;
+use super::rope::RotaryAngles;
 use crate::config::LlamaConfig;
 
 /// `down(silu(gate(x)) ⊙ up(x))`.
@@ -63,14 +63,13 @@ impl DecoderLayer {
     pub fn forward(
         &self,
         x: Tensor<3>,
-        positions: &Tensor<2, Int>,
-        rope: &Rope,
+        rope: &RotaryAngles,
         mask: Option<&Tensor<4, Bool>>,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let attn = self
             .self_attn
-            .forward(self.input_layernorm.forward(x.clone()), positions, rope, mask, cache);
+            .forward(self.input_layernorm.forward(x.clone()), rope, mask, cache);
         let x = x + attn;
         let mlp = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()));
         x + mlp

@@ -17,7 +17,7 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 pub use attention::Attention;
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
-pub use rope::{Rope, inverse_frequencies};
+pub use rope::{Rope, RotaryAngles, inverse_frequencies};
 
 use crate::config::LlamaConfig;
 use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
@@ -55,9 +55,10 @@ impl LlamaModel {
         mut cache: Option<&mut KvCache>,
     ) -> Tensor<3> {
         let mut x = self.embed_tokens.forward(tokens);
+        let angles = self.rope.angles(positions);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, positions, &self.rope, mask, layer_cache);
+            x = layer.forward(x, &angles, mask, layer_cache);
         }
         self.norm.forward(x)
     }

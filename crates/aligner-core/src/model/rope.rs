@@ -7,12 +7,19 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::config::{LlamaConfig, RopeScaling};
 
-/// Precomputed `cos` and `sin` tables `[max_positions, head_dim]`.
+/// The rotary inverse frequencies of a model; angles are computed per forward pass from the
+/// positions, as transformers does, so any position works.
 #[derive(Module, Debug)]
 pub struct Rope {
-    cos: Tensor<2>,
-    sin: Tensor<2>,
+    inv_freq: Tensor<1>,
     max_positions: usize,
+}
+
+/// `cos` and `sin` of the angles of one forward pass, `[batch, 1, seq, head_dim]`.
+#[derive(Debug, Clone)]
+pub struct RotaryAngles {
+    cos: Tensor<4>,
+    sin: Tensor<4>,
 }
 
 /// Inverse frequencies `1 / theta^(2i/d)` in float32, as transformers computes them, after
@@ -54,60 +61,46 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -
 }
 
 impl Rope {
-    /// Tables for every position below `max_position_embeddings`.
     pub fn new(config: &LlamaConfig, device: &Device) -> Self {
         let head_dim = config.head_dim();
         let theta = config.rope_theta_value().unwrap_or(10000.0);
         let scaling = config.rope_scaling_kind().unwrap_or(RopeScaling::Default);
         let inv_freq = inverse_frequencies(head_dim, theta, &scaling);
-        let max_positions = config.max_position_embeddings.max(1);
-        let mut cos = Vec::with_capacity(max_positions * head_dim);
-        let mut sin = Vec::with_capacity(max_positions * head_dim);
-        for pos in 0..max_positions {
-            // The angle is a float32 product, like transformers' float32 matmul of position and
-            // frequency; cos/sin of that angle are then exact.
-            let angles: Vec<f32> = inv_freq.iter().map(|f| pos as f32 * f).collect();
-            for _ in 0..2 {
-                cos.extend(angles.iter().map(|&a| (a as f64).cos() as f32));
-                sin.extend(angles.iter().map(|&a| (a as f64).sin() as f32));
-            }
-        }
-        let shape = [max_positions, head_dim];
         Self {
-            cos: Tensor::from_data(TensorData::new(cos, shape), device),
-            sin: Tensor::from_data(TensorData::new(sin, shape), device),
-            max_positions,
+            inv_freq: Tensor::from_data(TensorData::new(inv_freq, [head_dim / 2]), device),
+            max_positions: config.max_position_embeddings.max(1),
         }
     }
 
-    /// Positions the tables cover.
+    /// The model's `max_position_embeddings` (positions beyond it still work, as in HF).
     pub fn max_positions(&self) -> usize {
         self.max_positions
     }
 
-    /// Rotates `x: [batch, heads, seq, head_dim]` by `positions: [batch, seq]`.
-    pub fn apply(&self, x: Tensor<4>, positions: &Tensor<2, Int>) -> Tensor<4> {
-        let (cos, sin) = self.tables_for(positions);
+    /// Angles for `positions: [batch, seq]`: a float32 product of position and frequency, like
+    /// transformers' float32 matmul, then cos/sin of it.
+    pub fn angles(&self, positions: &Tensor<2, Int>) -> RotaryAngles {
+        let [batch, seq] = positions.dims();
+        let [half] = self.inv_freq.dims();
+        let pos = positions.clone().float().reshape([batch, 1, seq, 1]);
+        let freqs = pos * self.inv_freq.clone().reshape([1, 1, 1, half]);
+        let both = Tensor::cat(vec![freqs.clone(), freqs], 3);
+        RotaryAngles {
+            cos: both.clone().cos(),
+            sin: both.sin(),
+        }
+    }
+}
+
+impl RotaryAngles {
+    /// Rotates `x: [batch, heads, seq, head_dim]`: `x·cos + rotate_half(x)·sin`.
+    pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
         let [_, _, _, head_dim] = x.dims();
         let half = head_dim / 2;
         let first = x.clone().narrow(3, 0, half);
         let second = x.clone().narrow(3, half, half);
         let rotated = Tensor::cat(vec![second.neg(), first], 3);
-        x * cos + rotated * sin
-    }
-
-    /// `cos` and `sin` gathered for `positions`, shaped `[batch, 1, seq, head_dim]`.
-    fn tables_for(&self, positions: &Tensor<2, Int>) -> (Tensor<4>, Tensor<4>) {
-        let [batch, seq] = positions.dims();
-        let [_, head_dim] = self.cos.dims();
-        let flat = positions.clone().reshape([batch * seq]);
-        let gather = |table: &Tensor<2>| {
-            table
-                .clone()
-                .select(0, flat.clone())
-                .reshape([batch, 1, seq, head_dim])
-        };
-        (gather(&self.cos), gather(&self.sin))
+        x * self.cos.clone() + rotated * self.sin.clone()
     }
 }
 
@@ -159,7 +152,7 @@ mod tests {
             &device,
         );
         let positions = Tensor::<2, Int>::from_ints([[0, 1, 2, 300]], &device);
-        let y = rope.apply(x.clone(), &positions);
+        let y = rope.angles(&positions).apply(x.clone());
         let x0: Vec<f32> = x.clone().narrow(2, 0, 1).into_data().try_to_vec().unwrap();
         let y0: Vec<f32> = y.clone().narrow(2, 0, 1).into_data().try_to_vec().unwrap();
         assert_eq!(x0, y0);

@@ -1,0 +1,65 @@
+"""Cross-checks aligner against Hugging Face transformers (needs torch + transformers; not run in CI).
+
+  python3 tools/hf_parity.py fixtures OUT_DIR
+      Makes small random Llama-3-scaled, Qwen2 and GPT-2-vocabulary Llama models with transformers,
+      saves them (bf16 / f32 safetensors) and writes the transformers logits of fixed inputs to
+      OUT_DIR/<name>/expected_logits.json.
+  python3 tools/hf_parity.py load DIR [IDS_JSON]
+      Loads an aligner-saved folder with AutoModelForCausalLM / AutoModelForSequenceClassification,
+      fails on missing or unexpected keys, prints the logits of IDS as JSON.
+"""
+import json
+import sys
+
+import torch
+import transformers
+
+
+def fixtures(out):
+    torch.manual_seed(0)
+    specs = {
+        "llama3_scaled": transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 32}, rope_theta=500000.0, bos_token_id=1, eos_token_id=2),
+        "qwen2_bias": transformers.Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, rope_theta=1000000.0),
+        "llama_head_dim": transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=24, max_position_embeddings=64, attention_bias=True, mlp_bias=True),
+    }
+    ids = [[1, 5, 9, 33, 60, 2, 17, 80, 41, 3] * 7]
+    for name, config in specs.items():
+        config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.2)
+        dtype = torch.bfloat16 if name == "qwen2_bias" else torch.float32
+        model.to(dtype).save_pretrained(f"{out}/{name}")
+        model.float()
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/{name}", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = reloaded(torch.tensor(ids)).logits[0]
+        json.dump({"ids": ids[0], "logits": logits.tolist()}, open(f"{out}/{name}/expected_logits.json", "w"))
+        print(name, "saved", dtype)
+
+
+def load(path, ids_json=None):
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch = (config.architectures or ["LlamaForCausalLM"])[0]
+    cls = transformers.AutoModelForSequenceClassification if "SequenceClassification" in arch else transformers.AutoModelForCausalLM
+    model, info = cls.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        sys.exit(f"{path}: {bad}")
+    ids = json.loads(ids_json) if ids_json else [1, 403, 407, 261, 378]
+    with torch.no_grad():
+        out = model(torch.tensor([ids]))
+    print(json.dumps({"architecture": arch, "logits": out.logits[0].tolist()}))
+
+
+if __name__ == "__main__":
+    {"fixtures": fixtures, "load": load}[sys.argv[1]](*sys.argv[2:])
