@@ -65,9 +65,17 @@ fn forward(device: &Device, batch: usize, seq: usize, iters: usize) -> Result<()
     println!("| model | params | batch × seq | ms / forward | tokens/s |");
     println!("|---|---:|---:|---:|---:|");
     for (name, config, model) in models(device)? {
-        let tokens = Tensor::<2, Int>::random([batch, seq], Distribution::Uniform(0.0, config.vocab_size as f64), device);
+        let tokens = Tensor::<2, Int>::random(
+            [batch, seq],
+            Distribution::Uniform(0.0, config.vocab_size as f64),
+            device,
+        );
         let pass = || -> Result<()> {
-            model.forward(tokens.clone()).into_data().try_to_vec::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            model
+                .forward(tokens.clone())
+                .into_data()
+                .try_to_vec::<f32>()
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
             Ok(())
         };
         pass()?;
@@ -93,7 +101,9 @@ fn generate(device: &Device, prompts: usize, new_tokens: usize, batch_sizes: &[u
         // Fixed 8-token prompts of arbitrary ids; EOS is ignored so every sequence runs to length.
         let requests: Vec<GenerationRequest> = (0..prompts)
             .map(|i| GenerationRequest {
-                prompt_ids: (0..8).map(|t| 1 + ((i * 31 + t * 17) % (config.vocab_size - 1)) as u32).collect(),
+                prompt_ids: (0..8)
+                    .map(|t| 1 + ((i * 31 + t * 17) % (config.vocab_size - 1)) as u32)
+                    .collect(),
                 params: SamplingParams {
                     seed: i as u64,
                     max_new_tokens: new_tokens,
@@ -106,7 +116,11 @@ fn generate(device: &Device, prompts: usize, new_tokens: usize, batch_sizes: &[u
             let start = Instant::now();
             let mut tokens = 0;
             for chunk in requests.chunks(batch.max(1)) {
-                tokens += generator.generate(chunk)?.iter().map(|g| g.token_ids.len()).sum::<usize>();
+                tokens += generator
+                    .generate(chunk)?
+                    .iter()
+                    .map(|g| g.token_ids.len())
+                    .sum::<usize>();
             }
             let secs = start.elapsed().as_secs_f64();
             let steps = prompts.div_ceil(batch.max(1)) * new_tokens;

@@ -23,7 +23,11 @@ pub enum ConvertCommand {
 
 pub fn run(cmd: ConvertCommand) -> Result<()> {
     match cmd {
-        ConvertCommand::Llama2c { input, tokenizer, out } => {
+        ConvertCommand::Llama2c {
+            input,
+            tokenizer,
+            out,
+        } => {
             let header = aligner_core::llama2c::convert(&input, tokenizer.as_deref(), &out)?;
             tracing::info!(?header, out = %out.display(), "converted llama2.c checkpoint");
             Ok(())

@@ -47,17 +47,24 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     let dir = crate::model_dir(args.model.clone())?;
-    let lm = LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
     let prompts: Vec<Prompt> = match (&args.prompt, &args.prompts) {
         (Some(text), None) => vec![Prompt::Text(text.clone())],
-        (None, Some(path)) => read_jsonl::<PromptRow>(path)?.into_iter().map(|r| r.prompt).collect(),
+        (None, Some(path)) => read_jsonl::<PromptRow>(path)?
+            .into_iter()
+            .map(|r| r.prompt)
+            .collect(),
         (None, None) => bail!("give --prompt TEXT or --prompts FILE.jsonl"),
         (Some(_), Some(_)) => unreachable!("clap rejects both"),
     };
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let texts: Vec<String> = prompts.iter().map(|p| p.render(&lm.tokenizer)).collect::<Result<_, _>>()?;
+    let texts: Vec<String> = prompts
+        .iter()
+        .map(|p| p.render(&lm.tokenizer))
+        .collect::<Result<_, _>>()?;
     let requests: Vec<GenerationRequest> = texts
         .iter()
         .enumerate()
@@ -77,7 +84,10 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         .collect::<Result<_>>()?;
 
     let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
-    let bar = crate::progress(requests.len() as u64, "{bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]");
+    let bar = crate::progress(
+        requests.len() as u64,
+        "{bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]",
+    );
     let start = Instant::now();
     let mut generated_tokens = 0usize;
     let mut outputs = Vec::with_capacity(requests.len());
@@ -85,7 +95,10 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         let out = generator.generate(batch)?;
         generated_tokens += out.iter().map(|g| g.token_ids.len()).sum::<usize>();
         bar.inc(batch.len() as u64);
-        bar.set_message(format!("{:.0} tokens/s", generated_tokens as f64 / start.elapsed().as_secs_f64()));
+        bar.set_message(format!(
+            "{:.0} tokens/s",
+            generated_tokens as f64 / start.elapsed().as_secs_f64()
+        ));
         outputs.extend(out);
     }
     bar.finish_and_clear();
@@ -98,7 +111,9 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
 
     let mut rows = Vec::with_capacity(outputs.len());
     for (((prompt, text), request), out) in prompts.iter().zip(&texts).zip(&requests).zip(&outputs) {
-        let response = lm.tokenizer.decode_continuation(&request.prompt_ids, &out.token_ids)?;
+        let response = lm
+            .tokenizer
+            .decode_continuation(&request.prompt_ids, &out.token_ids)?;
         match &args.out {
             Some(_) => rows.push(json!({
                 "prompt": prompt,

@@ -10,7 +10,11 @@ use burn::tensor::Device;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "aligner", version, about = "Align language models with human preferences")]
+#[command(
+    name = "aligner",
+    version,
+    about = "Align language models with human preferences"
+)]
 struct Cli {
     /// Compute device: `cpu`, or `cuda` / `cuda:N` in builds with the `cuda` feature.
     #[arg(long, global = true, default_value = "cpu")]
@@ -38,10 +42,17 @@ fn device(name: &str) -> Result<Device> {
         "cpu" | "flex" => Ok(Device::flex()),
         #[cfg(feature = "cuda")]
         cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
-            let index: usize = cuda.strip_prefix("cuda:").map(str::parse).transpose()?.unwrap_or(0);
+            let index: usize = cuda
+                .strip_prefix("cuda:")
+                .map(str::parse)
+                .transpose()?
+                .unwrap_or(0);
             Ok(Device::cuda(index))
         }
-        other => bail!("unknown device {other:?} (this build has: cpu{})", if cfg!(feature = "cuda") { ", cuda" } else { "" }),
+        other => bail!(
+            "unknown device {other:?} (this build has: cpu{})",
+            if cfg!(feature = "cuda") { ", cuda" } else { "" }
+        ),
     }
 }
 

@@ -26,16 +26,23 @@ pub struct ScoreArgs {
 
 pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     let dir = crate::model_dir(args.model.clone())?;
-    let lm = LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
     let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
     let seqs: Vec<ScoredSequence> = rows
         .iter()
         .map(|r| ScoredSequence::encode(&lm.tokenizer, &r.prompt.render(&lm.tokenizer)?, &r.response))
         .collect::<Result<_, _>>()?;
-    let bar = crate::progress(seqs.len() as u64, "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]");
+    let bar = crate::progress(
+        seqs.len() as u64,
+        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
+    );
     let mut out = Vec::with_capacity(seqs.len());
     for chunk in seqs.chunks(args.batch_size.max(1)) {
-        for (seq, lp) in chunk.iter().zip(response_logprobs(&lm.model, chunk, chunk.len())?) {
+        for (seq, lp) in chunk
+            .iter()
+            .zip(response_logprobs(&lm.model, chunk, chunk.len())?)
+        {
             out.push(json!({"logprob": lp.total(), "n_tokens": seq.n_response_tokens()}));
         }
         bar.inc(chunk.len() as u64);

@@ -43,12 +43,18 @@ fn slots<'a>(model: &'a mut CausalLm) -> Vec<(String, Slot<'a>)> {
         let p = format!("model.layers.{i}");
         let attn = &mut layer.self_attn;
         let mlp = &mut layer.mlp;
-        out.push((format!("{p}.input_layernorm"), Slot::Norm(&mut layer.input_layernorm)));
+        out.push((
+            format!("{p}.input_layernorm"),
+            Slot::Norm(&mut layer.input_layernorm),
+        ));
         out.push((format!("{p}.self_attn.q_proj"), Slot::Linear(&mut attn.q_proj)));
         out.push((format!("{p}.self_attn.k_proj"), Slot::Linear(&mut attn.k_proj)));
         out.push((format!("{p}.self_attn.v_proj"), Slot::Linear(&mut attn.v_proj)));
         out.push((format!("{p}.self_attn.o_proj"), Slot::Linear(&mut attn.o_proj)));
-        out.push((format!("{p}.post_attention_layernorm"), Slot::Norm(&mut layer.post_attention_layernorm)));
+        out.push((
+            format!("{p}.post_attention_layernorm"),
+            Slot::Norm(&mut layer.post_attention_layernorm),
+        ));
         out.push((format!("{p}.mlp.gate_proj"), Slot::Linear(&mut mlp.gate_proj)));
         out.push((format!("{p}.mlp.up_proj"), Slot::Linear(&mut mlp.up_proj)));
         out.push((format!("{p}.mlp.down_proj"), Slot::Linear(&mut mlp.down_proj)));
@@ -76,11 +82,17 @@ impl TensorFiles {
                 path: index_path.clone(),
                 source,
             })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CoreError::Config {
-                path: index_path.clone(),
-                message: "no \"weight_map\" object".into(),
-            })?;
-            let mut shards: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| CoreError::Config {
+                    path: index_path.clone(),
+                    message: "no \"weight_map\" object".into(),
+                })?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
             shards.sort();
             shards.dedup();
             shards
@@ -223,7 +235,11 @@ pub fn hf_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         match slot {
             Slot::Linear(linear) => {
                 let w = linear.weight.val().transpose();
-                out.push((format!("{prefix}.weight"), w.dims().to_vec(), values(w.into_data())));
+                out.push((
+                    format!("{prefix}.weight"),
+                    w.dims().to_vec(),
+                    values(w.into_data()),
+                ));
                 if let Some(bias) = &linear.bias {
                     let b = bias.val();
                     out.push((format!("{prefix}.bias"), b.dims().to_vec(), values(b.into_data())));
@@ -231,11 +247,19 @@ pub fn hf_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
             }
             Slot::Norm(norm) => {
                 let g = norm.gamma.val();
-                out.push((format!("{prefix}.weight"), g.dims().to_vec(), values(g.into_data())));
+                out.push((
+                    format!("{prefix}.weight"),
+                    g.dims().to_vec(),
+                    values(g.into_data()),
+                ));
             }
             Slot::Embedding(embedding) => {
                 let w = embedding.weight.val();
-                out.push((format!("{prefix}.weight"), w.dims().to_vec(), values(w.into_data())));
+                out.push((
+                    format!("{prefix}.weight"),
+                    w.dims().to_vec(),
+                    values(w.into_data()),
+                ));
             }
         }
     }
@@ -280,7 +304,12 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
 
 /// Saves `model` as a HF folder: `config.json`, `model.safetensors`, and the tokenizer files
 /// of `tokenizer_from` when given.
-pub fn save_causal_lm(model: &CausalLm, config: &LlamaConfig, dir: &Path, tokenizer_from: Option<&Path>) -> Result<()> {
+pub fn save_causal_lm(
+    model: &CausalLm,
+    config: &LlamaConfig,
+    dir: &Path,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
     let mut config = config.clone();
     if config.architectures.is_none() {

@@ -106,7 +106,14 @@ impl LlamaConfig {
     }
 
     /// A small Llama config with the given sizes, for tests and random models.
-    pub fn llama(vocab: usize, hidden: usize, layers: usize, heads: usize, kv_heads: usize, ffn: usize) -> Self {
+    pub fn llama(
+        vocab: usize,
+        hidden: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        ffn: usize,
+    ) -> Self {
         Self {
             model_type: "llama".into(),
             architectures: Some(vec!["LlamaForCausalLM".into()]),
@@ -147,7 +154,10 @@ impl LlamaConfig {
             return Err(CoreError::UnsupportedArchitecture(bad.clone()));
         }
         if self.hidden_act != "silu" {
-            return Err(err(format!("hidden_act {:?} is not supported (only \"silu\")", self.hidden_act)));
+            return Err(err(format!(
+                "hidden_act {:?} is not supported (only \"silu\")",
+                self.hidden_act
+            )));
         }
         for (key, value) in [
             ("vocab_size", self.vocab_size),
@@ -161,20 +171,23 @@ impl LlamaConfig {
             }
         }
         let kv = self.num_kv_heads();
-        if kv == 0 || self.num_attention_heads % kv != 0 {
+        if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
             return Err(err(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({kv})",
                 self.num_attention_heads
             )));
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(err(format!(
                 "hidden_size ({}) is not divisible by num_attention_heads ({}) and no head_dim is given",
                 self.hidden_size, self.num_attention_heads
             )));
         }
-        if self.head_dim() % 2 != 0 {
-            return Err(err(format!("head_dim ({}) must be even for rotary embeddings", self.head_dim())));
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(err(format!(
+                "head_dim ({}) must be even for rotary embeddings",
+                self.head_dim()
+            )));
         }
         self.rope_theta_value().map_err(err)?;
         self.rope_scaling_kind().map_err(err)?;
@@ -188,7 +201,8 @@ impl LlamaConfig {
 
     /// Per-head dimension: `head_dim` when given, else `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
     /// Output embeddings shared with the input embeddings. HF's default differs by model type.
@@ -215,7 +229,11 @@ impl LlamaConfig {
     pub fn eos_token_ids(&self) -> Vec<u32> {
         match &self.eos_token_id {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Value::Array(items)) => items.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as u32)
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -254,7 +272,9 @@ impl LlamaConfig {
         };
         match kind {
             "default" => Ok(RopeScaling::Default),
-            "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
+            "linear" => Ok(RopeScaling::Linear {
+                factor: num("factor")?,
+            }),
             "llama3" => Ok(RopeScaling::Llama3 {
                 factor: num("factor")?,
                 low_freq_factor: num("low_freq_factor")?,
@@ -364,11 +384,17 @@ mod tests {
 
     #[test]
     fn bad_configs_are_named_errors() {
-        let gpt2 = parse(r#"{"model_type":"gpt2","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2}"#);
+        let gpt2 = parse(
+            r#"{"model_type":"gpt2","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2}"#,
+        );
         assert!(matches!(gpt2, Err(CoreError::UnsupportedArchitecture(t)) if t == "gpt2"));
-        let heads = parse(r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2}"#);
+        let heads = parse(
+            r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2}"#,
+        );
         assert!(heads.unwrap_err().to_string().contains("num_key_value_heads"));
-        let yarn = parse(r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"yarn","factor":2.0}}"#);
+        let yarn = parse(
+            r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"yarn","factor":2.0}}"#,
+        );
         assert!(yarn.unwrap_err().to_string().contains("yarn"));
         let missing = parse(r#"{"hidden_size":8}"#);
         assert!(missing.unwrap_err().to_string().contains("vocab_size"));

@@ -75,7 +75,11 @@ mod tests {
     fn bad_lines_name_file_and_line() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.jsonl");
-        std::fs::write(&path, "{\"prompt\": \"a\", \"response\": \"b\"}\n\n{\"prompt\": \"a\"}\n").unwrap();
+        std::fs::write(
+            &path,
+            "{\"prompt\": \"a\", \"response\": \"b\"}\n\n{\"prompt\": \"a\"}\n",
+        )
+        .unwrap();
         let err = read_jsonl::<PromptResponseRow>(&path).unwrap_err().to_string();
         assert!(err.contains("d.jsonl:3"), "{err}");
         assert!(err.contains("response"), "{err}");
@@ -85,7 +89,8 @@ mod tests {
     fn prompts_may_be_text_or_messages() {
         let text: PromptRow = serde_json::from_str(r#"{"prompt": "hi", "extra": 1}"#).unwrap();
         assert_eq!(text.prompt, Prompt::Text("hi".into()));
-        let chat: PromptRow = serde_json::from_str(r#"{"prompt": [{"role": "user", "content": "hi"}]}"#).unwrap();
+        let chat: PromptRow =
+            serde_json::from_str(r#"{"prompt": [{"role": "user", "content": "hi"}]}"#).unwrap();
         assert!(matches!(chat.prompt, Prompt::Messages(m) if m.len() == 1));
     }
 }

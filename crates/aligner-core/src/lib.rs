@@ -31,12 +31,30 @@ pub use tokenizer::{ChatMessage, TextTokenizer};
 
 /// Files of the shipped default model (stories260K), embedded in every binary.
 const EMBEDDED_MODEL: &[(&str, &[u8])] = &[
-    ("config.json", include_bytes!("../../../assets/stories260K/config.json")),
-    ("generation_config.json", include_bytes!("../../../assets/stories260K/generation_config.json")),
-    ("model.safetensors", include_bytes!("../../../assets/stories260K/model.safetensors")),
-    ("special_tokens_map.json", include_bytes!("../../../assets/stories260K/special_tokens_map.json")),
-    ("tokenizer.json", include_bytes!("../../../assets/stories260K/tokenizer.json")),
-    ("tokenizer_config.json", include_bytes!("../../../assets/stories260K/tokenizer_config.json")),
+    (
+        "config.json",
+        include_bytes!("../../../assets/stories260K/config.json"),
+    ),
+    (
+        "generation_config.json",
+        include_bytes!("../../../assets/stories260K/generation_config.json"),
+    ),
+    (
+        "model.safetensors",
+        include_bytes!("../../../assets/stories260K/model.safetensors"),
+    ),
+    (
+        "special_tokens_map.json",
+        include_bytes!("../../../assets/stories260K/special_tokens_map.json"),
+    ),
+    (
+        "tokenizer.json",
+        include_bytes!("../../../assets/stories260K/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../../../assets/stories260K/tokenizer_config.json"),
+    ),
 ];
 
 /// The folder of the shipped default model: the repository's `assets/stories260K` when it is

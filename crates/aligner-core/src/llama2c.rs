@@ -39,7 +39,10 @@ impl Reader<'_> {
         if end > self.data.len() {
             return Err(CoreError::Llama2c {
                 path: self.path.to_path_buf(),
-                message: format!("file ends inside {what} (needs {end} floats, has {})", self.data.len()),
+                message: format!(
+                    "file ends inside {what} (needs {end} floats, has {})",
+                    self.data.len()
+                ),
             });
         }
         let out = self.data[self.pos..end].to_vec();
@@ -91,7 +94,7 @@ pub fn convert(model_bin: &Path, tokenizer_model: Option<&Path>, out: &Path) -> 
         seq_len: ints[6] as usize,
         shared_classifier: ints[5] > 0,
     };
-    if h.dim % h.n_heads != 0 || h.n_heads % h.n_kv_heads != 0 {
+    if !h.dim.is_multiple_of(h.n_heads) || !h.n_heads.is_multiple_of(h.n_kv_heads) {
         return Err(bad(format!("inconsistent heads in header {ints:?}")));
     }
     let floats: Vec<f32> = bytes[28..]
@@ -118,26 +121,61 @@ pub fn convert(model_bin: &Path, tokenizer_model: Option<&Path>, out: &Path) -> 
     let w3 = r.take(l * f * d, "w3")?;
     let rms_final = r.take(d, "rms_final_weight")?;
     r.take(h.seq_len * head / 2 * 2, "freq_cis")?;
-    let wcls = if h.shared_classifier { None } else { Some(r.take(v * d, "wcls")?) };
+    let wcls = if h.shared_classifier {
+        None
+    } else {
+        Some(r.take(v * d, "wcls")?)
+    };
     if r.pos != floats.len() {
-        return Err(bad(format!("{} trailing floats after the weights", floats.len() - r.pos)));
+        return Err(bad(format!(
+            "{} trailing floats after the weights",
+            floats.len() - r.pos
+        )));
     }
 
     let layer = |all: &[f32], i: usize, n: usize| all[i * n..(i + 1) * n].to_vec();
     let mut tensors = vec![("model.embed_tokens.weight".to_string(), vec![v, d], emb)];
     for i in 0..l {
         let p = format!("model.layers.{i}");
-        tensors.push((format!("{p}.input_layernorm.weight"), vec![d], layer(&rms_att, i, d)));
-        tensors.push((format!("{p}.post_attention_layernorm.weight"), vec![d], layer(&rms_ffn, i, d)));
+        tensors.push((
+            format!("{p}.input_layernorm.weight"),
+            vec![d],
+            layer(&rms_att, i, d),
+        ));
+        tensors.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![d],
+            layer(&rms_ffn, i, d),
+        ));
         let q = permute_rotary(&layer(&wq, i, d * d), h.n_heads, d, d);
         let k = permute_rotary(&layer(&wk, i, kv * d), h.n_kv_heads, kv, d);
         tensors.push((format!("{p}.self_attn.q_proj.weight"), vec![d, d], q));
         tensors.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, d], k));
-        tensors.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, d], layer(&wv, i, kv * d)));
-        tensors.push((format!("{p}.self_attn.o_proj.weight"), vec![d, d], layer(&wo, i, d * d)));
-        tensors.push((format!("{p}.mlp.gate_proj.weight"), vec![f, d], layer(&w1, i, f * d)));
-        tensors.push((format!("{p}.mlp.up_proj.weight"), vec![f, d], layer(&w3, i, f * d)));
-        tensors.push((format!("{p}.mlp.down_proj.weight"), vec![d, f], layer(&w2, i, d * f)));
+        tensors.push((
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kv, d],
+            layer(&wv, i, kv * d),
+        ));
+        tensors.push((
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![d, d],
+            layer(&wo, i, d * d),
+        ));
+        tensors.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![f, d],
+            layer(&w1, i, f * d),
+        ));
+        tensors.push((
+            format!("{p}.mlp.up_proj.weight"),
+            vec![f, d],
+            layer(&w3, i, f * d),
+        ));
+        tensors.push((
+            format!("{p}.mlp.down_proj.weight"),
+            vec![d, f],
+            layer(&w2, i, d * f),
+        ));
     }
     tensors.push(("model.norm.weight".to_string(), vec![d], rms_final));
     if let Some(wcls) = wcls {
@@ -182,17 +220,18 @@ pub fn read_sentencepiece(path: &Path) -> Result<Vec<SentencePiece>> {
         message: format!("not a SentencePiece model: {message}"),
     };
     let mut pieces = Vec::new();
-    for field in proto_fields(&bytes).map_err(|m| bad(m))? {
+    for field in proto_fields(&bytes).map_err(&bad)? {
         if let (1, ProtoValue::Bytes(body)) = field {
             let mut piece = SentencePiece {
                 piece: String::new(),
                 score: 0.0,
                 kind: 1,
             };
-            for inner in proto_fields(body).map_err(|m| bad(m))? {
+            for inner in proto_fields(body).map_err(&bad)? {
                 match inner {
                     (1, ProtoValue::Bytes(text)) => {
-                        piece.piece = String::from_utf8(text.to_vec()).map_err(|_| bad("piece is not UTF-8"))?;
+                        piece.piece =
+                            String::from_utf8(text.to_vec()).map_err(|_| bad("piece is not UTF-8"))?;
                     }
                     (2, ProtoValue::Fixed32(bits)) => piece.score = f32::from_bits(bits),
                     (3, ProtoValue::Varint(kind)) => piece.kind = kind,
@@ -290,7 +329,10 @@ pub fn tokenizer_json(pieces: &[SentencePiece]) -> Value {
         json!({"id": i, "content": pieces[i].piece, "single_word": false, "lstrip": false,
                "rstrip": false, "normalized": false, "special": true})
     };
-    let specials: Vec<Value> = (0..pieces.len()).filter(|&i| matches!(pieces[i].kind, 2 | 3)).map(special).collect();
+    let specials: Vec<Value> = (0..pieces.len())
+        .filter(|&i| matches!(pieces[i].kind, 2 | 3))
+        .map(special)
+        .collect();
     let bos = pieces.iter().position(|p| p.piece == "<s>").unwrap_or(1);
     json!({
         "version": "1.0",
@@ -365,9 +407,14 @@ mod tests {
     fn truncated_files_are_clear_errors() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.bin");
-        let header: Vec<u8> = [8i32, 16, 1, 2, 2, 10, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let header: Vec<u8> = [8i32, 16, 1, 2, 2, 10, 4]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         std::fs::write(&path, &header).unwrap();
-        let err = convert(&path, None, &dir.path().join("out")).unwrap_err().to_string();
+        let err = convert(&path, None, &dir.path().join("out"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("token_embedding"), "{err}");
     }
 }

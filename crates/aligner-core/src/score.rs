@@ -58,7 +58,11 @@ pub fn pad_right(rows: &[&[u32]], pad: u32, device: &Device) -> Tensor<2, Int> {
 }
 
 /// Response log-probs of `sequences`, `batch_size` at a time (right-padded).
-pub fn response_logprobs(model: &CausalLm, sequences: &[ScoredSequence], batch_size: usize) -> Result<Vec<ResponseLogprobs>> {
+pub fn response_logprobs(
+    model: &CausalLm,
+    sequences: &[ScoredSequence],
+    batch_size: usize,
+) -> Result<Vec<ResponseLogprobs>> {
     let device = model.model.embed_tokens.weight.device();
     let mut out = Vec::with_capacity(sequences.len());
     for batch in sequences.chunks(batch_size.max(1)) {

@@ -44,10 +44,12 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|source| CoreError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| CoreError::Json {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// A special token given as a string or as `{"content": ...}` in tokenizer_config.json.
@@ -108,7 +110,9 @@ impl TextTokenizer {
         };
         Ok(Self {
             bos_token: bos_token.or_else(|| name_of(bos_id)).unwrap_or_default(),
-            eos_token: eos_token.or_else(|| name_of(eos_ids.first().copied())).unwrap_or_default(),
+            eos_token: eos_token
+                .or_else(|| name_of(eos_ids.first().copied()))
+                .unwrap_or_default(),
             inner,
             path,
             bos_id,
@@ -131,10 +135,12 @@ impl TextTokenizer {
 
     /// Text of `ids`, without special tokens when `skip_special_tokens`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| CoreError::Tokenizer {
-            path: self.path.clone(),
-            message: e.to_string(),
-        })
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| CoreError::Tokenizer {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })
     }
 
     /// Text of `generated` as a continuation of `prompt`: `decode(prompt + generated)` less
@@ -169,9 +175,19 @@ impl TextTokenizer {
     }
 
     /// Renders `messages` with the folder's chat template (or [`FALLBACK_CHAT_TEMPLATE`]).
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.chat_template.as_deref().unwrap_or(FALLBACK_CHAT_TEMPLATE);
-        render_chat_template(template, messages, add_generation_prompt, &self.bos_token, &self.eos_token)
+        render_chat_template(
+            template,
+            messages,
+            add_generation_prompt,
+            &self.bos_token,
+            &self.eos_token,
+        )
     }
 }
 
@@ -187,12 +203,17 @@ pub fn render_chat_template(
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        },
+    );
     env.add_template("chat", template)
         .map_err(|e| CoreError::ChatTemplate(e.to_string()))?;
-    let tmpl = env.get_template("chat").map_err(|e| CoreError::ChatTemplate(e.to_string()))?;
+    let tmpl = env
+        .get_template("chat")
+        .map_err(|e| CoreError::ChatTemplate(e.to_string()))?;
     tmpl.render(minijinja::context! {
         messages => messages,
         add_generation_prompt => add_generation_prompt,
@@ -231,7 +252,8 @@ mod tests {
 
     #[test]
     fn raise_exception_becomes_an_error() {
-        let template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}";
+        let template =
+            "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}";
         let err = render_chat_template(template, &msgs(), false, "", "").unwrap_err();
         assert!(err.to_string().contains("system first"), "{err}");
     }

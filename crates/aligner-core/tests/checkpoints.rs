@@ -13,7 +13,10 @@ fn repo() -> PathBuf {
 }
 
 fn tensor_map(model: &CausalLm) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
-    hf_tensors(model).into_iter().map(|(n, s, v)| (n, (s, v))).collect()
+    hf_tensors(model)
+        .into_iter()
+        .map(|(n, s, v)| (n, (s, v)))
+        .collect()
 }
 
 fn logits(model: &CausalLm, ids: &[i64]) -> Vec<f32> {
@@ -53,7 +56,11 @@ fn shipped_model_saves_and_reloads_bit_identically() {
     let saved_bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
     let saved = safetensors::SafeTensors::deserialize(&saved_bytes).unwrap();
     for name in names {
-        assert_eq!(shipped.tensor(&name).unwrap().data(), saved.tensor(&name).unwrap().data(), "{name}");
+        assert_eq!(
+            shipped.tensor(&name).unwrap().data(),
+            saved.tensor(&name).unwrap().data(),
+            "{name}"
+        );
     }
     assert!(dir.path().join("tokenizer.json").exists());
 }
@@ -118,11 +125,20 @@ fn half_precision_files_load_into_f32() {
             .collect();
         let views: Vec<(String, safetensors::tensor::TensorView)> = raw
             .iter()
-            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(dtype, s.clone(), b).unwrap()))
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(dtype, s.clone(), b).unwrap(),
+                )
+            })
             .collect();
         safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
         let loaded = load_causal_lm(dir.path(), &config, &device).unwrap();
-        let tol = if dtype == safetensors::Dtype::F16 { 1e-3 } else { 1e-2 };
+        let tol = if dtype == safetensors::Dtype::F16 {
+            1e-3
+        } else {
+            1e-2
+        };
         let a = tensor_map(&original);
         for (name, (_, values)) in tensor_map(&loaded) {
             for (x, y) in values.iter().zip(&a[&name].1) {
@@ -142,7 +158,10 @@ fn sharded_checkpoints_load() {
     let tensors = hf_tensors(&original);
     let (first, second) = tensors.split_at(tensors.len() / 2);
     let mut map = serde_json::Map::new();
-    for (file, part) in [("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)] {
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
         write_safetensors(&dir.path().join(file), part).unwrap();
         for (name, _, _) in part {
             map.insert(name.clone(), file.into());
@@ -163,17 +182,26 @@ fn missing_and_misshapen_tensors_are_named() {
     let tensors = hf_tensors(&original);
 
     let dir = tempfile::tempdir().unwrap();
-    let without: Vec<_> = tensors.iter().filter(|(n, _, _)| n != "model.layers.3.mlp.up_proj.weight").cloned().collect();
+    let without: Vec<_> = tensors
+        .iter()
+        .filter(|(n, _, _)| n != "model.layers.3.mlp.up_proj.weight")
+        .cloned()
+        .collect();
     write_safetensors(&dir.path().join("model.safetensors"), &without).unwrap();
     let err = load_causal_lm(dir.path(), &config, &device).unwrap_err();
-    assert!(matches!(&err, CoreError::MissingTensor { name, .. } if name == "model.layers.3.mlp.up_proj.weight"), "{err}");
+    assert!(
+        matches!(&err, CoreError::MissingTensor { name, .. } if name == "model.layers.3.mlp.up_proj.weight"),
+        "{err}"
+    );
 
     let mut bad = tensors.clone();
     let entry = bad.iter_mut().find(|(n, _, _)| n == "model.norm.weight").unwrap();
     entry.1 = vec![32];
     entry.2.truncate(32);
     write_safetensors(&dir.path().join("model.safetensors"), &bad).unwrap();
-    let err = load_causal_lm(dir.path(), &config, &device).unwrap_err().to_string();
+    let err = load_causal_lm(dir.path(), &config, &device)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("model.norm.weight") && err.contains("[64]"), "{err}");
 
     // An untied config needs lm_head.weight.
@@ -189,14 +217,25 @@ fn missing_and_misshapen_tensors_are_named() {
     let raw: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .filter(|(n, _, _)| n != "model.norm.weight")
-        .map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .map(|(n, s, v)| {
+            (
+                n.clone(),
+                s.clone(),
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
         .collect();
     for (n, s, b) in &raw {
-        views.push((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()));
+        views.push((
+            n.clone(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap(),
+        ));
     }
     views.push(("model.norm.weight".into(), view));
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
-    let err = load_causal_lm(dir.path(), &config, &device).unwrap_err().to_string();
+    let err = load_causal_lm(dir.path(), &config, &device)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("model.norm.weight") && err.contains("I32"), "{err}");
 }
 
@@ -228,13 +267,29 @@ fn llama2c_converter_reproduces_the_hf_folder() {
         );
     }
     let ids = shipped.tokenizer.encode(texts[1], true).unwrap();
-    assert_eq!(converted.tokenizer.decode(&ids, true).unwrap(), shipped.tokenizer.decode(&ids, true).unwrap());
-    let shipped_config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repo().join("assets/stories260K/config.json")).unwrap()).unwrap();
+    assert_eq!(
+        converted.tokenizer.decode(&ids, true).unwrap(),
+        shipped.tokenizer.decode(&ids, true).unwrap()
+    );
+    let shipped_config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("assets/stories260K/config.json")).unwrap(),
+    )
+    .unwrap();
     let converted_config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
-    for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"] {
+    for key in [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ] {
         assert_eq!(converted_config[key], shipped_config[key], "{key}");
     }
 }

@@ -21,7 +21,11 @@ fn shipped() -> LoadedModel {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -66,7 +70,10 @@ fn batched_right_padded_logits_equal_single_sequences() {
     let lm = shipped();
     let device = Device::flex();
     let texts = ["Once upon a time", "Tom had a big red ball and he liked to play"];
-    let seqs: Vec<Vec<u32>> = texts.iter().map(|t| lm.tokenizer.encode(t, true).unwrap()).collect();
+    let seqs: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| lm.tokenizer.encode(t, true).unwrap())
+        .collect();
     let rows: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
     let batch = aligner_core::score::pad_right(&rows, 0, &device);
     let width = batch.dims()[1];
@@ -94,7 +101,10 @@ fn response_logprobs_match_transformers() {
             let reference = &pair[format!("{side}_ref")];
             assert_eq!(seq.ids, ids(&reference["ids"]));
             assert_eq!(seq.prompt_len, ids(&reference["prompt_ids"]).len());
-            assert_eq!(seq.n_response_tokens() as u64, reference["n_tokens"].as_u64().unwrap());
+            assert_eq!(
+                seq.n_response_tokens() as u64,
+                reference["n_tokens"].as_u64().unwrap()
+            );
             seqs.push(seq);
             expected.push(reference.clone());
         }
@@ -102,8 +112,16 @@ fn response_logprobs_match_transformers() {
     let got = response_logprobs(&lm.model, &seqs, 8).unwrap();
     for (g, e) in got.iter().zip(&expected) {
         let total = e["logprob"].as_f64().unwrap();
-        assert!((g.total() - total).abs() < 1e-3, "logprob {} vs {total}", g.total());
-        for (a, b) in g.token_logprobs.iter().zip(e["token_logprobs"].as_array().unwrap()) {
+        assert!(
+            (g.total() - total).abs() < 1e-3,
+            "logprob {} vs {total}",
+            g.total()
+        );
+        for (a, b) in g
+            .token_logprobs
+            .iter()
+            .zip(e["token_logprobs"].as_array().unwrap())
+        {
             assert!((*a as f64 - b.as_f64().unwrap()).abs() < 1e-4);
         }
     }
@@ -119,7 +137,8 @@ fn random_transformers_models_match_their_logits() {
         let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
         let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();
         let expected: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
+                .unwrap();
         let ids = ids(&expected["ids"]);
         let tokens = Tensor::<2, Int>::from_data(
             TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
@@ -133,7 +152,11 @@ fn random_transformers_models_match_their_logits() {
             .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
             .collect();
         assert_eq!(logits.len(), want.len(), "{name}");
-        let worst = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let worst = logits
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
         assert!(worst < 1e-4, "{name}: max |logit difference| {worst}");
     }
 }

@@ -97,7 +97,11 @@ impl<'a> Generator<'a> {
                 max: max_positions,
             });
         }
-        let longest = requests.iter().map(|r| r.params.max_new_tokens).max().unwrap_or(0);
+        let longest = requests
+            .iter()
+            .map(|r| r.params.max_new_tokens)
+            .max()
+            .unwrap_or(0);
         let capacity = (prompt_width + longest).min(max_positions);
         let mut cache = KvCache::new(self.config, requests.len(), capacity, &device);
 
@@ -110,7 +114,8 @@ impl<'a> Generator<'a> {
             flat.extend(r.prompt_ids.iter().map(|&t| t as i64));
             valid.push((0..prompt_width).map(|i| i >= pad).collect());
         }
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(flat, [requests.len(), prompt_width]), &device);
+        let tokens =
+            Tensor::<2, Int>::from_data(TensorData::new(flat, [requests.len(), prompt_width]), &device);
         let mut logits = self.step(tokens, &valid, &mut cache, &device);
 
         let mut active: Vec<Active> = requests
@@ -139,7 +144,11 @@ impl<'a> Generator<'a> {
                 seq.last = token as u32;
                 let stop = if self.eos_ids.contains(&(token as u32)) {
                     Some(StopReason::Eos)
-                } else if self.hit_stop_string(&requests[seq.request].prompt_ids, &seq.out.token_ids, &params.stop_strings)? {
+                } else if self.hit_stop_string(
+                    &requests[seq.request].prompt_ids,
+                    &seq.out.token_ids,
+                    &params.stop_strings,
+                )? {
                     Some(StopReason::StopString)
                 } else if seq.out.token_ids.len() >= params.max_new_tokens {
                     Some(StopReason::MaxTokens)
@@ -178,12 +187,21 @@ impl<'a> Generator<'a> {
             let tokens = Tensor::<2, Int>::from_data(TensorData::new(next, [active.len(), 1]), &device);
             logits = self.step(tokens, &valid, &mut cache, &device);
         }
-        Ok(done.into_iter().map(|g| g.expect("every request finishes")).collect())
+        Ok(done
+            .into_iter()
+            .map(|g| g.expect("every request finishes"))
+            .collect())
     }
 
     /// One forward pass of `tokens` after the cache; returns the last position's logits as
     /// `[rows × vocab]` on the host.
-    fn step(&self, tokens: Tensor<2, Int>, valid: &[Vec<bool>], cache: &mut KvCache, device: &Device) -> Vec<f32> {
+    fn step(
+        &self,
+        tokens: Tensor<2, Int>,
+        valid: &[Vec<bool>],
+        cache: &mut KvCache,
+        device: &Device,
+    ) -> Vec<f32> {
         let [batch, new] = tokens.dims();
         let padded = valid.iter().any(|row| row.iter().any(|v| !v));
         let (positions, mask) = if padded {
@@ -196,7 +214,10 @@ impl<'a> Generator<'a> {
                 .expand([batch, new]);
             (p, None)
         };
-        let hidden = self.model.model.forward(tokens, &positions, mask.as_ref(), Some(cache));
+        let hidden = self
+            .model
+            .model
+            .forward(tokens, &positions, mask.as_ref(), Some(cache));
         let [_, _, d] = hidden.dims();
         let last = hidden.narrow(1, new - 1, 1).reshape([batch, 1, d]);
         self.model

@@ -169,7 +169,13 @@ mod tests {
         assert!((probs[0] - 0.625).abs() < 1e-6 && (probs[1] - 0.375).abs() < 1e-6);
         assert_eq!(&probs[2..], &[0.0, 0.0]);
         // A tiny top_p still keeps the most likely token.
-        let only = filtered_probs(&logits, &SamplingParams { top_p: 0.01, ..params });
+        let only = filtered_probs(
+            &logits,
+            &SamplingParams {
+                top_p: 0.01,
+                ..params
+            },
+        );
         assert_eq!(only, vec![1.0, 0.0, 0.0, 0.0]);
     }
 
@@ -178,9 +184,17 @@ mod tests {
         let logits = [0.0f32, (3.0f32).ln()];
         let params = SamplingParams::default();
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let ones = (0..4000).filter(|_| sample(&logits, &params, &mut rng).0 == 1).count();
+        let ones = (0..4000)
+            .filter(|_| sample(&logits, &params, &mut rng).0 == 1)
+            .count();
         assert!((ones as f64 / 4000.0 - 0.75).abs() < 0.03, "{ones}");
-        let cold = filtered_probs(&logits, &SamplingParams { temperature: 0.5, ..params });
+        let cold = filtered_probs(
+            &logits,
+            &SamplingParams {
+                temperature: 0.5,
+                ..params
+            },
+        );
         assert!((cold[1] - 0.9).abs() < 1e-6);
     }
 

@@ -17,7 +17,11 @@ fn shipped() -> LoadedModel {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 const PROMPTS: [&str; 4] = [
@@ -112,7 +116,10 @@ fn seeds_make_samples_repeatable_and_different() {
     let run = |seed| {
         let req = GenerationRequest {
             prompt_ids: prompt_ids.clone(),
-            params: SamplingParams { seed, ..params.clone() },
+            params: SamplingParams {
+                seed,
+                ..params.clone()
+            },
         };
         generator.generate(&[req]).unwrap().remove(0).token_ids
     };

@@ -52,7 +52,10 @@ pub fn token_logprobs_from_hidden(
     let flat = hidden.reshape([rows, d_model]);
     let flat_targets = targets.reshape([rows, 1]);
     let out = chunked_rows(rows, chunk_tokens, |start, end| {
-        let chunk = flat.clone().slice([start..end, 0..d_model]).matmul(weight.clone());
+        let chunk = flat
+            .clone()
+            .slice([start..end, 0..d_model])
+            .matmul(weight.clone());
         let ids = flat_targets.clone().slice([start..end, 0..1]);
         gathered_log_softmax(chunk, ids)
     });
@@ -118,8 +121,15 @@ mod tests {
         let device = Device::flex();
         let logits = Tensor::<3>::from_floats([[[1000.0, 0.0, -1000.0]]], &device);
         let targets = Tensor::<2, Int>::from_ints([[0]], &device);
-        let got: Vec<f32> = token_logprobs(logits, targets, 4).into_data().try_to_vec().unwrap();
-        assert!(got[0].abs() < 1e-6, "log p of the dominant token should be 0, got {}", got[0]);
+        let got: Vec<f32> = token_logprobs(logits, targets, 4)
+            .into_data()
+            .try_to_vec()
+            .unwrap();
+        assert!(
+            got[0].abs() < 1e-6,
+            "log p of the dominant token should be 0, got {}",
+            got[0]
+        );
     }
 
     #[test]
@@ -161,15 +171,19 @@ mod tests {
         let logits = Tensor::<3>::from_floats([[[0.3, -1.2, 2.0, 0.5]]], &device).require_grad();
         let targets = Tensor::<2, Int>::from_ints([[2]], &device);
         let loss = token_logprobs(logits.clone(), targets.clone(), 1).sum();
-        let grad: Vec<f32> = logits.grad(&loss.backward()).expect("grad").into_data().try_to_vec().unwrap();
+        let grad: Vec<f32> = logits
+            .grad(&loss.backward())
+            .expect("grad")
+            .into_data()
+            .try_to_vec()
+            .unwrap();
 
         let base = [0.3f32, -1.2, 2.0, 0.5];
         let eps = 1e-2f32;
         let plain = Device::flex();
         let eval = |x: [f32; 4]| -> f32 {
             let t = Tensor::<3>::from_floats([[x]], &plain);
-            token_logprobs(t, Tensor::<2, Int>::from_ints([[2]], &plain), 1)
-                .into_scalar::<f32>()
+            token_logprobs(t, Tensor::<2, Int>::from_ints([[2]], &plain), 1).into_scalar::<f32>()
         };
         for i in 0..4 {
             let mut up = base;
@@ -177,7 +191,11 @@ mod tests {
             up[i] += eps;
             down[i] -= eps;
             let numeric = (eval(up) - eval(down)) / (2.0 * eps);
-            assert!((numeric - grad[i]).abs() < 1e-3, "d/dx{i}: numeric {numeric} vs autodiff {}", grad[i]);
+            assert!(
+                (numeric - grad[i]).abs() < 1e-3,
+                "d/dx{i}: numeric {numeric} vs autodiff {}",
+                grad[i]
+            );
         }
     }
 }

@@ -66,7 +66,9 @@ impl Attention {
             None => (k, v),
         };
         let out = self.attend(q, k, v, mask);
-        let out = out.swap_dims(1, 2).reshape([batch, seq, self.n_heads * self.head_dim]);
+        let out = out
+            .swap_dims(1, 2)
+            .reshape([batch, seq, self.n_heads * self.head_dim]);
         self.o_proj.forward(out)
     }
 

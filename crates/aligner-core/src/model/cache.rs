@@ -19,7 +19,10 @@ impl LayerCache {
         let [batch, kv_heads, new, head_dim] = k.dims();
         let end = self.len + new;
         let capacity = self.keys.dims()[2];
-        assert!(end <= capacity, "KV cache overflow: {end} positions, capacity {capacity}");
+        assert!(
+            end <= capacity,
+            "KV cache overflow: {end} positions, capacity {capacity}"
+        );
         let slot = [0..batch, 0..kv_heads, self.len..end, 0..head_dim];
         let device = k.device();
         let placeholder = || Tensor::empty([0, 0, 0, 0], &device);
@@ -73,7 +76,9 @@ impl KvCache {
 impl KvCache {
     /// Keeps only the batch rows `rows` (in that order), dropping finished sequences.
     pub fn retain_rows(&mut self, rows: &[usize]) {
-        let Some(first) = self.layers.first() else { return };
+        let Some(first) = self.layers.first() else {
+            return;
+        };
         let device = first.keys.device();
         let index = Tensor::<1, burn::tensor::Int>::from_data(
             burn::tensor::TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),

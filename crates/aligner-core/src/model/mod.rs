@@ -139,7 +139,11 @@ pub fn default_positions(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
 /// only (HF's `cumsum(mask) - 1`, pads at 0). The mask (`true` = hidden) is
 /// `[batch, 1, queries, keys]` for the last `queries` of `keys` positions: padding keys and
 /// future keys are hidden.
-pub fn left_padded_layout(valid: &[Vec<bool>], queries: usize, device: &Device) -> (Tensor<2, Int>, Tensor<4, Bool>) {
+pub fn left_padded_layout(
+    valid: &[Vec<bool>],
+    queries: usize,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<4, Bool>) {
     let batch = valid.len();
     let keys = valid.first().map_or(0, Vec::len);
     let mut positions = Vec::with_capacity(batch * queries);
