@@ -4,6 +4,7 @@ mod bench;
 mod convert;
 mod generate;
 mod score;
+mod train;
 
 use anyhow::{Result, bail};
 use burn::tensor::Device;
@@ -25,6 +26,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Supervised fine-tuning (loss on response tokens).
+    Sft(train::TrainArgs),
+    /// Train a reward model on preference pairs (Bradley–Terry).
+    Rm(train::TrainArgs),
     /// Generate responses to prompts.
     Generate(generate::GenerateArgs),
     /// Sequence log-probs of responses given prompts.
@@ -66,6 +71,8 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let device = device(&cli.device)?;
     match cli.command {
+        Command::Sft(args) => train::sft(args, &device),
+        Command::Rm(args) => train::rm(args, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
         Command::Convert(cmd) => convert::run(cmd),

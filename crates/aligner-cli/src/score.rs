@@ -26,6 +26,15 @@ pub struct ScoreArgs {
 
 pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     let dir = crate::model_dir(args.model.clone())?;
+    let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json"))?;
+    let is_classifier = config
+        .architectures
+        .iter()
+        .flatten()
+        .any(|a| a.ends_with("ForSequenceClassification"));
+    if is_classifier {
+        return score_rewards(&args, &dir, &config, device);
+    }
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
     let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
@@ -44,6 +53,55 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
             .zip(response_logprobs(&lm.model, chunk, chunk.len())?)
         {
             out.push(json!({"logprob": lp.total(), "n_tokens": seq.n_response_tokens()}));
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    crate::write_jsonl(args.out.as_deref(), &out)
+}
+
+/// Rewards (one output) or attributes (several) of a sequence-classifier folder.
+fn score_rewards(
+    args: &ScoreArgs,
+    dir: &std::path::Path,
+    config: &aligner_core::LlamaConfig,
+    device: &Device,
+) -> Result<()> {
+    let labels = aligner_core::reward::labels_of(config);
+    let outputs = labels.len().max(1);
+    let model = aligner_core::reward::RewardModel::load(dir, config, outputs, device)
+        .with_context(|| format!("loading reward model {}", dir.display()))?;
+    let tokenizer = aligner_core::TextTokenizer::from_dir(dir)?;
+    let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
+    let mut out = Vec::with_capacity(rows.len());
+    let bar = crate::progress(
+        rows.len() as u64,
+        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
+    );
+    for chunk in rows.chunks(args.batch_size.max(1)) {
+        let ids: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|r| tokenizer.encode(&format!("{}{}", r.prompt.render(&tokenizer)?, r.response), true))
+            .collect::<Result<_, _>>()?;
+        let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+        let tokens = aligner_core::score::pad_right(&refs, 0, device);
+        let values: Vec<f32> = model
+            .forward(tokens, &lengths)
+            .into_data()
+            .try_to_vec()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        for row in values.chunks(outputs) {
+            out.push(if outputs == 1 {
+                json!({"reward": row[0]})
+            } else {
+                let attrs: serde_json::Map<String, serde_json::Value> = labels
+                    .iter()
+                    .zip(row)
+                    .map(|(l, v)| (l.clone(), json!(v)))
+                    .collect();
+                json!({"attributes": attrs})
+            });
         }
         bar.inc(chunk.len() as u64);
     }

@@ -8,14 +8,14 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use burn::module::Param;
+use burn::module::{Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Device, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
-use crate::model::CausalLm;
+use crate::model::{CausalLm, LlamaModel};
 
 /// Files copied along with the weights when a model folder is saved.
 pub const TOKENIZER_FILES: &[&str] = &[
@@ -26,20 +26,20 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.model",
 ];
 
-/// One tensor of a model, under its HF name.
-enum Slot<'a> {
+/// One tensor-holding part of a model, under its HF name prefix.
+pub enum Slot<'a> {
     Linear(&'a mut Linear),
     Norm(&'a mut RmsNorm),
     Embedding(&'a mut Embedding),
 }
 
-/// Every tensor-holding part of `model` with its HF name prefix, in file order.
-fn slots<'a>(model: &'a mut CausalLm) -> Vec<(String, Slot<'a>)> {
+/// The parts of a decoder trunk with their HF name prefixes, in file order.
+pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
     let mut out = vec![(
         "model.embed_tokens".to_string(),
-        Slot::Embedding(&mut model.model.embed_tokens),
+        Slot::Embedding(&mut model.embed_tokens),
     )];
-    for (i, layer) in model.model.layers.iter_mut().enumerate() {
+    for (i, layer) in model.layers.iter_mut().enumerate() {
         let p = format!("model.layers.{i}");
         let attn = &mut layer.self_attn;
         let mlp = &mut layer.mlp;
@@ -59,7 +59,13 @@ fn slots<'a>(model: &'a mut CausalLm) -> Vec<(String, Slot<'a>)> {
         out.push((format!("{p}.mlp.up_proj"), Slot::Linear(&mut mlp.up_proj)));
         out.push((format!("{p}.mlp.down_proj"), Slot::Linear(&mut mlp.down_proj)));
     }
-    out.push(("model.norm".to_string(), Slot::Norm(&mut model.model.norm)));
+    out.push(("model.norm".to_string(), Slot::Norm(&mut model.norm)));
+    out
+}
+
+/// Every part of a causal LM: the trunk, then `lm_head` when untied.
+fn slots(model: &mut CausalLm) -> Vec<(String, Slot<'_>)> {
+    let mut out = trunk_slots(&mut model.model);
     if let Some(head) = model.lm_head.as_mut() {
         out.push(("lm_head".to_string(), Slot::Linear(head)));
     }
@@ -168,9 +174,20 @@ fn decode_f32(name: &str, dtype: Dtype, data: &[u8]) -> Result<Vec<f32>> {
     })
 }
 
-fn tensor_1d(values: Vec<f32>, device: &Device) -> Param<Tensor<1>> {
+/// A trainable parameter whose id is derived from its HF name, so the same checkpoint always
+/// yields the same ids and optimiser state saved against them re-attaches on resume.
+pub fn named_param<const D: usize>(name: &str, value: Tensor<D>) -> Param<Tensor<D>> {
+    // FNV-1a: stable across runs and platforms.
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let (_, value, mapper) = Param::from_tensor(value).consume();
+    Param::from_mapped_value(ParamId::from(hash), value, mapper)
+}
+
+fn tensor_1d(name: &str, values: Vec<f32>, device: &Device) -> Param<Tensor<1>> {
     let n = values.len();
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, [n]), device))
+    named_param(name, Tensor::from_data(TensorData::new(values, [n]), device))
 }
 
 fn tensor_2d(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Tensor<2> {
@@ -179,33 +196,44 @@ fn tensor_2d(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Tensor<2> 
 
 /// Loads the weights of a HF folder into a model built for `config`.
 pub fn load_causal_lm(dir: &Path, config: &LlamaConfig, device: &Device) -> Result<CausalLm> {
-    let files = TensorFiles::open(dir)?;
     let mut model = CausalLm::new(config, device);
+    load_slots(dir, config, slots(&mut model), device)?;
+    Ok(model)
+}
+
+/// Fills `slots` from the safetensors of `dir`; tensors the slots do not use are logged.
+pub fn load_slots(
+    dir: &Path,
+    config: &LlamaConfig,
+    slots: Vec<(String, Slot<'_>)>,
+    device: &Device,
+) -> Result<()> {
+    let files = TensorFiles::open(dir)?;
     let mut used = HashSet::new();
-    for (prefix, slot) in slots(&mut model) {
+    for (prefix, slot) in slots {
         match slot {
             Slot::Linear(linear) => {
                 let [d_in, d_out] = linear.weight.dims();
                 let name = format!("{prefix}.weight");
                 let hf = files.read(&name, &[d_out, d_in])?;
-                linear.weight = Param::from_tensor(tensor_2d(hf, [d_out, d_in], device).transpose());
+                linear.weight = named_param(&name, tensor_2d(hf, [d_out, d_in], device).transpose());
                 used.insert(name);
                 if linear.bias.is_some() {
                     let name = format!("{prefix}.bias");
-                    linear.bias = Some(tensor_1d(files.read(&name, &[d_out])?, device));
+                    linear.bias = Some(tensor_1d(&name, files.read(&name, &[d_out])?, device));
                     used.insert(name);
                 }
             }
             Slot::Norm(norm) => {
                 let name = format!("{prefix}.weight");
                 let [d] = norm.gamma.dims();
-                norm.gamma = tensor_1d(files.read(&name, &[d])?, device);
+                norm.gamma = tensor_1d(&name, files.read(&name, &[d])?, device);
                 used.insert(name);
             }
             Slot::Embedding(embedding) => {
                 let name = format!("{prefix}.weight");
                 let shape = embedding.weight.dims();
-                embedding.weight = Param::from_tensor(tensor_2d(files.read(&name, &shape)?, shape, device));
+                embedding.weight = named_param(&name, tensor_2d(files.read(&name, &shape)?, shape, device));
                 used.insert(name);
             }
         }
@@ -218,7 +246,7 @@ pub fn load_causal_lm(dir: &Path, config: &LlamaConfig, device: &Device) -> Resu
     if !unused.is_empty() {
         tracing::warn!(dir = %dir.display(), tensors = ?unused, "checkpoint tensors not used by the model");
     }
-    Ok(model)
+    Ok(())
 }
 
 /// Tensors some checkpoints carry that carry no information for us.
@@ -229,9 +257,14 @@ fn is_ignorable(name: &str, config: &LlamaConfig) -> bool {
 /// The model's tensors under HF names and layout, as `(name, shape, f32 values)`.
 pub fn hf_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut model = model.clone();
+    slot_tensors(slots(&mut model))
+}
+
+/// The tensors of `slots` under HF names and layout.
+pub fn slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut out = Vec::new();
     let values = |t: TensorData| t.try_to_vec::<f32>().expect("model tensors are f32");
-    for (prefix, slot) in slots(&mut model) {
+    for (prefix, slot) in slots {
         match slot {
             Slot::Linear(linear) => {
                 let w = linear.weight.val().transpose();

@@ -18,8 +18,12 @@ pub mod data;
 pub mod error;
 pub mod llama2c;
 pub mod model;
+pub mod reward;
+pub mod rm;
 pub mod score;
+pub mod sft;
 pub mod tokenizer;
+pub mod train;
 
 use std::path::{Path, PathBuf};
 
@@ -74,6 +78,11 @@ pub fn default_model_dir() -> Result<PathBuf> {
         }
     }
     Ok(dir)
+}
+
+/// The shipped sample data (`assets/tinystories_sentiment`) of the embedded defaults.
+pub fn default_data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tinystories_sentiment")
 }
 
 /// A model folder loaded into memory: configuration, weights and tokenizer.

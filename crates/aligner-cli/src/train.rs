@@ -1,0 +1,158 @@
+//! Training commands: `aligner sft` and `aligner rm`.
+
+use std::path::{Path, PathBuf};
+
+use aligner_core::rm::{RewardModelStore, RewardObjective, RmConfig, load_pairs};
+use aligner_core::sft::{CausalLmStore, SftConfig, SftObjective, load_sft_examples};
+use aligner_core::train::{
+    DataSection, ModelSection, RunSummary, TrainSection, Trainer, load_config, to_toml,
+};
+use aligner_core::{Device, LlamaConfig, LoadedModel, TextTokenizer};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Options every training command takes.
+#[derive(Args, Clone)]
+pub struct TrainArgs {
+    /// TOML configuration (default: the embedded default run).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override any key of the configuration, e.g. `--set train.max_steps=20`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Run folder.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its newest checkpoint, with its config.toml.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with = "config")]
+    resume: Option<PathBuf>,
+    /// Stop after this many optimizer steps as if interrupted (checkpoints stay resumable).
+    #[arg(long, hide = true)]
+    stop_after: Option<usize>,
+}
+
+/// The resolved configuration and run folder of a command.
+fn prepare<T: Serialize + DeserializeOwned + Default>(
+    args: &TrainArgs,
+    command: &str,
+) -> Result<(T, PathBuf)> {
+    let (config_file, out) = match &args.resume {
+        Some(run) => (Some(run.join("config.toml")), run.clone()),
+        None => (
+            args.config.clone(),
+            args.out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(command)),
+        ),
+    };
+    let config: T = load_config(&T::default(), config_file.as_deref(), &args.sets)?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating run folder {}", out.display()))?;
+    aligner_core::checkpoint::write_atomic(&out.join("config.toml"), to_toml(&config)?.as_bytes())?;
+    Ok((config, out))
+}
+
+fn model_dir(model: &ModelSection) -> Result<PathBuf> {
+    crate::model_dir(model.path.clone())
+}
+
+fn require(path: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
+    path.clone().with_context(|| format!("{key} is not set"))
+}
+
+fn check_lora(model: &ModelSection) -> Result<()> {
+    if model.lora_rank > 0 {
+        bail!(
+            "model.lora_rank = {}: LoRA training is not available yet; use 0 (full fine-tuning)",
+            model.lora_rank
+        );
+    }
+    Ok(())
+}
+
+fn report(summary: &RunSummary, out: &Path) {
+    if let Some(initial) = &summary.initial_eval {
+        tracing::info!(?initial, "validation before training");
+    }
+    tracing::info!(steps = summary.steps, eval = ?summary.final_eval, run = %out.display(), "finished; model in {}", summary.final_dir.display());
+}
+
+fn trainer_parts(data: &DataSection, train: &TrainSection) -> Result<(PathBuf, Option<PathBuf>)> {
+    if train.batch_size == 0 || train.grad_accum == 0 {
+        bail!("train.batch_size and train.grad_accum must be at least 1");
+    }
+    Ok((require(&data.train, "data.train")?, data.validation.clone()))
+}
+
+pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, out): (SftConfig, _) = prepare(&args, "sft")?;
+    check_lora(&config.model)?;
+    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
+    let dir = model_dir(&config.model)?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let train = load_sft_examples(&train_path, &lm.tokenizer, config.data.max_seq_len)?;
+    let validation = match &val_path {
+        Some(p) => load_sft_examples(p, &lm.tokenizer, config.data.max_seq_len)?,
+        None => Vec::new(),
+    };
+    tracing::info!(
+        train = train.len(),
+        validation = validation.len(),
+        params = lm.parameter_count(),
+        "SFT"
+    );
+    let store = CausalLmStore {
+        config: lm.config.clone(),
+        tokenizer_dir: dir.clone(),
+    };
+    let trainer = Trainer {
+        config: &config.train,
+        objective: &SftObjective,
+        store: &store,
+        train: &train,
+        validation: &validation,
+        out_dir: &out,
+        device: device.clone(),
+        stop_after: args.stop_after,
+    };
+    let (_, summary) = trainer.run(lm.model, args.resume.is_some())?;
+    report(&summary, &out);
+    Ok(())
+}
+
+pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, out): (RmConfig, _) = prepare(&args, "rm")?;
+    check_lora(&config.model)?;
+    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
+    let dir = model_dir(&config.model)?;
+    let llama = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let tokenizer = TextTokenizer::from_dir(&dir)?;
+    let model = aligner_core::reward::RewardModel::load(&dir, &llama, 1, device)
+        .with_context(|| format!("loading model {}", dir.display()))?;
+    let train = load_pairs(&train_path, &tokenizer, config.data.max_seq_len)?;
+    let validation = match &val_path {
+        Some(p) => load_pairs(p, &tokenizer, config.data.max_seq_len)?,
+        None => Vec::new(),
+    };
+    tracing::info!(train = train.len(), validation = validation.len(), "reward model");
+    let store = RewardModelStore {
+        config: llama,
+        labels: vec!["reward".into()],
+        tokenizer_dir: dir.clone(),
+    };
+    let trainer = Trainer {
+        config: &config.train,
+        objective: &RewardObjective,
+        store: &store,
+        train: &train,
+        validation: &validation,
+        out_dir: &out,
+        device: device.clone(),
+        stop_after: args.stop_after,
+    };
+    let (_, summary) = trainer.run(model, args.resume.is_some())?;
+    report(&summary, &out);
+    Ok(())
+}
