@@ -82,7 +82,9 @@ fn trainer_parts(data: &DataSection, train: &TrainSection) -> Result<(PathBuf, O
     if train.batch_size == 0 || train.grad_accum == 0 {
         bail!("train.batch_size and train.grad_accum must be at least 1");
     }
-    Ok((require(&data.train, "data.train")?, data.validation.clone()))
+    // An empty validation path (`--set data.validation=''`) turns validation off.
+    let validation = data.validation.clone().filter(|p| !p.as_os_str().is_empty());
+    Ok((require(&data.train, "data.train")?, validation))
 }
 
 pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
