@@ -19,9 +19,21 @@ pub enum ConvertCommand {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Merge a LoRA adapter folder (PEFT format) into its base model.
+    MergeLora {
+        /// Folder with adapter_config.json and adapter_model.safetensors.
+        #[arg(long)]
+        adapter: PathBuf,
+        /// Base model folder (default: the adapter's base_model_name_or_path).
+        #[arg(long)]
+        base: Option<PathBuf>,
+        /// Output folder for the merged model.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
-pub fn run(cmd: ConvertCommand) -> Result<()> {
+pub fn run(cmd: ConvertCommand, device: &aligner_core::Device) -> Result<()> {
     match cmd {
         ConvertCommand::Llama2c {
             input,
@@ -30,6 +42,11 @@ pub fn run(cmd: ConvertCommand) -> Result<()> {
         } => {
             let header = aligner_core::llama2c::convert(&input, tokenizer.as_deref(), &out)?;
             tracing::info!(?header, out = %out.display(), "converted llama2.c checkpoint");
+            Ok(())
+        }
+        ConvertCommand::MergeLora { adapter, base, out } => {
+            aligner_core::adapter::merge_adapter(&adapter, base.as_deref(), &out, device)?;
+            tracing::info!(out = %out.display(), "merged adapter into its base");
             Ok(())
         }
     }

@@ -75,7 +75,7 @@ fn main() -> Result<()> {
         Command::Rm(args) => train::rm(args, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
-        Command::Convert(cmd) => convert::run(cmd),
+        Command::Convert(cmd) => convert::run(cmd, &device),
         Command::Bench(cmd) => bench::run(cmd, &device),
     }
 }

@@ -2,12 +2,15 @@
 
 use std::path::{Path, PathBuf};
 
+use aligner_core::adapter::LoraStore;
+use aligner_core::model::LoraSpec;
 use aligner_core::rm::{RewardModelStore, RewardObjective, RmConfig, load_pairs};
 use aligner_core::sft::{CausalLmStore, SftConfig, SftObjective, load_sft_examples};
+use aligner_core::train::ModelStore;
 use aligner_core::train::{
     DataSection, ModelSection, RunSummary, TrainSection, Trainer, load_config, to_toml,
 };
-use aligner_core::{Device, LlamaConfig, LoadedModel, TextTokenizer};
+use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, TextTokenizer};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde::Serialize;
@@ -64,11 +67,21 @@ fn require(path: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
 fn check_lora(model: &ModelSection) -> Result<()> {
     if model.lora_rank > 0 {
         bail!(
-            "model.lora_rank = {}: LoRA training is not available yet; use 0 (full fine-tuning)",
+            "model.lora_rank = {}: LoRA for reward models is not available yet; use 0",
             model.lora_rank
         );
     }
     Ok(())
+}
+
+/// The LoRA settings of `[model]`, when `lora_rank > 0`.
+fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
+    (model.lora_rank > 0).then(|| LoraSpec {
+        rank: model.lora_rank,
+        alpha: model.lora_alpha,
+        dropout: model.lora_dropout,
+        targets: model.lora_targets.clone(),
+    })
 }
 
 fn report(summary: &RunSummary, out: &Path) {
@@ -89,7 +102,6 @@ fn trainer_parts(data: &DataSection, train: &TrainSection) -> Result<(PathBuf, O
 
 pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, out): (SftConfig, _) = prepare(&args, "sft")?;
-    check_lora(&config.model)?;
     let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
     let dir = model_dir(&config.model)?;
     let lm =
@@ -99,27 +111,35 @@ pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
         Some(p) => load_sft_examples(p, &lm.tokenizer, config.data.max_seq_len)?,
         None => Vec::new(),
     };
-    tracing::info!(
-        train = train.len(),
-        validation = validation.len(),
-        params = lm.parameter_count(),
-        "SFT"
-    );
-    let store = CausalLmStore {
-        config: lm.config.clone(),
-        tokenizer_dir: dir.clone(),
+    let mut model = lm.model;
+    let store: Box<dyn ModelStore<CausalLm>> = match lora_spec(&config.model) {
+        Some(spec) => {
+            let adapted = model.attach_lora(&spec, device);
+            let (trainable, total) = aligner_core::adapter::parameter_split(&model);
+            tracing::info!(adapted_layers = adapted, trainable, total, "LoRA");
+            Box::new(LoraStore {
+                config: lm.config.clone(),
+                base_dir: dir.clone(),
+                spec,
+            })
+        }
+        None => Box::new(CausalLmStore {
+            config: lm.config.clone(),
+            tokenizer_dir: dir.clone(),
+        }),
     };
+    tracing::info!(train = train.len(), validation = validation.len(), "SFT");
     let trainer = Trainer {
         config: &config.train,
         objective: &SftObjective,
-        store: &store,
+        store: store.as_ref(),
         train: &train,
         validation: &validation,
         out_dir: &out,
         device: device.clone(),
         stop_after: args.stop_after,
     };
-    let (_, summary) = trainer.run(lm.model, args.resume.is_some())?;
+    let (_, summary) = trainer.run(model, args.resume.is_some())?;
     report(&summary, &out);
     Ok(())
 }

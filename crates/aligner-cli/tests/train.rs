@@ -16,7 +16,10 @@ fn aligner(args: &[&str]) -> (bool, String) {
         .current_dir(repo())
         .output()
         .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn metrics(run: &Path) -> Vec<Value> {
@@ -37,22 +40,44 @@ fn sft_lowers_held_out_nll_and_writes_the_run_folder() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("sft");
     let (ok, err) = aligner(&[
-        "sft", "--out", run.to_str().unwrap(), "--set", "train.max_steps=50", "--set", "train.save_every=10",
-        "--set", "train.eval_every=0",
+        "sft",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=50",
+        "--set",
+        "train.save_every=10",
+        "--set",
+        "train.eval_every=0",
     ]);
     assert!(ok, "{err}");
     let rows = metrics(&run);
     let (base, trained) = first_and_last(&rows, "eval_nll");
     assert_eq!(rows[0]["step"], 0);
     assert!(trained < base - 0.1, "validation NLL {base} -> {trained}");
-    for file in ["config.toml", "metrics.svg", "final/config.json", "final/model.safetensors", "final/tokenizer.json",
-        "checkpoints/step-10/optimizer.bin", "checkpoints/step-20/trainer_state.json"] {
+    for file in [
+        "config.toml",
+        "metrics.svg",
+        "final/config.json",
+        "final/model.safetensors",
+        "final/tokenizer.json",
+        "checkpoints/step-10/optimizer.bin",
+        "checkpoints/step-20/trainer_state.json",
+    ] {
         assert!(run.join(file).exists(), "{file}");
     }
     let config = std::fs::read_to_string(run.join("config.toml")).unwrap();
     assert!(config.contains("max_steps = 50"), "{config}");
     // The trained folder is a model aligner itself loads and samples from.
-    let (ok, err) = aligner(&["generate", "--model", run.join("final").to_str().unwrap(), "--prompt", "Once", "--max-new-tokens", "8"]);
+    let (ok, err) = aligner(&[
+        "generate",
+        "--model",
+        run.join("final").to_str().unwrap(),
+        "--prompt",
+        "Once",
+        "--max-new-tokens",
+        "8",
+    ]);
     assert!(ok, "{err}");
 }
 
@@ -60,12 +85,21 @@ fn sft_lowers_held_out_nll_and_writes_the_run_folder() {
 fn reward_model_ranks_held_out_pairs_far_above_chance() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("rm");
-    let (ok, err) = aligner(&["rm", "--out", run.to_str().unwrap(), "--set", "train.max_steps=40", "--set", "train.eval_every=0"]);
+    let (ok, err) = aligner(&[
+        "rm",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=40",
+        "--set",
+        "train.eval_every=0",
+    ]);
     assert!(ok, "{err}");
     let rows = metrics(&run);
     let (_, accuracy) = first_and_last(&rows, "eval_accuracy");
     assert!(accuracy > 0.8, "held-out pair accuracy {accuracy}");
-    let config: Value = serde_json::from_str(&std::fs::read_to_string(run.join("final/config.json")).unwrap()).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("final/config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "LlamaForSequenceClassification");
     // `aligner score` on a reward-model folder prints rewards; chosen outscores rejected.
     let pairs = std::fs::read_to_string(repo().join("assets/tinystories_sentiment/test.pref.jsonl")).unwrap();
@@ -80,13 +114,24 @@ fn reward_model_ranks_held_out_pairs_far_above_chance() {
     let input = dir.path().join("pairs.jsonl");
     std::fs::write(&input, data).unwrap();
     let scored = dir.path().join("rewards.jsonl");
-    let (ok, err) = aligner(&["score", "--model", run.join("final").to_str().unwrap(), "--data", input.to_str().unwrap(),
-        "--out", scored.to_str().unwrap()]);
+    let (ok, err) = aligner(&[
+        "score",
+        "--model",
+        run.join("final").to_str().unwrap(),
+        "--data",
+        input.to_str().unwrap(),
+        "--out",
+        scored.to_str().unwrap(),
+    ]);
     assert!(ok, "{err}");
     let rewards: Vec<f64> = std::fs::read_to_string(scored)
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["reward"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["reward"]
+                .as_f64()
+                .unwrap()
+        })
         .collect();
     let wins = rewards.chunks(2).filter(|p| p[0] > p[1]).count();
     assert!(wins >= 7, "chosen won {wins} of 10");
@@ -96,8 +141,20 @@ fn reward_model_ranks_held_out_pairs_far_above_chance() {
 fn a_resumed_run_writes_the_same_metrics_as_an_uninterrupted_one() {
     let dir = tempfile::tempdir().unwrap();
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
-    let common = ["--set", "train.max_steps=12", "--set", "train.save_every=4", "--set", "train.eval_every=6",
-        "--set", "train.batch_size=4", "--set", "train.grad_accum=2", "--set", "train.eval_examples=16"];
+    let common = [
+        "--set",
+        "train.max_steps=12",
+        "--set",
+        "train.save_every=4",
+        "--set",
+        "train.eval_every=6",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.grad_accum=2",
+        "--set",
+        "train.eval_examples=16",
+    ];
     let run = |out: &Path, extra: &[&str]| {
         let mut args = vec!["sft", "--out", out.to_str().unwrap()];
         args.extend(common);
@@ -122,8 +179,21 @@ fn a_resumed_run_writes_the_same_metrics_as_an_uninterrupted_one() {
 fn a_diverging_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("nan");
-    let (ok, err) = aligner(&["sft", "--out", run.to_str().unwrap(), "--set", "train.lr=1e30", "--set", "train.max_grad_norm=0",
-        "--set", "train.max_steps=20", "--set", "train.save_every=1", "--set", "train.eval_every=0"]);
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.max_grad_norm=0",
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.save_every=1",
+        "--set",
+        "train.eval_every=0",
+    ]);
     assert!(!ok);
     assert!(err.contains("loss is"), "{err}");
     assert!(run.join("checkpoints/step-1/trainer_state.json").exists());
@@ -138,8 +208,18 @@ fn bad_configs_and_data_are_named_before_training() {
     assert!(!ok);
     assert!(err.contains("lrr"), "{err}");
     let bad = dir.path().join("bad.jsonl");
-    std::fs::write(&bad, "{\"prompt\": \"a\", \"response\": \"b\"}\n{\"prompt\": \"a\", \"respons\": 1}\n").unwrap();
-    let (ok, err) = aligner(&["sft", "--out", out.to_str().unwrap(), "--set", &format!("data.train={}", bad.display())]);
+    std::fs::write(
+        &bad,
+        "{\"prompt\": \"a\", \"response\": \"b\"}\n{\"prompt\": \"a\", \"respons\": 1}\n",
+    )
+    .unwrap();
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        &format!("data.train={}", bad.display()),
+    ]);
     assert!(!ok);
     assert!(err.contains("bad.jsonl:2"), "{err}");
     assert!(!out.join("metrics.jsonl").exists());
@@ -151,8 +231,67 @@ fn example_configs_parse_and_run() {
     for command in ["sft", "rm"] {
         let out = dir.path().join(command);
         let config = repo().join("configs").join(format!("{command}.toml"));
-        let (ok, err) = aligner(&[command, "--config", config.to_str().unwrap(), "--out", out.to_str().unwrap(),
-            "--set", "train.max_steps=2", "--set", "data.validation=''"]);
+        let (ok, err) = aligner(&[
+            command,
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "data.validation=''",
+        ]);
         assert!(ok, "{command}: {err}");
     }
+}
+
+#[test]
+fn lora_sft_improves_and_its_adapter_merges_into_the_saved_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("lora");
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "model.lora_rank=8",
+        "--set",
+        "model.lora_targets=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]",
+        "--set",
+        "train.lr=5e-3",
+        "--set",
+        "train.max_steps=50",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=0",
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("trainable"), "{err}");
+    let (base, trained) = first_and_last(&metrics(&run), "eval_nll");
+    assert!(trained < base - 0.08, "LoRA validation NLL {base} -> {trained}");
+    let final_dir = run.join("final");
+    for file in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "model.safetensors",
+        "config.json",
+    ] {
+        assert!(final_dir.join(file).exists(), "{file}");
+    }
+    let merged = dir.path().join("merged");
+    let (ok, err) = aligner(&[
+        "convert",
+        "merge-lora",
+        "--adapter",
+        final_dir.to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        std::fs::read(merged.join("model.safetensors")).unwrap(),
+        std::fs::read(final_dir.join("model.safetensors")).unwrap()
+    );
 }

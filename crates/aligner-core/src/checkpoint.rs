@@ -47,17 +47,35 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
             format!("{p}.input_layernorm"),
             Slot::Norm(&mut layer.input_layernorm),
         ));
-        out.push((format!("{p}.self_attn.q_proj"), Slot::Linear(&mut attn.q_proj)));
-        out.push((format!("{p}.self_attn.k_proj"), Slot::Linear(&mut attn.k_proj)));
-        out.push((format!("{p}.self_attn.v_proj"), Slot::Linear(&mut attn.v_proj)));
-        out.push((format!("{p}.self_attn.o_proj"), Slot::Linear(&mut attn.o_proj)));
+        out.push((
+            format!("{p}.self_attn.q_proj"),
+            Slot::Linear(&mut attn.q_proj.base),
+        ));
+        out.push((
+            format!("{p}.self_attn.k_proj"),
+            Slot::Linear(&mut attn.k_proj.base),
+        ));
+        out.push((
+            format!("{p}.self_attn.v_proj"),
+            Slot::Linear(&mut attn.v_proj.base),
+        ));
+        out.push((
+            format!("{p}.self_attn.o_proj"),
+            Slot::Linear(&mut attn.o_proj.base),
+        ));
         out.push((
             format!("{p}.post_attention_layernorm"),
             Slot::Norm(&mut layer.post_attention_layernorm),
         ));
-        out.push((format!("{p}.mlp.gate_proj"), Slot::Linear(&mut mlp.gate_proj)));
-        out.push((format!("{p}.mlp.up_proj"), Slot::Linear(&mut mlp.up_proj)));
-        out.push((format!("{p}.mlp.down_proj"), Slot::Linear(&mut mlp.down_proj)));
+        out.push((
+            format!("{p}.mlp.gate_proj"),
+            Slot::Linear(&mut mlp.gate_proj.base),
+        ));
+        out.push((format!("{p}.mlp.up_proj"), Slot::Linear(&mut mlp.up_proj.base)));
+        out.push((
+            format!("{p}.mlp.down_proj"),
+            Slot::Linear(&mut mlp.down_proj.base),
+        ));
     }
     out.push(("model.norm".to_string(), Slot::Norm(&mut model.norm)));
     out

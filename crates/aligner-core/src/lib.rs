@@ -12,6 +12,7 @@
 //! println!("{} tokens, {} parameters", ids.len(), lm.parameter_count());
 //! ```
 
+pub mod adapter;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

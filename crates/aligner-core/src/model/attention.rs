@@ -1,22 +1,23 @@
 //! Grouped-query self-attention with rotary embeddings and an optional KV cache.
 
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::LinearConfig;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Tensor};
 
 use super::cache::LayerCache;
+use super::lora::LoraLinear;
 use super::rope::RotaryAngles;
 use crate::config::LlamaConfig;
 
 /// `softmax(QKᵀ/√d + mask)·V` over `n_heads` query heads sharing `n_kv_heads` key/value heads.
 #[derive(Module, Debug)]
 pub struct Attention {
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
-    pub o_proj: Linear,
+    pub q_proj: LoraLinear,
+    pub k_proj: LoraLinear,
+    pub v_proj: LoraLinear,
+    pub o_proj: LoraLinear,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -28,7 +29,8 @@ impl Attention {
         let head_dim = config.head_dim();
         let (n_heads, n_kv_heads) = (config.num_attention_heads, config.num_kv_heads());
         let qkv_bias = config.qkv_bias();
-        let proj = |d_in, d_out, bias| LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
+        let proj =
+            |d_in, d_out, bias| LoraLinear::from(LinearConfig::new(d_in, d_out).with_bias(bias).init(device));
         Self {
             q_proj: proj(hidden, n_heads * head_dim, qkv_bias),
             k_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
@@ -53,7 +55,7 @@ impl Attention {
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
-        let heads = |proj: &Linear, n: usize| {
+        let heads = |proj: &LoraLinear, n: usize| {
             proj.forward(x.clone())
                 .reshape([batch, seq, n, self.head_dim])
                 .swap_dims(1, 2)

@@ -1,27 +1,29 @@
 //! One pre-norm decoder block: attention and a SwiGLU MLP, each with a residual.
 
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use burn::nn::{LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Bool, Device, Tensor};
 
 use super::attention::Attention;
 use super::cache::LayerCache;
+use super::lora::LoraLinear;
 use super::rope::RotaryAngles;
 use crate::config::LlamaConfig;
 
 /// `down(silu(gate(x)) ⊙ up(x))`.
 #[derive(Module, Debug)]
 pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
+    pub gate_proj: LoraLinear,
+    pub up_proj: LoraLinear,
+    pub down_proj: LoraLinear,
 }
 
 impl Mlp {
     pub fn new(config: &LlamaConfig, device: &Device) -> Self {
         let (h, f, bias) = (config.hidden_size, config.intermediate_size, config.mlp_bias());
-        let proj = |d_in, d_out| LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
+        let proj =
+            |d_in, d_out| LoraLinear::from(LinearConfig::new(d_in, d_out).with_bias(bias).init(device));
         Self {
             gate_proj: proj(h, f),
             up_proj: proj(h, f),

@@ -8,6 +8,7 @@
 mod attention;
 mod cache;
 mod layer;
+mod lora;
 mod rope;
 
 use burn::module::Module;
@@ -17,6 +18,7 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 pub use attention::Attention;
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
+pub use lora::{LoraAdapter, LoraLinear};
 pub use rope::{Rope, RotaryAngles, inverse_frequencies};
 
 use crate::config::LlamaConfig;
@@ -122,6 +124,85 @@ impl CausalLm {
         let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
         let targets = tokens.narrow(1, 1, seq - 1);
         token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
+    }
+}
+
+/// LoRA settings: rank, `alpha`, dropout on the adapter input, and the projection names
+/// (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`) to adapt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<String>,
+}
+
+/// The seven projections of every layer with their HF prefixes.
+pub fn projections(model: &mut LlamaModel) -> Vec<(String, &mut LoraLinear)> {
+    let mut out = Vec::new();
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        let p = format!("model.layers.{i}");
+        let attn = &mut layer.self_attn;
+        out.push((format!("{p}.self_attn.q_proj"), &mut attn.q_proj));
+        out.push((format!("{p}.self_attn.k_proj"), &mut attn.k_proj));
+        out.push((format!("{p}.self_attn.v_proj"), &mut attn.v_proj));
+        out.push((format!("{p}.self_attn.o_proj"), &mut attn.o_proj));
+        let mlp = &mut layer.mlp;
+        out.push((format!("{p}.mlp.gate_proj"), &mut mlp.gate_proj));
+        out.push((format!("{p}.mlp.up_proj"), &mut mlp.up_proj));
+        out.push((format!("{p}.mlp.down_proj"), &mut mlp.down_proj));
+    }
+    out
+}
+
+impl LlamaModel {
+    /// Freezes every weight of the trunk and attaches adapters to the targeted projections.
+    /// Returns the number of adapted layers.
+    pub fn attach_lora(&mut self, spec: &LoraSpec, device: &Device) -> usize {
+        *self = self.clone().no_grad();
+        let mut adapted = 0;
+        for (name, layer) in projections(self) {
+            let short = name.rsplit('.').next().unwrap_or_default();
+            if spec.targets.iter().any(|t| t == short) {
+                layer.attach(&name, spec.rank, spec.alpha, spec.dropout, device);
+                adapted += 1;
+            }
+        }
+        adapted
+    }
+
+    /// Switches every adapter on or off (off = the frozen base model).
+    pub fn set_adapters_enabled(&mut self, enabled: bool) {
+        for (_, layer) in projections(self) {
+            layer.adapter_enabled = enabled;
+        }
+    }
+
+    /// A copy with every adapter folded into its base weight.
+    pub fn merged(&self) -> Self {
+        let mut out = self.clone();
+        for (_, layer) in projections(&mut out) {
+            *layer = LoraLinear::from(layer.merged());
+        }
+        out
+    }
+}
+
+impl CausalLm {
+    /// Freezes the whole model (embeddings, norms, head included) and attaches adapters.
+    pub fn attach_lora(&mut self, spec: &LoraSpec, device: &Device) -> usize {
+        if let Some(head) = self.lm_head.take() {
+            self.lm_head = Some(head.no_grad());
+        }
+        self.model.attach_lora(spec, device)
+    }
+
+    /// A copy with adapters folded in.
+    pub fn merged(&self) -> Self {
+        Self {
+            model: self.model.merged(),
+            lm_head: self.lm_head.clone(),
+        }
     }
 }
 

@@ -1,0 +1,207 @@
+//! LoRA adapters in PEFT's format: `adapter_model.safetensors`
+//! (`base_model.model.<layer>.lora_A.weight` `[r, in]`, `lora_B.weight` `[out, r]`) and
+//! `adapter_config.json`; merging an adapter into its base.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Tensor, TensorData};
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{load_causal_lm, named_param, save_causal_lm, write_atomic, write_safetensors};
+use crate::config::LlamaConfig;
+use crate::error::{CoreError, Result};
+use crate::model::{CausalLm, LoraSpec, projections};
+use crate::train::ModelStore;
+
+const PREFIX: &str = "base_model.model.";
+
+/// The fields of PEFT's `adapter_config.json` that aligner writes and reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdapterConfig {
+    pub peft_type: String,
+    pub task_type: String,
+    pub r: usize,
+    pub lora_alpha: f64,
+    pub lora_dropout: f64,
+    pub target_modules: Vec<String>,
+    pub bias: String,
+    pub fan_in_fan_out: bool,
+    pub inference_mode: bool,
+    #[serde(default)]
+    pub base_model_name_or_path: Option<String>,
+}
+
+impl AdapterConfig {
+    pub fn new(spec: &LoraSpec, base: Option<&Path>) -> Self {
+        Self {
+            peft_type: "LORA".into(),
+            task_type: "CAUSAL_LM".into(),
+            r: spec.rank,
+            lora_alpha: spec.alpha,
+            lora_dropout: spec.dropout,
+            target_modules: spec.targets.clone(),
+            bias: "none".into(),
+            fan_in_fan_out: false,
+            inference_mode: true,
+            base_model_name_or_path: base.map(|p| p.display().to_string()),
+        }
+    }
+
+    pub fn spec(&self) -> LoraSpec {
+        LoraSpec {
+            rank: self.r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets: self.target_modules.clone(),
+        }
+    }
+}
+
+/// The adapter tensors of `model` under PEFT names and layout.
+pub fn adapter_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut model = model.clone();
+    let mut out = Vec::new();
+    let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().expect("f32");
+    for (name, layer) in projections(&mut model.model) {
+        if let Some(lora) = &layer.lora {
+            let a = lora.a.val().transpose();
+            let b = lora.b.val().transpose();
+            out.push((
+                format!("{PREFIX}{name}.lora_A.weight"),
+                a.dims().to_vec(),
+                values(a),
+            ));
+            out.push((
+                format!("{PREFIX}{name}.lora_B.weight"),
+                b.dims().to_vec(),
+                values(b),
+            ));
+        }
+    }
+    out
+}
+
+/// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir`.
+pub fn save_adapter(model: &CausalLm, spec: &LoraSpec, base: Option<&Path>, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+    write_safetensors(&dir.join("adapter_model.safetensors"), &adapter_tensors(model))?;
+    let config = serde_json::to_string_pretty(&AdapterConfig::new(spec, base)).expect("serialises");
+    write_atomic(&dir.join("adapter_config.json"), config.as_bytes())
+}
+
+/// Reads `adapter_config.json` of an adapter folder.
+pub fn read_adapter_config(dir: &Path) -> Result<AdapterConfig> {
+    let path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| CoreError::io(&path, e))?;
+    let config: AdapterConfig = serde_json::from_str(&text).map_err(|source| CoreError::Json {
+        path: path.clone(),
+        source,
+    })?;
+    if config.peft_type != "LORA" {
+        return Err(CoreError::Config {
+            path,
+            message: format!("peft_type {:?} is not supported (LORA)", config.peft_type),
+        });
+    }
+    Ok(config)
+}
+
+/// Attaches the adapter of `dir` to `model` (freezing the rest), with its trained factors.
+pub fn load_adapter(model: &mut CausalLm, dir: &Path, device: &Device) -> Result<LoraSpec> {
+    let spec = read_adapter_config(dir)?.spec();
+    model.attach_lora(&spec, device);
+    let path = dir.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| CoreError::Safetensors {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    let read = |name: &str, rows: usize, cols: usize| -> Result<Tensor<2>> {
+        let view = file
+            .tensor(&format!("{PREFIX}{name}"))
+            .map_err(|_| CoreError::MissingTensor {
+                name: format!("{PREFIX}{name}"),
+                dir: dir.to_path_buf(),
+            })?;
+        if view.shape() != [rows, cols] {
+            return Err(CoreError::ShapeMismatch {
+                name: name.to_string(),
+                expected: vec![rows, cols],
+                found: view.shape().to_vec(),
+            });
+        }
+        let values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Tensor::<2>::from_data(TensorData::new(values, [rows, cols]), device).transpose())
+    };
+    for (name, layer) in projections(&mut model.model) {
+        if let Some(lora) = layer.lora.as_mut() {
+            let [d_in, r] = lora.a.dims();
+            let [_, d_out] = lora.b.dims();
+            lora.a = named_param(
+                &format!("{name}.lora_A.weight"),
+                read(&format!("{name}.lora_A.weight"), r, d_in)?,
+            );
+            lora.b = named_param(
+                &format!("{name}.lora_B.weight"),
+                read(&format!("{name}.lora_B.weight"), d_out, r)?,
+            );
+        }
+    }
+    Ok(spec)
+}
+
+/// Merges the adapter in `adapter_dir` into the model in `base_dir` (default: the adapter
+/// config's `base_model_name_or_path`) and saves a plain HF folder to `out`.
+pub fn merge_adapter(adapter_dir: &Path, base_dir: Option<&Path>, out: &Path, device: &Device) -> Result<()> {
+    let config = read_adapter_config(adapter_dir)?;
+    let base: PathBuf = match (base_dir, &config.base_model_name_or_path) {
+        (Some(b), _) => b.to_path_buf(),
+        (None, Some(b)) => PathBuf::from(b),
+        (None, None) => {
+            return Err(CoreError::Invalid(format!(
+                "{}: no base_model_name_or_path; give the base model folder",
+                adapter_dir.display()
+            )));
+        }
+    };
+    let llama = LlamaConfig::from_file(&base.join("config.json"))?;
+    let mut model = load_causal_lm(&base, &llama, device)?;
+    load_adapter(&mut model, adapter_dir, device)?;
+    save_causal_lm(&model.merged(), &llama, out, Some(&base))
+}
+
+/// The run-folder store of a LoRA run: each checkpoint and `final/` hold the PEFT adapter and
+/// the merged model; loading rebuilds base + adapter.
+pub struct LoraStore {
+    pub config: LlamaConfig,
+    pub base_dir: PathBuf,
+    pub spec: LoraSpec,
+}
+
+impl ModelStore<CausalLm> for LoraStore {
+    fn save(&self, model: &CausalLm, dir: &Path) -> Result<()> {
+        save_causal_lm(&model.merged(), &self.config, dir, Some(&self.base_dir))?;
+        save_adapter(model, &self.spec, Some(&self.base_dir), dir)
+    }
+
+    fn load(&self, dir: &Path, device: &Device) -> Result<CausalLm> {
+        let mut model = load_causal_lm(&self.base_dir, &self.config, device)?;
+        load_adapter(&mut model, dir, device)?;
+        Ok(model)
+    }
+}
+
+/// Counts trainable (adapter) and total parameters.
+pub fn parameter_split(model: &CausalLm) -> (usize, usize) {
+    let adapters: usize = adapter_tensors(model)
+        .iter()
+        .map(|(_, s, _)| s.iter().product::<usize>())
+        .sum();
+    let total = crate::model::parameter_count(model);
+    (adapters, total)
+}
