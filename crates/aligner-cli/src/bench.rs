@@ -20,6 +20,16 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+    /// SFT training tokens/s (forward + backward + AdamW step) at batch × seq tokens per step.
+    Train {
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Timed steps after one warm-up step.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
     /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
     Generate {
         #[arg(long, default_value_t = 64)]
@@ -53,6 +63,7 @@ fn models(device: &Device) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
 pub fn run(cmd: BenchCommand, device: &Device) -> Result<()> {
     match cmd {
         BenchCommand::Forward { batch, seq, iters } => forward(device, batch, seq, iters),
+        BenchCommand::Train { batch, seq, steps } => train(device, batch, seq, steps),
         BenchCommand::Generate {
             prompts,
             new_tokens,
@@ -130,6 +141,48 @@ fn generate(device: &Device, prompts: usize, new_tokens: usize, batch_sizes: &[u
                 secs / steps as f64 * 1e3
             );
         }
+    }
+    Ok(())
+}
+
+fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> {
+    use aligner_core::sft::{SftExample, SftObjective};
+    use aligner_core::train::Objective;
+    use burn::module::Module;
+    use burn::optim::{AdamWConfig, GradientsParams};
+
+    println!("| model | params | batch × seq | ms / step | tokens/s |");
+    println!("|---|---:|---:|---:|---:|");
+    let train_device = device.clone().autodiff();
+    for (name, config, model) in models(device)? {
+        let examples: Vec<SftExample> = (0..batch)
+            .map(|b| SftExample {
+                ids: (0..seq)
+                    .map(|t| 1 + ((b * 131 + t * 37) % (config.vocab_size - 1)) as u32)
+                    .collect(),
+                trained: (0..seq).map(|t| t > 0).collect(),
+            })
+            .collect();
+        let refs: Vec<&SftExample> = examples.iter().collect();
+        let mut model = model.fork(&train_device).train();
+        let mut optim = AdamWConfig::new().init();
+        let mut step = |model: CausalLm| -> Result<CausalLm> {
+            let out = SftObjective.step(&model, &refs)?;
+            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+            Ok(optim.step(1e-4, model, grads))
+        };
+        model = step(model)?;
+        let start = Instant::now();
+        for _ in 0..steps.max(1) {
+            model = step(model)?;
+        }
+        let per = start.elapsed().as_secs_f64() / steps.max(1) as f64;
+        println!(
+            "| {name} | {} | {batch} × {seq} | {:.1} | {:.0} |",
+            parameter_count(&model),
+            per * 1e3,
+            (batch * seq) as f64 / per
+        );
     }
     Ok(())
 }
