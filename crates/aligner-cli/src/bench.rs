@@ -161,6 +161,7 @@ fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> 
                     .map(|t| 1 + ((b * 131 + t * 37) % (config.vocab_size - 1)) as u32)
                     .collect(),
                 trained: (0..seq).map(|t| t > 0).collect(),
+                starts: vec![0],
             })
             .collect();
         let refs: Vec<&SftExample> = examples.iter().collect();

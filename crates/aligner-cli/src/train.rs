@@ -106,7 +106,12 @@ pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
     let dir = model_dir(&config.model)?;
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
-    let train = load_sft_examples(&train_path, &lm.tokenizer, config.data.max_seq_len)?;
+    let mut train = load_sft_examples(&train_path, &lm.tokenizer, config.data.max_seq_len)?;
+    if config.sft.packing {
+        let sequences = train.len();
+        train = aligner_core::sft::pack_examples(train, config.data.max_seq_len);
+        tracing::info!(sequences, rows = train.len(), "packed");
+    }
     let validation = match &val_path {
         Some(p) => load_sft_examples(p, &lm.tokenizer, config.data.max_seq_len)?,
         None => Vec::new(),

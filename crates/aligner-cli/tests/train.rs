@@ -244,6 +244,22 @@ fn example_configs_parse_and_run() {
         ]);
         assert!(ok, "{command}: {err}");
     }
+    let out = dir.path().join("packed");
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        "sft.packing=true",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "data.validation=''",
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("packed"), "{err}");
 }
 
 #[test]

@@ -23,10 +23,13 @@ pub enum SftRow {
 }
 
 /// A tokenized example: `ids`, and for each position whether that token is trained on.
+/// A packed example holds several sequences; `starts` lists where each one begins.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SftExample {
     pub ids: Vec<u32>,
     pub trained: Vec<bool>,
+    #[serde(default)]
+    pub starts: Vec<usize>,
 }
 
 impl SftExample {
@@ -69,13 +72,47 @@ impl SftExample {
                 ids.len()
             )));
         }
-        Ok(Self { ids, trained })
+        Ok(Self {
+            ids,
+            trained,
+            starts: vec![0],
+        })
+    }
+
+    /// Sequence index of each token (for packed rows).
+    fn segments(&self) -> Vec<usize> {
+        let mut seg = Vec::with_capacity(self.ids.len());
+        let mut current = 0;
+        for t in 0..self.ids.len() {
+            if t > 0 && self.starts.contains(&t) {
+                current += 1;
+            }
+            seg.push(current);
+        }
+        seg
     }
 
     /// Tokens that count in the loss.
     pub fn n_trained(&self) -> usize {
         self.trained.iter().filter(|&&t| t).count()
     }
+}
+
+/// Packs examples, in order, into rows of at most `max_len` tokens (sequence packing): fewer
+/// padding tokens per batch, with attention kept inside each sequence.
+pub fn pack_examples(examples: Vec<SftExample>, max_len: usize) -> Vec<SftExample> {
+    let mut rows: Vec<SftExample> = Vec::new();
+    for ex in examples {
+        match rows.last_mut() {
+            Some(row) if row.ids.len() + ex.ids.len() <= max_len => {
+                row.starts.push(row.ids.len());
+                row.ids.extend(ex.ids);
+                row.trained.extend(ex.trained);
+            }
+            _ => rows.push(ex),
+        }
+    }
+    rows
 }
 
 /// Tokenizes a whole file, reporting the first bad line with file and line number.
@@ -114,7 +151,21 @@ fn masked_logprobs(
     }
     let n: usize = batch.iter().map(|e| e.n_trained()).sum();
     let mask = Tensor::<2>::from_data(TensorData::new(mask, [b, width - 1]), device);
-    (model.token_logprobs(tokens), mask, n)
+    let logprobs = if batch.iter().any(|e| e.starts.len() > 1) {
+        let segments: Vec<Vec<Option<usize>>> = batch
+            .iter()
+            .map(|e| {
+                let mut s: Vec<Option<usize>> = e.segments().into_iter().map(Some).collect();
+                s.resize(width, None);
+                s
+            })
+            .collect();
+        let (positions, attention) = crate::model::packed_layout(&segments, device);
+        model.token_logprobs_with(tokens, &positions, Some(&attention))
+    } else {
+        model.token_logprobs(tokens)
+    };
+    (logprobs, mask, n)
 }
 
 /// The SFT objective: mean NLL over trained tokens.
@@ -167,13 +218,22 @@ impl ModelStore<CausalLm> for CausalLmStore {
     }
 }
 
-/// `aligner sft` configuration: the shared sections.
+/// `[sft]`: options of supervised fine-tuning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftSection {
+    /// Pack several training sequences into each row of `data.max_seq_len` tokens.
+    pub packing: bool,
+}
+
+/// `aligner sft` configuration: the shared sections and `[sft]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SftConfig {
     pub model: crate::train::ModelSection,
     pub data: crate::train::DataSection,
     pub train: crate::train::TrainSection,
+    pub sft: SftSection,
 }
 
 impl Default for SftConfig {
@@ -198,6 +258,7 @@ impl Default for SftConfig {
                 save_every: 25,
                 ..Default::default()
             },
+            sft: SftSection::default(),
         }
     }
 }

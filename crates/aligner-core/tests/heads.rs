@@ -101,3 +101,29 @@ fn multi_output_head_saves_with_named_labels_and_reloads() {
         assert!((x - y).abs() < 1e-5);
     }
 }
+
+#[test]
+fn packed_rows_score_each_sequence_as_if_alone() {
+    use aligner_core::sft::{SftObjective, pack_examples};
+    use aligner_core::train::Objective;
+    let device = Device::flex();
+    let lm = LoadedModel::from_dir(&shipped_dir(), &device).unwrap();
+    let path = shipped_dir().join("../tinystories_sentiment/test.sft.jsonl");
+    let examples = aligner_core::sft::load_sft_examples(&path, &lm.tokenizer, 256).unwrap()[..6].to_vec();
+    let packed = pack_examples(examples.clone(), 256);
+    assert!(packed.len() < examples.len(), "{} rows", packed.len());
+    let total = |batch: Vec<&SftExample>| -> (f64, f64) {
+        let sums = SftObjective.evaluate(&lm.model, &batch).unwrap();
+        (sums[0].sum, sums[0].weight)
+    };
+    let (alone, n_alone) = examples
+        .iter()
+        .map(|e| total(vec![e]))
+        .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let (together, n_together) = total(packed.iter().collect());
+    assert_eq!(n_alone, n_together);
+    assert!(
+        (alone - together).abs() < 1e-3 * n_alone,
+        "packed NLL {together} vs separate {alone}"
+    );
+}

@@ -119,9 +119,20 @@ impl CausalLm {
     /// once. Differentiable. Positions after a sequence's end (right padding) are computed but
     /// meaningless; callers mask them.
     pub fn token_logprobs(&self, tokens: Tensor<2, Int>) -> Tensor<2> {
-        let [batch, seq] = tokens.dims();
         let positions = default_positions(&tokens);
-        let hidden = self.model.forward(tokens.clone(), &positions, None, None);
+        self.token_logprobs_with(tokens, &positions, None)
+    }
+
+    /// [`CausalLm::token_logprobs`] with explicit positions and attention mask (`true` =
+    /// hidden), e.g. for packed rows holding several sequences.
+    pub fn token_logprobs_with(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, Bool>>,
+    ) -> Tensor<2> {
+        let [batch, seq] = tokens.dims();
+        let hidden = self.model.forward(tokens.clone(), positions, mask, None);
         let [_, _, d] = hidden.dims();
         let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
         let targets = tokens.narrow(1, 1, seq - 1);
@@ -248,6 +259,34 @@ pub fn left_padded_layout(
     (
         Tensor::from_data(TensorData::new(positions, [batch, queries]), device),
         Tensor::from_data(TensorData::new(mask, [batch, 1, queries, keys]), device),
+    )
+}
+
+/// Positions and block-diagonal causal mask for rows packing several sequences: `segments[b][t]`
+/// is the sequence index of token `t` of row `b` (`None` for padding). Positions restart at 0
+/// for each sequence; a token sees only earlier tokens of its own sequence (padding sees itself).
+pub fn packed_layout(segments: &[Vec<Option<usize>>], device: &Device) -> (Tensor<2, Int>, Tensor<4, Bool>) {
+    let batch = segments.len();
+    let len = segments.first().map_or(0, Vec::len);
+    let mut positions = Vec::with_capacity(batch * len);
+    let mut mask = Vec::with_capacity(batch * len * len);
+    for row in segments {
+        let mut pos = 0i64;
+        for t in 0..len {
+            pos = if t > 0 && row[t].is_some() && row[t] == row[t - 1] {
+                pos + 1
+            } else {
+                0
+            };
+            positions.push(pos);
+        }
+        for q in 0..len {
+            mask.extend((0..len).map(|k| !(k == q || (k < q && row[k].is_some() && row[k] == row[q]))));
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(positions, [batch, len]), device),
+        Tensor::from_data(TensorData::new(mask, [batch, 1, len, len]), device),
     )
 }
 
