@@ -2,8 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use aligner_core::adapter::LoraStore;
+use aligner_core::adapter::{LoraStore, RewardLoraStore};
 use aligner_core::model::LoraSpec;
+use aligner_core::reward::RewardModel;
 use aligner_core::rm::{RewardModelStore, RewardObjective, RmConfig, load_pairs};
 use aligner_core::sft::{CausalLmStore, SftConfig, SftObjective, load_sft_examples};
 use aligner_core::train::ModelStore;
@@ -62,16 +63,6 @@ fn model_dir(model: &ModelSection) -> Result<PathBuf> {
 
 fn require(path: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
     path.clone().with_context(|| format!("{key} is not set"))
-}
-
-fn check_lora(model: &ModelSection) -> Result<()> {
-    if model.lora_rank > 0 {
-        bail!(
-            "model.lora_rank = {}: LoRA for reward models is not available yet; use 0",
-            model.lora_rank
-        );
-    }
-    Ok(())
 }
 
 /// The LoRA settings of `[model]`, when `lora_rank > 0`.
@@ -151,7 +142,6 @@ pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
 
 pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, out): (RmConfig, _) = prepare(&args, "rm")?;
-    check_lora(&config.model)?;
     let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
     let dir = model_dir(&config.model)?;
     let llama = LlamaConfig::from_file(&dir.join("config.json"))?;
@@ -164,15 +154,32 @@ pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
         None => Vec::new(),
     };
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");
-    let store = RewardModelStore {
-        config: llama,
-        labels: vec!["reward".into()],
-        tokenizer_dir: dir.clone(),
+    let labels = vec!["reward".to_string()];
+    let mut model = model;
+    let store: Box<dyn ModelStore<RewardModel>> = match lora_spec(&config.model) {
+        Some(spec) => {
+            let adapted = model.model.attach_lora(&spec, device);
+            tracing::info!(
+                adapted_layers = adapted,
+                "LoRA on the trunk; the score head trains in full"
+            );
+            Box::new(RewardLoraStore {
+                config: llama,
+                labels,
+                base_dir: dir.clone(),
+                spec,
+            })
+        }
+        None => Box::new(RewardModelStore {
+            config: llama,
+            labels,
+            tokenizer_dir: dir.clone(),
+        }),
     };
     let trainer = Trainer {
         config: &config.train,
         objective: &RewardObjective,
-        store: &store,
+        store: store.as_ref(),
         train: &train,
         validation: &validation,
         out_dir: &out,

@@ -311,3 +311,42 @@ fn lora_sft_improves_and_its_adapter_merges_into_the_saved_model() {
         std::fs::read(final_dir.join("model.safetensors")).unwrap()
     );
 }
+
+#[test]
+fn lora_reward_model_trains_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
+    let common = [
+        "--set",
+        "model.lora_rank=4",
+        "--set",
+        "train.lr=5e-3",
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.save_every=3",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.eval_examples=16",
+    ];
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["rm", "--out", out.to_str().unwrap()];
+        args.extend(common);
+        args.extend(extra);
+        aligner(&args)
+    };
+    let (ok, err) = run(&full, &[]);
+    assert!(ok, "{err}");
+    assert!(full.join("final/adapter_model.safetensors").exists());
+    let (ok, err) = run(&cut, &["--stop-after", "4"]);
+    assert!(ok, "{err}");
+    let (ok, err) = aligner(&["rm", "--resume", cut.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert_eq!(metrics(&full), metrics(&cut));
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(full.join("final/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["task_type"], "SEQ_CLS");
+    assert_eq!(config["modules_to_save"][0], "score");
+}

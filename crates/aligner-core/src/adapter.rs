@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{load_causal_lm, named_param, save_causal_lm, write_atomic, write_safetensors};
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
-use crate::model::{CausalLm, LoraSpec, projections};
+use crate::model::{CausalLm, LlamaModel, LoraSpec, projections};
+use crate::reward::RewardModel;
 use crate::train::ModelStore;
 
 const PREFIX: &str = "base_model.model.";
@@ -30,6 +31,8 @@ pub struct AdapterConfig {
     pub inference_mode: bool,
     #[serde(default)]
     pub base_model_name_or_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modules_to_save: Option<Vec<String>>,
 }
 
 impl AdapterConfig {
@@ -45,6 +48,7 @@ impl AdapterConfig {
             fan_in_fan_out: false,
             inference_mode: true,
             base_model_name_or_path: base.map(|p| p.display().to_string()),
+            modules_to_save: None,
         }
     }
 
@@ -60,10 +64,15 @@ impl AdapterConfig {
 
 /// The adapter tensors of `model` under PEFT names and layout.
 pub fn adapter_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let mut model = model.clone();
+    trunk_adapter_tensors(&model.model)
+}
+
+/// The adapter tensors of a decoder trunk under PEFT names and layout.
+pub fn trunk_adapter_tensors(trunk: &LlamaModel) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut trunk = trunk.clone();
     let mut out = Vec::new();
     let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().expect("f32");
-    for (name, layer) in projections(&mut model.model) {
+    for (name, layer) in projections(&mut trunk) {
         if let Some(lora) = &layer.lora {
             let a = lora.a.val().transpose();
             let b = lora.b.val().transpose();
@@ -84,9 +93,17 @@ pub fn adapter_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> 
 
 /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir`.
 pub fn save_adapter(model: &CausalLm, spec: &LoraSpec, base: Option<&Path>, dir: &Path) -> Result<()> {
+    write_adapter(adapter_tensors(model), AdapterConfig::new(spec, base), dir)
+}
+
+fn write_adapter(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    config: AdapterConfig,
+    dir: &Path,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
-    write_safetensors(&dir.join("adapter_model.safetensors"), &adapter_tensors(model))?;
-    let config = serde_json::to_string_pretty(&AdapterConfig::new(spec, base)).expect("serialises");
+    write_safetensors(&dir.join("adapter_model.safetensors"), &tensors)?;
+    let config = serde_json::to_string_pretty(&config).expect("serialises");
     write_atomic(&dir.join("adapter_config.json"), config.as_bytes())
 }
 
@@ -111,18 +128,42 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterConfig> {
 pub fn load_adapter(model: &mut CausalLm, dir: &Path, device: &Device) -> Result<LoraSpec> {
     let spec = read_adapter_config(dir)?.spec();
     model.attach_lora(&spec, device);
-    let path = dir.join("adapter_model.safetensors");
-    let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| CoreError::Safetensors {
-        path: path.clone(),
-        message: e.to_string(),
-    })?;
-    let read = |name: &str, rows: usize, cols: usize| -> Result<Tensor<2>> {
+    let file = AdapterFile::open(dir)?;
+    file.fill(&mut model.model, device)?;
+    Ok(spec)
+}
+
+/// The tensors of an `adapter_model.safetensors`.
+struct AdapterFile {
+    dir: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl AdapterFile {
+    fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join("adapter_model.safetensors");
+        let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+        SafeTensors::deserialize(&bytes).map_err(|e| CoreError::Safetensors {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            bytes,
+        })
+    }
+
+    /// Tensor `PREFIX + name` in PEFT layout `[rows, cols]`, returned transposed (Burn layout).
+    fn read(&self, name: &str, rows: usize, cols: usize, device: &Device) -> Result<Tensor<2>> {
+        let file = SafeTensors::deserialize(&self.bytes).map_err(|e| CoreError::Safetensors {
+            path: self.dir.join("adapter_model.safetensors"),
+            message: e.to_string(),
+        })?;
         let view = file
             .tensor(&format!("{PREFIX}{name}"))
             .map_err(|_| CoreError::MissingTensor {
                 name: format!("{PREFIX}{name}"),
-                dir: dir.to_path_buf(),
+                dir: self.dir.clone(),
             })?;
         if view.shape() != [rows, cols] {
             return Err(CoreError::ShapeMismatch {
@@ -137,22 +178,21 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path, device: &Device) -> Result
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         Ok(Tensor::<2>::from_data(TensorData::new(values, [rows, cols]), device).transpose())
-    };
-    for (name, layer) in projections(&mut model.model) {
-        if let Some(lora) = layer.lora.as_mut() {
-            let [d_in, r] = lora.a.dims();
-            let [_, d_out] = lora.b.dims();
-            lora.a = named_param(
-                &format!("{name}.lora_A.weight"),
-                read(&format!("{name}.lora_A.weight"), r, d_in)?,
-            );
-            lora.b = named_param(
-                &format!("{name}.lora_B.weight"),
-                read(&format!("{name}.lora_B.weight"), d_out, r)?,
-            );
-        }
     }
-    Ok(spec)
+
+    /// Fills the attached adapters of `trunk` with the file's factors.
+    fn fill(&self, trunk: &mut LlamaModel, device: &Device) -> Result<()> {
+        for (name, layer) in projections(trunk) {
+            if let Some(lora) = layer.lora.as_mut() {
+                let [d_in, r] = lora.a.dims();
+                let [_, d_out] = lora.b.dims();
+                let (a, b) = (format!("{name}.lora_A.weight"), format!("{name}.lora_B.weight"));
+                lora.a = named_param(&a, self.read(&a, r, d_in, device)?);
+                lora.b = named_param(&b, self.read(&b, d_out, r, device)?);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Merges the adapter in `adapter_dir` into the model in `base_dir` (default: the adapter
@@ -204,4 +244,45 @@ pub fn parameter_split(model: &CausalLm) -> (usize, usize) {
         .sum();
     let total = crate::model::parameter_count(model);
     (adapters, total)
+}
+
+/// The run-folder store of a LoRA reward model: adapters on the trunk, the score head trained
+/// in full (PEFT's `modules_to_save = ["score"]`); each save holds the PEFT adapter and the
+/// merged sequence classifier.
+pub struct RewardLoraStore {
+    pub config: LlamaConfig,
+    pub labels: Vec<String>,
+    pub base_dir: PathBuf,
+    pub spec: LoraSpec,
+}
+
+impl ModelStore<RewardModel> for RewardLoraStore {
+    fn save(&self, model: &RewardModel, dir: &Path) -> Result<()> {
+        let merged = RewardModel {
+            model: model.model.merged(),
+            score: model.score.clone(),
+        };
+        merged.save(&self.config, &self.labels, dir, Some(&self.base_dir))?;
+        let mut tensors = trunk_adapter_tensors(&model.model);
+        let score = model.score.weight.val().transpose();
+        let values = score.clone().into_data().try_to_vec::<f32>().expect("f32");
+        tensors.push((format!("{PREFIX}score.weight"), score.dims().to_vec(), values));
+        let mut config = AdapterConfig::new(&self.spec, Some(&self.base_dir));
+        config.task_type = "SEQ_CLS".into();
+        config.modules_to_save = Some(vec!["score".into()]);
+        write_adapter(tensors, config, dir)
+    }
+
+    fn load(&self, dir: &Path, device: &Device) -> Result<RewardModel> {
+        let mut model = RewardModel::load(&self.base_dir, &self.config, self.labels.len(), device)?;
+        model.model.attach_lora(&self.spec, device);
+        let file = AdapterFile::open(dir)?;
+        file.fill(&mut model.model, device)?;
+        let [hidden, outputs] = model.score.weight.dims();
+        model.score.weight = named_param(
+            "score.weight",
+            file.read("score.weight", outputs, hidden, device)?,
+        );
+        Ok(model)
+    }
 }

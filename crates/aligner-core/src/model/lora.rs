@@ -4,7 +4,9 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Linear};
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{Device, Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 use crate::checkpoint::named_param;
 
@@ -31,9 +33,17 @@ impl LoraAdapter {
         dropout: f64,
         device: &Device,
     ) -> Self {
-        // kaiming_uniform_(a=√5) on a [r, in] weight: bound = 1/√in.
-        let bound = 1.0 / (d_in as f64).sqrt();
-        let a = Tensor::<2>::random([d_in, rank], Distribution::Uniform(-bound, bound), device);
+        // kaiming_uniform_(a=√5) on a [r, in] weight: bound = 1/√in. Drawn from a stream seeded
+        // by the layer's name, so runs (and their resumes) start from the same adapters.
+        let bound = 1.0 / (d_in as f32).sqrt();
+        let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let values: Vec<f32> = (0..d_in * rank)
+            .map(|_| rng.random_range(-bound..bound))
+            .collect();
+        let a = Tensor::<2>::from_data(TensorData::new(values, [d_in, rank]), device);
         Self {
             a: named_param(&format!("{name}.lora_A.weight"), a),
             b: named_param(
