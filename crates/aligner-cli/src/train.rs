@@ -7,12 +7,13 @@ use aligner_core::model::LoraSpec;
 use aligner_core::reward::RewardModel;
 use aligner_core::rm::{RewardModelStore, RewardObjective, RmConfig, load_pairs};
 use aligner_core::sft::{CausalLmStore, SftConfig, SftObjective, load_sft_examples};
-use aligner_core::train::ModelStore;
 use aligner_core::train::{
     DataSection, ModelSection, RunSummary, TrainSection, Trainer, load_config, to_toml,
 };
+use aligner_core::train::{ModelStore, Objective};
 use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, TextTokenizer};
 use anyhow::{Context, Result, bail};
+use burn::module::Module;
 use clap::Args;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -75,6 +76,18 @@ fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
     })
 }
 
+/// Runs (or resumes) `trainer` on `model` and logs the validation before and after.
+fn run_and_report<M: Module + 'static, O: Objective<M>>(
+    trainer: &Trainer<'_, M, O>,
+    model: M,
+    args: &TrainArgs,
+    out: &Path,
+) -> Result<()> {
+    let (_, summary) = trainer.run(model, args.resume.is_some())?;
+    report(&summary, out);
+    Ok(())
+}
+
 fn report(summary: &RunSummary, out: &Path) {
     if let Some(initial) = &summary.initial_eval {
         tracing::info!(?initial, "validation before training");
@@ -135,9 +148,7 @@ pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
         device: device.clone(),
         stop_after: args.stop_after,
     };
-    let (_, summary) = trainer.run(model, args.resume.is_some())?;
-    report(&summary, &out);
-    Ok(())
+    run_and_report(&trainer, model, &args, &out)
 }
 
 pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
@@ -186,7 +197,5 @@ pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
         device: device.clone(),
         stop_after: args.stop_after,
     };
-    let (_, summary) = trainer.run(model, args.resume.is_some())?;
-    report(&summary, &out);
-    Ok(())
+    run_and_report(&trainer, model, &args, &out)
 }

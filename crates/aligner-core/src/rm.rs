@@ -217,24 +217,10 @@ impl Default for RmConfig {
     /// The embedded default: a reward model from the shipped model on the shipped
     /// tinystories_sentiment preference pairs.
     fn default() -> Self {
-        let data_dir = crate::default_data_dir();
         Self {
             model: Default::default(),
-            data: crate::train::DataSection {
-                train: Some(data_dir.join("train.pref.jsonl")),
-                validation: Some(data_dir.join("test.pref.jsonl")),
-                max_seq_len: 256,
-            },
-            train: crate::train::TrainSection {
-                epochs: 3,
-                batch_size: 16,
-                lr: 2e-3,
-                schedule: crate::train::Schedule::Cosine,
-                warmup_steps: 5,
-                eval_every: 25,
-                save_every: 25,
-                ..Default::default()
-            },
+            data: crate::train::DataSection::shipped("train.pref.jsonl", "test.pref.jsonl"),
+            train: crate::train::TrainSection::embedded_default(3),
         }
     }
 }

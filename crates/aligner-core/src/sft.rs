@@ -240,24 +240,10 @@ impl Default for SftConfig {
     /// The embedded default: the shipped model on the shipped tinystories_sentiment SFT data,
     /// two epochs in well under a minute on a laptop CPU.
     fn default() -> Self {
-        let data_dir = crate::default_data_dir();
         Self {
             model: Default::default(),
-            data: crate::train::DataSection {
-                train: Some(data_dir.join("train.sft.jsonl")),
-                validation: Some(data_dir.join("test.sft.jsonl")),
-                max_seq_len: 256,
-            },
-            train: crate::train::TrainSection {
-                epochs: 2,
-                batch_size: 16,
-                lr: 2e-3,
-                schedule: crate::train::Schedule::Cosine,
-                warmup_steps: 5,
-                eval_every: 25,
-                save_every: 25,
-                ..Default::default()
-            },
+            data: crate::train::DataSection::shipped("train.sft.jsonl", "test.sft.jsonl"),
+            train: crate::train::TrainSection::embedded_default(2),
             sft: SftSection::default(),
         }
     }

@@ -106,6 +106,35 @@ impl Default for TrainSection {
     }
 }
 
+impl TrainSection {
+    /// The loop of the embedded default runs: `epochs` over the shipped data with batch 16,
+    /// cosine decay from 2e-3 after 5 warm-up steps, validation and checkpoints every 25 steps.
+    pub fn embedded_default(epochs: usize) -> Self {
+        Self {
+            epochs,
+            batch_size: 16,
+            lr: 2e-3,
+            schedule: Schedule::Cosine,
+            warmup_steps: 5,
+            eval_every: 25,
+            save_every: 25,
+            ..Self::default()
+        }
+    }
+}
+
+impl DataSection {
+    /// Training and validation files of the shipped tinystories_sentiment task.
+    pub fn shipped(train: &str, validation: &str) -> Self {
+        let dir = crate::default_data_dir();
+        Self {
+            train: Some(dir.join(train)),
+            validation: Some(dir.join(validation)),
+            ..Self::default()
+        }
+    }
+}
+
 /// Builds a command's configuration: its defaults, then the TOML file, then `--set` overrides.
 /// Unknown keys anywhere are an error naming the key.
 pub fn load_config<T: Serialize + DeserializeOwned>(
