@@ -289,19 +289,21 @@ fn lora_sft_improves_and_its_adapter_merges_into_the_saved_model() {
     assert!(trained < base - 0.08, "LoRA validation NLL {base} -> {trained}");
     let final_dir = run.join("final");
     for file in [
-        "adapter_config.json",
-        "adapter_model.safetensors",
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
         "model.safetensors",
         "config.json",
     ] {
         assert!(final_dir.join(file).exists(), "{file}");
     }
+    // final/ itself is a plain HF folder (no adapter files beside the merged weights).
+    assert!(!final_dir.join("adapter_config.json").exists());
     let merged = dir.path().join("merged");
     let (ok, err) = aligner(&[
         "convert",
         "merge-lora",
         "--adapter",
-        final_dir.to_str().unwrap(),
+        final_dir.join("adapter").to_str().unwrap(),
         "--out",
         merged.to_str().unwrap(),
     ]);
@@ -338,15 +340,16 @@ fn lora_reward_model_trains_and_resumes_exactly() {
     };
     let (ok, err) = run(&full, &[]);
     assert!(ok, "{err}");
-    assert!(full.join("final/adapter_model.safetensors").exists());
+    assert!(full.join("final/adapter/adapter_model.safetensors").exists());
     let (ok, err) = run(&cut, &["--stop-after", "4"]);
     assert!(ok, "{err}");
     let (ok, err) = aligner(&["rm", "--resume", cut.to_str().unwrap()]);
     assert!(ok, "{err}");
     assert_eq!(metrics(&full), metrics(&cut));
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(full.join("final/adapter_config.json")).unwrap())
-            .unwrap();
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(full.join("final/adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(config["task_type"], "SEQ_CLS");
     assert_eq!(config["modules_to_save"][0], "score");
 }

@@ -17,6 +17,11 @@ use crate::train::ModelStore;
 
 const PREFIX: &str = "base_model.model.";
 
+/// Where a LoRA run keeps its PEFT adapter inside `final/` and each checkpoint. The folder
+/// itself holds the merged model: with the adapter files beside it, transformers (with peft
+/// installed) would load the merged weights and apply the adapter a second time.
+pub const ADAPTER_DIR: &str = "adapter";
+
 /// The fields of PEFT's `adapter_config.json` that aligner writes and reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AdapterConfig {
@@ -215,8 +220,8 @@ pub fn merge_adapter(adapter_dir: &Path, base_dir: Option<&Path>, out: &Path, de
     save_causal_lm(&model.merged(), &llama, out, Some(&base))
 }
 
-/// The run-folder store of a LoRA run: each checkpoint and `final/` hold the PEFT adapter and
-/// the merged model; loading rebuilds base + adapter.
+/// The run-folder store of a LoRA run: each checkpoint and `final/` hold the merged model and,
+/// in [`ADAPTER_DIR`], the PEFT adapter; loading rebuilds base + adapter.
 pub struct LoraStore {
     pub config: LlamaConfig,
     pub base_dir: PathBuf,
@@ -226,12 +231,12 @@ pub struct LoraStore {
 impl ModelStore<CausalLm> for LoraStore {
     fn save(&self, model: &CausalLm, dir: &Path) -> Result<()> {
         save_causal_lm(&model.merged(), &self.config, dir, Some(&self.base_dir))?;
-        save_adapter(model, &self.spec, Some(&self.base_dir), dir)
+        save_adapter(model, &self.spec, Some(&self.base_dir), &dir.join(ADAPTER_DIR))
     }
 
     fn load(&self, dir: &Path, device: &Device) -> Result<CausalLm> {
         let mut model = load_causal_lm(&self.base_dir, &self.config, device)?;
-        load_adapter(&mut model, dir, device)?;
+        load_adapter(&mut model, &dir.join(ADAPTER_DIR), device)?;
         Ok(model)
     }
 }
@@ -270,13 +275,13 @@ impl ModelStore<RewardModel> for RewardLoraStore {
         let mut config = AdapterConfig::new(&self.spec, Some(&self.base_dir));
         config.task_type = "SEQ_CLS".into();
         config.modules_to_save = Some(vec!["score".into()]);
-        write_adapter(tensors, config, dir)
+        write_adapter(tensors, config, &dir.join(ADAPTER_DIR))
     }
 
     fn load(&self, dir: &Path, device: &Device) -> Result<RewardModel> {
         let mut model = RewardModel::load(&self.base_dir, &self.config, self.labels.len(), device)?;
         model.model.attach_lora(&self.spec, device);
-        let file = AdapterFile::open(dir)?;
+        let file = AdapterFile::open(&dir.join(ADAPTER_DIR))?;
         file.fill(&mut model.model, device)?;
         let [hidden, outputs] = model.score.weight.dims();
         model.score.weight = named_param(
