@@ -30,6 +30,8 @@ enum Command {
     Sft(train::TrainArgs),
     /// Train a reward model on preference pairs (Bradley–Terry).
     Rm(train::TrainArgs),
+    /// Direct preference optimisation and its variants (`dpo.loss`).
+    Dpo(train::TrainArgs),
     /// Generate responses to prompts.
     Generate(generate::GenerateArgs),
     /// Sequence log-probs of responses given prompts.
@@ -73,6 +75,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Sft(args) => train::sft(args, &device),
         Command::Rm(args) => train::rm(args, &device),
+        Command::Dpo(args) => train::dpo(args, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
         Command::Convert(cmd) => convert::run(cmd, &device),

@@ -199,3 +199,70 @@ pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
     };
     run_and_report(&trainer, model, &args, &out)
 }
+
+pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
+    use aligner_dpo::LossRegistry;
+    use aligner_dpo::objective::{DpoConfig, DpoObjective, attach_reference, load_dpo_examples};
+
+    let (config, out): (DpoConfig, _) = prepare(&args, "dpo")?;
+    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
+    let registry = LossRegistry::with_builtin();
+    let loss = registry.build(&config.dpo.loss, &config.dpo.loss_params())?;
+    let dir = model_dir(&config.model)?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let mut train = load_dpo_examples(&train_path, &lm.tokenizer, config.data.max_seq_len)?;
+    let mut validation = match &val_path {
+        Some(p) => load_dpo_examples(p, &lm.tokenizer, config.data.max_seq_len)?,
+        None => Vec::new(),
+    };
+    if loss.uses_reference() {
+        // The start model is the reference (with LoRA: the base, since adapters start at zero).
+        // Its log-probs are computed once and cached in the run folder for resumes.
+        let batch = config.train.batch_size.max(1) * 2;
+        attach_reference(&mut train, &lm.model, &out.join("reference_train.jsonl"), batch)?;
+        attach_reference(
+            &mut validation,
+            &lm.model,
+            &out.join("reference_validation.jsonl"),
+            batch,
+        )?;
+    }
+    let mut model = lm.model;
+    let store: Box<dyn ModelStore<CausalLm>> = match lora_spec(&config.model) {
+        Some(spec) => {
+            model.attach_lora(&spec, device);
+            Box::new(LoraStore {
+                config: lm.config.clone(),
+                base_dir: dir.clone(),
+                spec,
+            })
+        }
+        None => Box::new(CausalLmStore {
+            config: lm.config.clone(),
+            tokenizer_dir: dir.clone(),
+        }),
+    };
+    tracing::info!(
+        train = train.len(),
+        validation = validation.len(),
+        loss = loss.name(),
+        "DPO"
+    );
+    let objective = DpoObjective {
+        loss,
+        beta: config.dpo.beta,
+        sft_weight: config.dpo.sft_weight,
+    };
+    let trainer = Trainer {
+        config: &config.train,
+        objective: &objective,
+        store: store.as_ref(),
+        train: &train,
+        validation: &validation,
+        out_dir: &out,
+        device: device.clone(),
+        stop_after: args.stop_after,
+    };
+    run_and_report(&trainer, model, &args, &out)
+}

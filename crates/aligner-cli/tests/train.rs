@@ -353,3 +353,39 @@ fn lora_reward_model_trains_and_resumes_exactly() {
     assert_eq!(config["task_type"], "SEQ_CLS");
     assert_eq!(config["modules_to_save"][0], "score");
 }
+
+#[test]
+fn dpo_separates_held_out_pairs_and_caches_reference_logprobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("dpo");
+    let (ok, err) = aligner(&[
+        "dpo",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=10",
+    ]);
+    assert!(ok, "{err}");
+    let rows = metrics(&run);
+    let (_, margin) = first_and_last(&rows, "eval_rewards/margin");
+    let (start_loss, end_loss) = first_and_last(&rows, "eval_loss");
+    assert!(
+        (start_loss - 2f64.ln()).abs() < 1e-3,
+        "policy = reference gives log 2, got {start_loss}"
+    );
+    assert!(
+        end_loss < start_loss - 0.05,
+        "held-out DPO loss {start_loss} -> {end_loss}"
+    );
+    assert!(margin > 0.0, "held-out reward margin {margin}");
+    let (_, accuracy) = first_and_last(&rows, "eval_rewards/accuracy");
+    assert!(accuracy > 0.6, "held-out reward accuracy {accuracy}");
+    let cache = run.join("reference_train.jsonl");
+    assert_eq!(std::fs::read_to_string(&cache).unwrap().lines().count(), 603);
+    let (ok, err) = aligner(&["dpo", "--out", run.to_str().unwrap(), "--set", "dpo.loss=dpoo"]);
+    assert!(!ok && err.contains("dpoo") && err.contains("ipo"), "{err}");
+}

@@ -18,6 +18,7 @@
 //!    registry is built. Nothing inside `aligner-dpo` changes.
 
 mod losses;
+pub mod objective;
 mod registry;
 
 pub use losses::{
