@@ -66,6 +66,33 @@ fn require(path: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
     path.clone().with_context(|| format!("{key} is not set"))
 }
 
+/// Attaches LoRA adapters to a policy when `[model]` asks for them, and returns how its run
+/// folder saves and loads it.
+fn policy_store(
+    model: &mut CausalLm,
+    section: &ModelSection,
+    llama: &LlamaConfig,
+    dir: &Path,
+    device: &Device,
+) -> Box<dyn ModelStore<CausalLm>> {
+    match lora_spec(section) {
+        Some(spec) => {
+            let adapted = model.attach_lora(&spec, device);
+            let (trainable, total) = aligner_core::adapter::parameter_split(model);
+            tracing::info!(adapted_layers = adapted, trainable, total, "LoRA");
+            Box::new(LoraStore {
+                config: llama.clone(),
+                base_dir: dir.to_path_buf(),
+                spec,
+            })
+        }
+        None => Box::new(CausalLmStore {
+            config: llama.clone(),
+            tokenizer_dir: dir.to_path_buf(),
+        }),
+    }
+}
+
 /// The LoRA settings of `[model]`, when `lora_rank > 0`.
 fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
     (model.lora_rank > 0).then(|| LoraSpec {
@@ -121,22 +148,7 @@ pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
         None => Vec::new(),
     };
     let mut model = lm.model;
-    let store: Box<dyn ModelStore<CausalLm>> = match lora_spec(&config.model) {
-        Some(spec) => {
-            let adapted = model.attach_lora(&spec, device);
-            let (trainable, total) = aligner_core::adapter::parameter_split(&model);
-            tracing::info!(adapted_layers = adapted, trainable, total, "LoRA");
-            Box::new(LoraStore {
-                config: lm.config.clone(),
-                base_dir: dir.clone(),
-                spec,
-            })
-        }
-        None => Box::new(CausalLmStore {
-            config: lm.config.clone(),
-            tokenizer_dir: dir.clone(),
-        }),
-    };
+    let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");
     let trainer = Trainer {
         config: &config.train,
@@ -229,20 +241,7 @@ pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
         )?;
     }
     let mut model = lm.model;
-    let store: Box<dyn ModelStore<CausalLm>> = match lora_spec(&config.model) {
-        Some(spec) => {
-            model.attach_lora(&spec, device);
-            Box::new(LoraStore {
-                config: lm.config.clone(),
-                base_dir: dir.clone(),
-                spec,
-            })
-        }
-        None => Box::new(CausalLmStore {
-            config: lm.config.clone(),
-            tokenizer_dir: dir.clone(),
-        }),
-    };
+    let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
     tracing::info!(
         train = train.len(),
         validation = validation.len(),
