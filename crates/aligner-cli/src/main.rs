@@ -32,6 +32,9 @@ enum Command {
     Rm(train::TrainArgs),
     /// Direct preference optimisation and its variants (`dpo.loss`).
     Dpo(train::TrainArgs),
+    /// KTO on unpaired desirable/undesirable completions.
+    #[cfg(feature = "kto")]
+    Kto(train::TrainArgs),
     /// Generate responses to prompts.
     Generate(generate::GenerateArgs),
     /// Sequence log-probs of responses given prompts.
@@ -76,6 +79,8 @@ fn main() -> Result<()> {
         Command::Sft(args) => train::sft(args, &device),
         Command::Rm(args) => train::rm(args, &device),
         Command::Dpo(args) => train::dpo(args, &device),
+        #[cfg(feature = "kto")]
+        Command::Kto(args) => train::kto(args, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
         Command::Convert(cmd) => convert::run(cmd, &device),

@@ -265,3 +265,42 @@ pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
     };
     run_and_report(&trainer, model, &args, &out)
 }
+
+#[cfg(feature = "kto")]
+pub fn kto(args: TrainArgs, device: &Device) -> Result<()> {
+    use aligner_kto::{KtoConfig, KtoObjective, load_kto_examples};
+
+    let (config, out): (KtoConfig, _) = prepare(&args, "kto")?;
+    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
+    let dir = model_dir(&config.model)?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    // The start model is the reference; its log-probs are cached in the run folder.
+    let batch = config.train.batch_size.max(1) * 2;
+    let load = |path: &Path, cache: &str| {
+        let max_len = config.data.max_seq_len;
+        load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &out.join(cache), batch)
+    };
+    let train = load(&train_path, "reference_train.jsonl")?;
+    let validation = match &val_path {
+        Some(p) => load(p, "reference_validation.jsonl")?,
+        None => Vec::new(),
+    };
+    let mut model = lm.model.clone();
+    let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
+    tracing::info!(train = train.len(), validation = validation.len(), "KTO");
+    let objective = KtoObjective {
+        params: config.kto.clone(),
+    };
+    let trainer = Trainer {
+        config: &config.train,
+        objective: &objective,
+        store: store.as_ref(),
+        train: &train,
+        validation: &validation,
+        out_dir: &out,
+        device: device.clone(),
+        stop_after: args.stop_after,
+    };
+    run_and_report(&trainer, model, &args, &out)
+}

@@ -228,7 +228,7 @@ fn bad_configs_and_data_are_named_before_training() {
 #[test]
 fn example_configs_parse_and_run() {
     let dir = tempfile::tempdir().unwrap();
-    for command in ["sft", "rm"] {
+    for command in ["sft", "rm", "dpo", "kto"] {
         let out = dir.path().join(command);
         let config = repo().join("configs").join(format!("{command}.toml"));
         let (ok, err) = aligner(&[
@@ -385,7 +385,43 @@ fn dpo_separates_held_out_pairs_and_caches_reference_logprobs() {
     let (_, accuracy) = first_and_last(&rows, "eval_rewards/accuracy");
     assert!(accuracy > 0.6, "held-out reward accuracy {accuracy}");
     let cache = run.join("reference_train.jsonl");
-    assert_eq!(std::fs::read_to_string(&cache).unwrap().lines().count(), 603);
+    assert_eq!(std::fs::read_to_string(&cache).unwrap().lines().count(), 2 * 603);
     let (ok, err) = aligner(&["dpo", "--out", run.to_str().unwrap(), "--set", "dpo.loss=dpoo"]);
     assert!(!ok && err.contains("dpoo") && err.contains("ipo"), "{err}");
+}
+
+#[test]
+fn kto_rewards_desirable_completions_above_undesirable_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("kto");
+    let (ok, err) = aligner(&[
+        "kto",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=0",
+    ]);
+    assert!(ok, "{err}");
+    let rows = metrics(&run);
+    let last = rows.last().unwrap();
+    let (chosen, rejected) = (
+        last["eval_rewards/chosen"].as_f64().unwrap(),
+        last["eval_rewards/rejected"].as_f64().unwrap(),
+    );
+    assert!(
+        chosen > rejected,
+        "held-out implicit reward: desirable {chosen}, undesirable {rejected}"
+    );
+    assert!(rows.iter().any(|r| r["kl"].as_f64().is_some()));
+    assert_eq!(
+        std::fs::read_to_string(run.join("reference_train.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        2 * 749
+    );
 }

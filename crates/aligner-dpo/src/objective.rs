@@ -143,35 +143,42 @@ pub fn attach_reference(
     cache: &Path,
     batch_size: usize,
 ) -> Result<(), CoreError> {
-    if let Ok(text) = std::fs::read_to_string(cache) {
-        let values: Vec<(f32, f32)> = text
-            .lines()
-            .filter_map(|l| serde_json::from_str::<(f32, f32)>(l).ok())
-            .collect();
-        if values.len() == examples.len() {
-            for (e, v) in examples.iter_mut().zip(values) {
-                e.reference = Some(v);
-            }
-            return Ok(());
-        }
-    }
     let seqs: Vec<ScoredSequence> = examples
         .iter()
         .flat_map(|e| [e.chosen.clone(), e.rejected.clone()])
         .collect();
-    let lps = response_logprobs(reference, &seqs, batch_size)?;
-    let mut text = String::new();
-    for (e, pair) in examples.iter_mut().zip(lps.chunks(2)) {
-        let v = (pair[0].total() as f32, pair[1].total() as f32);
-        e.reference = Some(v);
-        text.push_str(&serde_json::to_string(&v).expect("serialises"));
-        text.push('\n');
+    let values = cached_reference_logprobs(&seqs, reference, cache, batch_size)?;
+    for (e, pair) in examples.iter_mut().zip(values.chunks(2)) {
+        e.reference = Some((pair[0], pair[1]));
     }
-    aligner_core::checkpoint::write_atomic(cache, text.as_bytes())
+    Ok(())
+}
+
+/// Summed response log-probs of `seqs` under the frozen `reference`, one per line of `cache`:
+/// read back when the file has one value per sequence, else computed and written.
+pub fn cached_reference_logprobs(
+    seqs: &[ScoredSequence],
+    reference: &CausalLm,
+    cache: &Path,
+    batch_size: usize,
+) -> Result<Vec<f32>, CoreError> {
+    if let Ok(text) = std::fs::read_to_string(cache) {
+        let values: Vec<f32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if values.len() == seqs.len() {
+            return Ok(values);
+        }
+    }
+    let values: Vec<f32> = response_logprobs(reference, seqs, batch_size)?
+        .iter()
+        .map(|lp| lp.total() as f32)
+        .collect();
+    let text: String = values.iter().map(|v| format!("{v}\n")).collect();
+    aligner_core::checkpoint::write_atomic(cache, text.as_bytes())?;
+    Ok(values)
 }
 
 /// Summed response log-probs `[rows]` and response token counts of `seqs` under `model`.
-fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<1>, Vec<f32>) {
+pub fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<1>, Vec<f32>) {
     let device = model.model.embed_tokens.weight.device();
     let rows: Vec<&[u32]> = seqs.iter().map(|s| s.ids.as_slice()).collect();
     let tokens = pad_right(&rows, 0, &device);
