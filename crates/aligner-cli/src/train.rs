@@ -218,7 +218,10 @@ pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
 
     let (config, out): (DpoConfig, _) = prepare(&args, "dpo")?;
     let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
-    let registry = LossRegistry::with_builtin();
+    #[allow(unused_mut)] // variant crates register only when their feature is on
+    let mut registry = LossRegistry::with_builtin();
+    #[cfg(feature = "simpo")]
+    aligner_simpo::register(&mut registry);
     let loss = registry.build(&config.dpo.loss, &config.dpo.loss_params())?;
     let dir = model_dir(&config.model)?;
     let lm =

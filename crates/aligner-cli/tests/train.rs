@@ -425,3 +425,30 @@ fn kto_rewards_desirable_completions_above_undesirable_ones() {
         2 * 749
     );
 }
+
+#[test]
+fn simpo_registered_from_its_own_crate_trains_without_a_reference_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("simpo");
+    let (ok, err) = aligner(&[
+        "dpo",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "dpo.loss=simpo",
+        "--set",
+        "dpo.beta=2.0",
+        "--set",
+        "dpo.params.gamma=0.5",
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=0",
+    ]);
+    assert!(ok, "{err}");
+    assert!(!run.join("reference_train.jsonl").exists());
+    let (start, end) = first_and_last(&metrics(&run), "eval_loss");
+    assert!(end < start - 0.02, "held-out SimPO loss {start} -> {end}");
+}

@@ -45,6 +45,8 @@ pub struct DpoSection {
     pub average_log_probs: bool,
     /// RPO: weight of the chosen response's per-token NLL added to the loss.
     pub sft_weight: f64,
+    /// Knobs of variant losses from other crates, e.g. SimPO's `gamma`.
+    pub params: std::collections::BTreeMap<String, f64>,
 }
 
 impl Default for DpoSection {
@@ -57,6 +59,7 @@ impl Default for DpoSection {
             gt_reward_scale: p.gt_reward_scale,
             average_log_probs: p.average_log_probs,
             sft_weight: 0.0,
+            params: Default::default(),
         }
     }
 }
@@ -68,6 +71,7 @@ impl DpoSection {
             label_smoothing: self.label_smoothing,
             gt_reward_scale: self.gt_reward_scale,
             average_log_probs: self.average_log_probs,
+            extra: self.params.clone(),
         }
     }
 }

@@ -22,6 +22,8 @@ pub struct LossParams {
     pub gt_reward_scale: f64,
     /// Use per-token-averaged log-probs in the margin (IPO always does).
     pub average_log_probs: bool,
+    /// Knobs of losses registered by other crates (`dpo.params.gamma = 0.5`, ...).
+    pub extra: BTreeMap<String, f64>,
 }
 
 impl Default for LossParams {
@@ -31,6 +33,7 @@ impl Default for LossParams {
             label_smoothing: 0.0,
             gt_reward_scale: 1.0,
             average_log_probs: false,
+            extra: BTreeMap::new(),
         }
     }
 }
