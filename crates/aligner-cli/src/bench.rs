@@ -30,6 +30,17 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         steps: usize,
     },
+    /// DPO step time (policy forward + backward + AdamW on chosen and rejected; reference
+    /// log-probs are cached before training, so they cost nothing per step).
+    Dpo {
+        /// Preference pairs per step.
+        #[arg(long, default_value_t = 8)]
+        pairs: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
     /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
     Generate {
         #[arg(long, default_value_t = 64)]
@@ -64,6 +75,7 @@ pub fn run(cmd: BenchCommand, device: &Device) -> Result<()> {
     match cmd {
         BenchCommand::Forward { batch, seq, iters } => forward(device, batch, seq, iters),
         BenchCommand::Train { batch, seq, steps } => train(device, batch, seq, steps),
+        BenchCommand::Dpo { pairs, seq, steps } => dpo(device, pairs, seq, steps),
         BenchCommand::Generate {
             prompts,
             new_tokens,
@@ -183,6 +195,61 @@ fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> 
             parameter_count(&model),
             per * 1e3,
             (batch * seq) as f64 / per
+        );
+    }
+    Ok(())
+}
+
+fn dpo(device: &Device, pairs: usize, seq: usize, steps: usize) -> Result<()> {
+    use aligner_core::score::ScoredSequence;
+    use aligner_core::train::Objective;
+    use aligner_dpo::objective::{DpoExample, DpoObjective};
+    use aligner_dpo::{LossParams, LossRegistry};
+    use burn::module::Module;
+    use burn::optim::{AdamWConfig, GradientsParams};
+
+    println!("| model | params | pairs × seq | ms / step | pairs/s |");
+    println!("|---|---:|---:|---:|---:|");
+    let train_device = device.clone().autodiff();
+    for (name, config, model) in models(device)? {
+        let seq_of = |salt: usize| ScoredSequence {
+            ids: (0..seq)
+                .map(|t| 1 + ((salt * 131 + t * 37) % (config.vocab_size - 1)) as u32)
+                .collect(),
+            prompt_len: seq / 4,
+        };
+        let examples: Vec<DpoExample> = (0..pairs)
+            .map(|i| DpoExample {
+                chosen: seq_of(2 * i),
+                rejected: seq_of(2 * i + 1),
+                reference: Some((-100.0, -100.0)),
+                rewards: None,
+            })
+            .collect();
+        let refs: Vec<&DpoExample> = examples.iter().collect();
+        let objective = DpoObjective {
+            loss: LossRegistry::with_builtin().build("dpo", &LossParams::default())?,
+            beta: 0.1,
+            sft_weight: 0.0,
+        };
+        let mut model = model.fork(&train_device).train();
+        let mut optim = AdamWConfig::new().init();
+        let mut step = |model: CausalLm| -> Result<CausalLm> {
+            let out = objective.step(&model, &refs)?;
+            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+            Ok(optim.step(1e-4, model, grads))
+        };
+        model = step(model)?;
+        let start = Instant::now();
+        for _ in 0..steps.max(1) {
+            model = step(model)?;
+        }
+        let per = start.elapsed().as_secs_f64() / steps.max(1) as f64;
+        println!(
+            "| {name} | {} | {pairs} × {seq} | {:.1} | {:.1} |",
+            parameter_count(&model),
+            per * 1e3,
+            pairs as f64 / per
         );
     }
     Ok(())

@@ -452,3 +452,72 @@ fn simpo_registered_from_its_own_crate_trains_without_a_reference_pass() {
     let (start, end) = first_and_last(&metrics(&run), "eval_loss");
     assert!(end < start - 0.02, "held-out SimPO loss {start} -> {end}");
 }
+
+/// The tinystories_sentiment lexicon score (assets/tinystories_sentiment/SOURCE.txt): positive
+/// minus negative words, words being lower-cased runs of [a-z'].
+fn lexicon_score(text: &str) -> i64 {
+    const POSITIVE: &str = "happy happily smiled smile smiles laughed laugh fun love loved loves friend friends good great kind nice hug hugged play played together yay glad enjoy enjoyed best beautiful proud excited thank thanked";
+    const NEGATIVE: &str = "sad sadly cried cry crying scared angry mad hurt bad upset lost alone broke broken afraid fear tears mean never sorry ouch pain sick";
+    let lower = text.to_lowercase();
+    let words = lower.split(|c: char| !(c.is_ascii_lowercase() || c == '\''));
+    words
+        .filter(|w| !w.is_empty())
+        .map(|w| POSITIVE.split(' ').any(|p| p == w) as i64 - NEGATIVE.split(' ').any(|n| n == w) as i64)
+        .sum()
+}
+
+/// Mean lexicon score of a model's own samples on the held-out prompts (temperature 1,
+/// 48 new tokens).
+fn sample_sentiment(model: &Path, out: &Path) -> f64 {
+    let prompts = repo().join("assets/tinystories_sentiment/test.prompts.jsonl");
+    let (ok, err) = aligner(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-new-tokens",
+        "48",
+        "--temperature",
+        "1",
+        "--seed",
+        "1",
+        "--batch-size",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let text = std::fs::read_to_string(out).unwrap();
+    let scores: Vec<i64> = text
+        .lines()
+        .map(|l| {
+            lexicon_score(
+                serde_json::from_str::<Value>(l).unwrap()["response"]
+                    .as_str()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    scores.iter().sum::<i64>() as f64 / scores.len() as f64
+}
+
+#[test]
+fn default_dpo_makes_the_policys_own_samples_more_positive() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("dpo");
+    let (ok, err) = aligner(&[
+        "dpo",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.save_every=0",
+    ]);
+    assert!(ok, "{err}");
+    let base = sample_sentiment(&repo().join("assets/stories260K"), &dir.path().join("base.jsonl"));
+    let aligned = sample_sentiment(&run.join("final"), &dir.path().join("aligned.jsonl"));
+    assert!(
+        aligned > base + 1.5,
+        "mean lexicon score of own samples: base {base}, after DPO {aligned}"
+    );
+}
