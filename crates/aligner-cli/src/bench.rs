@@ -157,42 +157,58 @@ fn generate(device: &Device, prompts: usize, new_tokens: usize, batch_sizes: &[u
     Ok(())
 }
 
-fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> {
-    use aligner_core::sft::{SftExample, SftObjective};
-    use aligner_core::train::Objective;
+/// Seconds per optimiser step (forward, backward, AdamW) of `objective` on `batch`, after one
+/// warm-up step, for `model` moved to an autodiff device.
+fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
+    model: CausalLm,
+    device: &Device,
+    objective: &O,
+    batch: &[&O::Example],
+    steps: usize,
+) -> Result<f64> {
     use burn::module::Module;
     use burn::optim::{AdamWConfig, GradientsParams};
 
+    let mut model = model.fork(&device.clone().autodiff()).train();
+    let mut optim = AdamWConfig::new().init();
+    let mut step = |model: CausalLm| -> Result<CausalLm> {
+        let out = objective.step(&model, batch)?;
+        let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+        Ok(optim.step(1e-4, model, grads))
+    };
+    model = step(model)?;
+    let start = Instant::now();
+    for _ in 0..steps.max(1) {
+        model = step(model)?;
+    }
+    Ok(start.elapsed().as_secs_f64() / steps.max(1) as f64)
+}
+
+/// `len` token ids of a fixed pseudo-random pattern for `salt`.
+fn synthetic_ids(salt: usize, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|t| 1 + ((salt * 131 + t * 37) % (vocab - 1)) as u32)
+        .collect()
+}
+
+fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> {
+    use aligner_core::sft::{SftExample, SftObjective};
+
     println!("| model | params | batch × seq | ms / step | tokens/s |");
     println!("|---|---:|---:|---:|---:|");
-    let train_device = device.clone().autodiff();
     for (name, config, model) in models(device)? {
         let examples: Vec<SftExample> = (0..batch)
             .map(|b| SftExample {
-                ids: (0..seq)
-                    .map(|t| 1 + ((b * 131 + t * 37) % (config.vocab_size - 1)) as u32)
-                    .collect(),
+                ids: synthetic_ids(b, seq, config.vocab_size),
                 trained: (0..seq).map(|t| t > 0).collect(),
                 starts: vec![0],
             })
             .collect();
         let refs: Vec<&SftExample> = examples.iter().collect();
-        let mut model = model.fork(&train_device).train();
-        let mut optim = AdamWConfig::new().init();
-        let mut step = |model: CausalLm| -> Result<CausalLm> {
-            let out = SftObjective.step(&model, &refs)?;
-            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
-            Ok(optim.step(1e-4, model, grads))
-        };
-        model = step(model)?;
-        let start = Instant::now();
-        for _ in 0..steps.max(1) {
-            model = step(model)?;
-        }
-        let per = start.elapsed().as_secs_f64() / steps.max(1) as f64;
+        let params = parameter_count(&model);
+        let per = seconds_per_step(model, device, &SftObjective, &refs, steps)?;
         println!(
-            "| {name} | {} | {batch} × {seq} | {:.1} | {:.0} |",
-            parameter_count(&model),
+            "| {name} | {params} | {batch} × {seq} | {:.1} | {:.0} |",
             per * 1e3,
             (batch * seq) as f64 / per
         );
@@ -202,20 +218,14 @@ fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> 
 
 fn dpo(device: &Device, pairs: usize, seq: usize, steps: usize) -> Result<()> {
     use aligner_core::score::ScoredSequence;
-    use aligner_core::train::Objective;
     use aligner_dpo::objective::{DpoExample, DpoObjective};
     use aligner_dpo::{LossParams, LossRegistry};
-    use burn::module::Module;
-    use burn::optim::{AdamWConfig, GradientsParams};
 
     println!("| model | params | pairs × seq | ms / step | pairs/s |");
     println!("|---|---:|---:|---:|---:|");
-    let train_device = device.clone().autodiff();
     for (name, config, model) in models(device)? {
         let seq_of = |salt: usize| ScoredSequence {
-            ids: (0..seq)
-                .map(|t| 1 + ((salt * 131 + t * 37) % (config.vocab_size - 1)) as u32)
-                .collect(),
+            ids: synthetic_ids(salt, seq, config.vocab_size),
             prompt_len: seq / 4,
         };
         let examples: Vec<DpoExample> = (0..pairs)
@@ -232,22 +242,10 @@ fn dpo(device: &Device, pairs: usize, seq: usize, steps: usize) -> Result<()> {
             beta: 0.1,
             sft_weight: 0.0,
         };
-        let mut model = model.fork(&train_device).train();
-        let mut optim = AdamWConfig::new().init();
-        let mut step = |model: CausalLm| -> Result<CausalLm> {
-            let out = objective.step(&model, &refs)?;
-            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
-            Ok(optim.step(1e-4, model, grads))
-        };
-        model = step(model)?;
-        let start = Instant::now();
-        for _ in 0..steps.max(1) {
-            model = step(model)?;
-        }
-        let per = start.elapsed().as_secs_f64() / steps.max(1) as f64;
+        let params = parameter_count(&model);
+        let per = seconds_per_step(model, device, &objective, &refs, steps)?;
         println!(
-            "| {name} | {} | {pairs} × {seq} | {:.1} | {:.1} |",
-            parameter_count(&model),
+            "| {name} | {params} | {pairs} × {seq} | {:.1} | {:.1} |",
             per * 1e3,
             pairs as f64 / per
         );

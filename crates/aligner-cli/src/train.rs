@@ -103,16 +103,38 @@ fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
     })
 }
 
-/// Runs (or resumes) `trainer` on `model` and logs the validation before and after.
-fn run_and_report<M: Module + 'static, O: Objective<M>>(
-    trainer: &Trainer<'_, M, O>,
-    model: M,
-    args: &TrainArgs,
-    out: &Path,
-) -> Result<()> {
-    let (_, summary) = trainer.run(model, args.resume.is_some())?;
-    report(&summary, out);
-    Ok(())
+/// Where and how a command's training runs: its options, run folder and device.
+struct Run<'a> {
+    args: &'a TrainArgs,
+    out: &'a Path,
+    device: &'a Device,
+}
+
+impl Run<'_> {
+    /// Trains (or resumes) `model` on `objective` and logs the validation before and after.
+    fn fit<M: Module + 'static, O: Objective<M>>(
+        &self,
+        config: &TrainSection,
+        objective: &O,
+        store: &dyn ModelStore<M>,
+        train: &[O::Example],
+        validation: &[O::Example],
+        model: M,
+    ) -> Result<()> {
+        let trainer = Trainer {
+            config,
+            objective,
+            store,
+            train,
+            validation,
+            out_dir: self.out,
+            device: self.device.clone(),
+            stop_after: self.args.stop_after,
+        };
+        let (_, summary) = trainer.run(model, self.args.resume.is_some())?;
+        report(&summary, self.out);
+        Ok(())
+    }
 }
 
 fn report(summary: &RunSummary, out: &Path) {
@@ -150,17 +172,19 @@ pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");
-    let trainer = Trainer {
-        config: &config.train,
-        objective: &SftObjective,
-        store: store.as_ref(),
-        train: &train,
-        validation: &validation,
-        out_dir: &out,
-        device: device.clone(),
-        stop_after: args.stop_after,
+    let run = Run {
+        args: &args,
+        out: &out,
+        device,
     };
-    run_and_report(&trainer, model, &args, &out)
+    run.fit(
+        &config.train,
+        &SftObjective,
+        store.as_ref(),
+        &train,
+        &validation,
+        model,
+    )
 }
 
 pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
@@ -169,7 +193,7 @@ pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
     let dir = model_dir(&config.model)?;
     let llama = LlamaConfig::from_file(&dir.join("config.json"))?;
     let tokenizer = TextTokenizer::from_dir(&dir)?;
-    let model = aligner_core::reward::RewardModel::load(&dir, &llama, 1, device)
+    let mut model = aligner_core::reward::RewardModel::load(&dir, &llama, 1, device)
         .with_context(|| format!("loading model {}", dir.display()))?;
     let train = load_pairs(&train_path, &tokenizer, config.data.max_seq_len)?;
     let validation = match &val_path {
@@ -178,7 +202,6 @@ pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
     };
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");
     let labels = vec!["reward".to_string()];
-    let mut model = model;
     let store: Box<dyn ModelStore<RewardModel>> = match lora_spec(&config.model) {
         Some(spec) => {
             let adapted = model.model.attach_lora(&spec, device);
@@ -199,17 +222,19 @@ pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
             tokenizer_dir: dir.clone(),
         }),
     };
-    let trainer = Trainer {
-        config: &config.train,
-        objective: &RewardObjective,
-        store: store.as_ref(),
-        train: &train,
-        validation: &validation,
-        out_dir: &out,
-        device: device.clone(),
-        stop_after: args.stop_after,
+    let run = Run {
+        args: &args,
+        out: &out,
+        device,
     };
-    run_and_report(&trainer, model, &args, &out)
+    run.fit(
+        &config.train,
+        &RewardObjective,
+        store.as_ref(),
+        &train,
+        &validation,
+        model,
+    )
 }
 
 pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
@@ -256,17 +281,19 @@ pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
         beta: config.dpo.beta,
         sft_weight: config.dpo.sft_weight,
     };
-    let trainer = Trainer {
-        config: &config.train,
-        objective: &objective,
-        store: store.as_ref(),
-        train: &train,
-        validation: &validation,
-        out_dir: &out,
-        device: device.clone(),
-        stop_after: args.stop_after,
+    let run = Run {
+        args: &args,
+        out: &out,
+        device,
     };
-    run_and_report(&trainer, model, &args, &out)
+    run.fit(
+        &config.train,
+        &objective,
+        store.as_ref(),
+        &train,
+        &validation,
+        model,
+    )
 }
 
 #[cfg(feature = "kto")]
@@ -295,15 +322,17 @@ pub fn kto(args: TrainArgs, device: &Device) -> Result<()> {
     let objective = KtoObjective {
         params: config.kto.clone(),
     };
-    let trainer = Trainer {
-        config: &config.train,
-        objective: &objective,
-        store: store.as_ref(),
-        train: &train,
-        validation: &validation,
-        out_dir: &out,
-        device: device.clone(),
-        stop_after: args.stop_after,
+    let run = Run {
+        args: &args,
+        out: &out,
+        device,
     };
-    run_and_report(&trainer, model, &args, &out)
+    run.fit(
+        &config.train,
+        &objective,
+        store.as_ref(),
+        &train,
+        &validation,
+        model,
+    )
 }
