@@ -118,17 +118,27 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         }
     }
 
-    /// Example indices of micro-batch `k` (counting across epochs); the order of epoch `e` is a
-    /// permutation seeded by `(seed, e)`, so any position can be recomputed on resume.
-    fn micro_batch(&self, k: usize) -> Vec<usize> {
-        let per_epoch = self.micro_batches_per_epoch().max(1);
-        let (epoch, index) = (k / per_epoch, k % per_epoch);
+    /// The example order of epoch `epoch`: a permutation seeded by `(seed, epoch)`, so any
+    /// position can be recomputed on resume.
+    fn epoch_order(&self, epoch: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.train.len()).collect();
         if self.config.shuffle {
             let mut rng =
                 ChaCha8Rng::seed_from_u64(self.config.seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9));
             order.shuffle(&mut rng);
         }
+        order
+    }
+
+    /// Example indices of micro-batch `k` (counting across epochs). `cached` holds the order of
+    /// the epoch last used, so an epoch is shuffled once, not once per micro-batch.
+    fn micro_batch(&self, k: usize, cached: &mut Option<(usize, Vec<usize>)>) -> Vec<usize> {
+        let per_epoch = self.micro_batches_per_epoch().max(1);
+        let (epoch, index) = (k / per_epoch, k % per_epoch);
+        if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            *cached = Some((epoch, self.epoch_order(epoch)));
+        }
+        let order = &cached.as_ref().expect("set above").1;
         let b = self.config.batch_size.max(1);
         order[index * b..((index + 1) * b).min(order.len())].to_vec()
     }
@@ -242,6 +252,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         let started = Instant::now();
         let mut tokens_seen = 0usize;
         let accum = cfg.grad_accum.max(1);
+        let mut order = None;
         for step in start..total {
             if self.stop_after.is_some_and(|s| step >= s) {
                 bar.abandon();
@@ -253,7 +264,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             let mut loss_sum = 0.0;
             let mut metric_sums: Vec<(String, f64)> = Vec::new();
             for micro in 0..accum {
-                let indices = self.micro_batch(step * accum + micro);
+                let indices = self.micro_batch(step * accum + micro, &mut order);
                 let batch: Vec<&O::Example> = indices.iter().map(|&i| &self.train[i]).collect();
                 let out = self.objective.step(&model, &batch)?;
                 let loss_value = out.loss.clone().into_scalar::<f32>() as f64;
