@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use aligner_core::data::{Prompt, PromptRow, read_jsonl};
 use aligner_core::{Device, LoadedModel};
-use aligner_gen::{GenerationRequest, Generator, SamplingParams};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
@@ -37,9 +37,13 @@ pub struct GenerateArgs {
     /// Stop once the response contains this text (repeatable).
     #[arg(long = "stop")]
     stop: Vec<String>,
-    /// Prompts generated together.
-    #[arg(long, default_value_t = 16)]
+    /// Sequences decoded together per worker (KV-cache rows; a finished row takes the next
+    /// prompt at once).
+    #[arg(long, alias = "slots", default_value_t = 64)]
     batch_size: usize,
+    /// Engine workers sharing the prompt queue.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
     /// JSON Lines output, one line per prompt in input order; stdout text otherwise.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -83,31 +87,44 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         })
         .collect::<Result<_>>()?;
 
-    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
+    let engine = Engine::for_model(
+        &lm,
+        EngineOptions {
+            slots: args.batch_size,
+            cache_len: None,
+        },
+    );
+    let mut pool = WorkerPool::new(engine, args.workers.max(1));
     let bar = crate::progress(
         requests.len() as u64,
         "{bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]",
     );
     let start = Instant::now();
-    let mut generated_tokens = 0usize;
-    let mut outputs = Vec::with_capacity(requests.len());
-    for batch in requests.chunks(args.batch_size) {
-        let out = generator.generate(batch)?;
-        generated_tokens += out.iter().map(|g| g.token_ids.len()).sum::<usize>();
-        bar.inc(batch.len() as u64);
+    let generated = std::sync::atomic::AtomicUsize::new(0);
+    let (outputs, report) = pool.generate(&requests, &|g| {
+        let total =
+            generated.fetch_add(g.token_ids.len(), std::sync::atomic::Ordering::Relaxed) + g.token_ids.len();
+        bar.inc(1);
         bar.set_message(format!(
             "{:.0} tokens/s",
-            generated_tokens as f64 / start.elapsed().as_secs_f64()
+            total as f64 / start.elapsed().as_secs_f64()
         ));
-        outputs.extend(out);
-    }
+    })?;
     bar.finish_and_clear();
     tracing::info!(
         prompts = outputs.len(),
-        tokens = generated_tokens,
-        tokens_per_s = format!("{:.0}", generated_tokens as f64 / start.elapsed().as_secs_f64()),
+        tokens = report.tokens(),
+        tokens_per_s = format!("{:.0}", report.tokens() as f64 / report.seconds),
         "generated"
     );
+    for (w, worker) in report.workers.iter().enumerate() {
+        tracing::info!(
+            worker = w,
+            prompts = worker.prompts,
+            tokens = worker.tokens,
+            "worker"
+        );
+    }
 
     let mut rows = Vec::with_capacity(outputs.len());
     for (((prompt, text), request), out) in prompts.iter().zip(&texts).zip(&requests).zip(&outputs) {

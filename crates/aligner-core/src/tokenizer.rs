@@ -19,6 +19,7 @@ pub struct ChatMessage {
 pub const FALLBACK_CHAT_TEMPLATE: &str = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
 
 /// A model folder's tokenizer with its special tokens and chat template.
+#[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,

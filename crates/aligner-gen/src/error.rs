@@ -9,6 +9,10 @@ pub enum GenError {
     PromptTooLong { tokens: usize, max: usize },
     #[error("stop strings need a tokenizer to decode the response")]
     StopStringsNeedTokenizer,
+    #[error("refit with a model of {got} parameters; the engine's model has {have}")]
+    RefitMismatch { have: usize, got: usize },
+    #[error("generation worker {0} panicked")]
+    WorkerPanicked(usize),
     #[error(transparent)]
     Core(#[from] aligner_core::CoreError),
 }

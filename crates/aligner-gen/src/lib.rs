@@ -1,24 +1,30 @@
 //! # aligner-gen
 //!
-//! Generation for aligner: prompts in, sampled responses out, with the per-token log-probs a
-//! trainer needs. A KV cache is allocated once per batch and written in place; prompts are
-//! prefilled together and decoded a token a step; each request samples from its own seeded
-//! random stream, so its output does not depend on the rest of the batch.
+//! The rollout engine of aligner: prompts in, sampled responses out, with the per-token
+//! log-probs a trainer needs. An [`Engine`] owns a KV cache of `slots` rows allocated once;
+//! prompts are prefilled in batches and decoded a token a step, and a finished sequence's row
+//! goes to the next queued prompt at once (continuous batching). Each request samples from its
+//! own seeded random stream, so its output does not depend on the rest of the batch.
+//! [`Engine::refit`] takes a training model's current weights in place (LoRA merged on the
+//! fly); a [`WorkerPool`] runs several engines from one queue.
 //!
 //! ```no_run
 //! use aligner_core::{Device, LoadedModel};
-//! use aligner_gen::{GenerationRequest, Generator, SamplingParams};
+//! use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
 //! let lm = LoadedModel::from_dir(&aligner_core::default_model_dir().unwrap(), &Device::flex()).unwrap();
 //! let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
 //! let request = GenerationRequest { prompt_ids, params: SamplingParams::greedy(32) };
-//! let out = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer)).generate(&[request]).unwrap();
+//! let mut engine = Engine::for_model(&lm, EngineOptions::default());
+//! let out = engine.generate(&[request]).unwrap();
 //! println!("{}", lm.tokenizer.decode(&out[0].token_ids, true).unwrap());
 //! ```
 
 mod engine;
 mod error;
+mod pool;
 pub mod sampling;
 
-pub use engine::{Generation, GenerationRequest, Generator, StopReason};
+pub use engine::{Engine, EngineOptions, EngineStats, Generation, GenerationRequest, StopReason};
 pub use error::{GenError, Result};
+pub use pool::{PoolReport, WorkerPool, WorkerReport};
 pub use sampling::SamplingParams;

@@ -45,11 +45,43 @@ impl SamplingParams {
     }
 }
 
-/// `log softmax(logits)[token]`, in f64 for accuracy.
+/// `log softmax(logits)[token]` (exponentials in f32, their sum in f64).
 pub fn log_prob(logits: &[f32], token: usize) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-    (logits[token] as f64 - max - sum.ln()) as f32
+    let max = max_logit(logits);
+    let sum: f64 = logits.iter().map(|&l| (l - max).exp() as f64).sum();
+    ((logits[token] - max) as f64 - sum.ln()) as f32
+}
+
+fn max_logit(logits: &[f32]) -> f32 {
+    logits.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Plain temperature sampling (no top-k/top-p) in one pass of exponentials: the inverse CDF
+/// of the unnormalised weights, then the log-prob under the model (temperature 1).
+fn sample_unfiltered(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> (usize, f32) {
+    let max = max_logit(logits);
+    let inv_t = 1.0 / temperature;
+    let weights: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
+    let total: f64 = weights.iter().map(|&w| w as f64).sum();
+    let target = rng.random::<f64>() * total;
+    let mut cumulative = 0.0;
+    let mut chosen = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w == 0.0 {
+            continue;
+        }
+        cumulative += w as f64;
+        chosen = i;
+        if target < cumulative {
+            break;
+        }
+    }
+    let logprob = if temperature == 1.0 {
+        ((logits[chosen] - max) as f64 - total.ln()) as f32
+    } else {
+        log_prob(logits, chosen)
+    };
+    (chosen, logprob)
 }
 
 /// Index of the largest logit (the first one on ties, like `argmax`).
@@ -104,6 +136,8 @@ pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> (usize, f32) {
     let token = if params.temperature <= 0.0 {
         argmax(logits)
+    } else if params.top_k == 0 && params.top_p >= 1.0 {
+        return sample_unfiltered(logits, params.temperature, rng);
     } else {
         let probs = filtered_probs(logits, params);
         let u: f64 = rng.random();
@@ -208,5 +242,28 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let (token, lp) = sample(&logits, &params, &mut rng);
         assert_eq!(lp, log_prob(&logits, token));
+    }
+
+    #[test]
+    fn the_one_pass_path_draws_what_the_filtered_path_draws() {
+        let logits: Vec<f32> = (0..97).map(|i| ((i * 37) % 11) as f32 * 0.4 - 2.0).collect();
+        for temperature in [1.0, 0.5, 1.7] {
+            let fast = SamplingParams {
+                temperature,
+                ..SamplingParams::default()
+            };
+            // top_k = vocab size filters nothing but takes the general path.
+            let general = SamplingParams {
+                top_k: logits.len(),
+                ..fast.clone()
+            };
+            let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
+            for _ in 0..300 {
+                let (x, lx) = sample(&logits, &fast, &mut a);
+                let (y, ly) = sample(&logits, &general, &mut b);
+                assert_eq!(x, y);
+                assert!((lx - ly).abs() < 1e-5);
+            }
+        }
     }
 }

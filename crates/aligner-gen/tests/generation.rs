@@ -1,11 +1,14 @@
-//! Generation on the shipped model: parity with transformers' greedy tokens, batch
-//! independence, and agreement of token log-probs with the scoring path.
+//! The engine on the shipped model: parity with transformers' greedy tokens, batch
+//! independence (continuous batching included), agreement of token log-probs with the scoring
+//! path, refit in place, and the worker pool.
 
 use std::path::PathBuf;
 
 use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::{Device, LoadedModel};
-use aligner_gen::{GenerationRequest, Generator, SamplingParams, StopReason};
+use aligner_gen::{
+    Engine, EngineOptions, Generation, GenerationRequest, SamplingParams, StopReason, WorkerPool,
+};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -14,6 +17,28 @@ fn repo() -> PathBuf {
 
 fn shipped() -> LoadedModel {
     LoadedModel::from_dir(&repo().join("assets/stories260K"), &Device::flex()).unwrap()
+}
+
+fn engine(lm: &LoadedModel, slots: usize) -> Engine {
+    Engine::for_model(
+        lm,
+        EngineOptions {
+            slots,
+            cache_len: None,
+        },
+    )
+}
+
+/// Same tokens and stop reasons; log-probs equal up to the float noise of another batch shape.
+fn assert_same(a: &[Generation], b: &[Generation]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.token_ids, y.token_ids);
+        assert_eq!(x.stop_reason, y.stop_reason);
+        for (p, q) in x.token_logprobs.iter().zip(&y.token_logprobs) {
+            assert!((p - q).abs() < 1e-4, "{p} vs {q}");
+        }
+    }
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -59,7 +84,7 @@ fn greedy_tokens_equal_transformers() {
         })
         .collect();
     // The reference stops only at max_new_tokens.
-    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer)).with_eos_ids(vec![]);
+    let mut generator = engine(&lm, 64).with_eos_ids(vec![]);
     let batched = generator.generate(&reqs).unwrap();
     for (case, out) in cases.iter().zip(&batched) {
         assert_eq!(out.token_ids, ids(&case["ids"]), "prompt {:?}", case["prompt"]);
@@ -74,7 +99,7 @@ fn greedy_tokens_equal_transformers() {
 #[test]
 fn a_batch_gives_each_prompt_what_it_gets_alone() {
     let lm = shipped();
-    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
+    let mut generator = engine(&lm, 64);
     for params in [
         SamplingParams::greedy(40),
         SamplingParams {
@@ -107,13 +132,13 @@ fn a_batch_gives_each_prompt_what_it_gets_alone() {
 #[test]
 fn seeds_make_samples_repeatable_and_different() {
     let lm = shipped();
-    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
+    let mut generator = engine(&lm, 64);
     let params = SamplingParams {
         max_new_tokens: 30,
         ..SamplingParams::default()
     };
     let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
-    let run = |seed| {
+    let mut run = |seed| {
         let req = GenerationRequest {
             prompt_ids: prompt_ids.clone(),
             params: SamplingParams {
@@ -130,7 +155,7 @@ fn seeds_make_samples_repeatable_and_different() {
 #[test]
 fn engine_logprobs_equal_the_scoring_path() {
     let lm = shipped();
-    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
+    let mut generator = engine(&lm, 64);
     let params = SamplingParams {
         temperature: 1.0,
         max_new_tokens: 48,
@@ -158,7 +183,7 @@ fn engine_logprobs_equal_the_scoring_path() {
 #[test]
 fn stops_at_eos_and_at_stop_strings() {
     let lm = shipped();
-    let generator = Generator::new(&lm.model, &lm.config, Some(&lm.tokenizer));
+    let mut generator = engine(&lm, 64);
     let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
     let req = |stop: Vec<String>| GenerationRequest {
         prompt_ids: prompt_ids.clone(),
@@ -179,4 +204,176 @@ fn stops_at_eos_and_at_stop_strings() {
     if out.stop_reason == StopReason::Eos {
         assert_eq!(*out.token_ids.last().unwrap(), 2);
     }
+}
+
+/// Prompts of different lengths (1 to ~20 tokens) from the sentiment task's domain.
+fn many_requests(lm: &LoadedModel, n: usize, params: &SamplingParams) -> Vec<GenerationRequest> {
+    let words = [
+        "Once", "upon", "a", "time", "there", "was", "a", "little", "girl", "named", "Lily", "who", "loved",
+        "to", "play", "in", "the", "park", "with", "her", "dog",
+    ];
+    (0..n)
+        .map(|i| GenerationRequest {
+            prompt_ids: lm
+                .tokenizer
+                .encode(&words[..1 + (i * 7) % words.len()].join(" "), true)
+                .unwrap(),
+            params: SamplingParams {
+                seed: 1000 + i as u64,
+                max_new_tokens: 8 + (i * 13) % 40,
+                ..params.clone()
+            },
+        })
+        .collect()
+}
+
+fn sampled(max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 50,
+        max_new_tokens,
+        ..SamplingParams::default()
+    }
+}
+
+#[test]
+fn continuous_batching_gives_each_prompt_what_it_gets_alone() {
+    let lm = shipped();
+    let mut alone = engine(&lm, 1);
+    for params in [SamplingParams::greedy(0), sampled(0)] {
+        let reqs = many_requests(&lm, 14, &params);
+        // 3 rows for 14 prompts of different lengths: rows free at different steps and are
+        // refilled mid-batch; the cursor runs past the buffers and the rows shift.
+        let mut continuous = engine(&lm, 3);
+        let outs = continuous.generate(&reqs).unwrap();
+        let stats = continuous.stats();
+        assert!(stats.admitted_mid_batch >= 8, "{stats:?}");
+        assert!(stats.shifts > 0, "{stats:?}");
+        assert_eq!(stats.allocations, 1);
+        for (req, out) in reqs.iter().zip(&outs) {
+            let single = alone.generate(std::slice::from_ref(req)).unwrap().remove(0);
+            assert_eq!(single.token_ids, out.token_ids);
+            assert_eq!(single.stop_reason, out.stop_reason);
+            for (a, b) in single.token_logprobs.iter().zip(&out.token_logprobs) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
+        // The same engine runs again with its cache kept.
+        assert_eq!(continuous.generate(&reqs).unwrap(), outs);
+        assert_eq!(continuous.stats().allocations, 1);
+    }
+}
+
+/// A LoRA policy as training leaves it: on the autodiff device, adapters with non-zero `B`.
+fn lora_policy(lm: &LoadedModel) -> aligner_core::CausalLm {
+    use aligner_core::model::{LoraSpec, projections};
+    use burn::module::Module;
+    use burn::tensor::{Distribution, Tensor};
+    let device = Device::flex().autodiff();
+    let mut model = lm.model.clone().fork(&device).train();
+    let spec = LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: ["q_proj", "v_proj", "up_proj", "down_proj"]
+            .map(String::from)
+            .to_vec(),
+    };
+    model.attach_lora(&spec, &device);
+    device.seed(7);
+    for (_, layer) in projections(&mut model.model) {
+        if let Some(lora) = &mut layer.lora {
+            lora.b = lora.b.clone().map(|b| {
+                Tensor::random(b.shape(), Distribution::Normal(0.0, 0.3), &b.device()).require_grad()
+            });
+        }
+    }
+    model
+}
+
+#[test]
+fn refit_takes_new_weights_in_place() {
+    let lm = shipped();
+    let reqs = many_requests(&lm, 6, &sampled(0));
+    let mut engine = engine(&lm, 4);
+    let before = engine.generate(&reqs).unwrap();
+    let capacity = engine.cache_len();
+
+    let policy = lora_policy(&lm);
+    let took = engine.refit(&policy).unwrap();
+    assert!(took.as_secs_f64() < 5.0);
+    let after = engine.generate(&reqs).unwrap();
+    assert_ne!(before, after, "the new weights change the samples");
+    assert_eq!(engine.cache_len(), capacity, "the cache stays allocated");
+    assert_eq!(engine.stats().allocations, 1);
+
+    // A fresh engine on the merged weights samples the same.
+    let merged = burn::module::Module::valid(&policy).merged();
+    let mut fresh = Engine::new(
+        merged,
+        lm.config.clone(),
+        Some(lm.tokenizer.clone()),
+        EngineOptions::default(),
+    );
+    assert_same(&fresh.generate(&reqs).unwrap(), &after);
+
+    // And the merged log-probs are the adapter model's own (score path, adapters unmerged).
+    let seqs: Vec<ScoredSequence> = reqs
+        .iter()
+        .zip(&after)
+        .map(|(r, o)| ScoredSequence {
+            ids: r.prompt_ids.iter().chain(&o.token_ids).copied().collect(),
+            prompt_len: r.prompt_ids.len(),
+        })
+        .collect();
+    let scored = response_logprobs(&burn::module::Module::valid(&policy), &seqs, 4).unwrap();
+    for (o, s) in after.iter().zip(&scored) {
+        for (a, b) in o.token_logprobs.iter().zip(&s.token_logprobs) {
+            assert!((a - b).abs() < 1e-4, "engine {a} vs score {b}");
+        }
+    }
+
+    // Refitting the original weights restores the original samples.
+    engine.refit(&lm.model).unwrap();
+    assert_same(&engine.generate(&reqs).unwrap(), &before);
+}
+
+#[test]
+fn refit_rejects_another_architecture() {
+    let lm = shipped();
+    let mut engine = engine(&lm, 2);
+    let mut config = lm.config.clone();
+    config.num_hidden_layers = 1;
+    let other = aligner_core::CausalLm::new(&config, &Device::flex());
+    assert!(engine.refit(&other).is_err());
+}
+
+#[test]
+fn worker_pool_shares_one_queue() {
+    let lm = shipped();
+    let reqs = many_requests(&lm, 20, &sampled(0));
+    let expected = engine(&lm, 4).generate(&reqs).unwrap();
+    let mut pool = WorkerPool::new(engine(&lm, 4), 2);
+    let finished = std::sync::atomic::AtomicUsize::new(0);
+    let (outs, report) = pool
+        .generate(&reqs, &|_| {
+            finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        })
+        .unwrap();
+    assert_same(&outs, &expected);
+    assert_eq!(finished.into_inner(), reqs.len());
+    assert_eq!(report.workers.len(), 2);
+    assert_eq!(
+        report.workers.iter().map(|w| w.prompts).sum::<usize>(),
+        reqs.len()
+    );
+    assert_eq!(
+        report.tokens(),
+        expected.iter().map(|g| g.token_ids.len()).sum::<usize>()
+    );
+    assert!(report.workers.iter().all(|w| w.prompts > 0), "{report:?}");
+    // Refit reaches every worker.
+    pool.refit(&lora_policy(&lm)).unwrap();
+    let (changed, _) = pool.generate(&reqs, &|_| {}).unwrap();
+    assert_ne!(changed, expected);
 }

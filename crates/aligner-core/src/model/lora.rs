@@ -106,10 +106,11 @@ impl LoraLinear {
         self.lora = Some(LoraAdapter::new(name, d_in, d_out, rank, alpha, dropout, device));
     }
 
-    /// The base with the adapter folded in (`W + scale·A·B`), as a plain layer.
+    /// The layer as it computes now, as a plain layer: the base with the adapter folded in
+    /// (`W + scale·A·B`) when it is enabled.
     pub fn merged(&self) -> Linear {
         let mut base = self.base.clone();
-        if let Some(lora) = &self.lora {
+        if let (Some(lora), true) = (&self.lora, self.adapter_enabled) {
             let w = base.weight.val() + lora.delta();
             base.weight = base.weight.map(|_| w);
         }

@@ -1,0 +1,122 @@
+//! Several engines fed from one queue.
+//!
+//! Each worker (a thread now; a device later) runs its own [`Engine`] with its own KV cache on
+//! shared weights and takes the next prompt whenever one of its rows frees up, so a worker
+//! that draws short responses ends up serving more prompts — NeMo-Aligner's dynamic load
+//! balancing, without a coordinator.
+
+use std::sync::Mutex;
+use std::sync::atomic::AtomicUsize;
+use std::time::{Duration, Instant};
+
+use aligner_core::CausalLm;
+
+use crate::engine::{Engine, Generation, GenerationRequest, inference_weights, validate};
+use crate::error::{GenError, Result};
+
+/// What one worker did in a run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkerReport {
+    pub prompts: usize,
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+/// What a pool run did, worker by worker.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PoolReport {
+    pub workers: Vec<WorkerReport>,
+    pub seconds: f64,
+}
+
+impl PoolReport {
+    /// Generated tokens over all workers.
+    pub fn tokens(&self) -> usize {
+        self.workers.iter().map(|w| w.tokens).sum()
+    }
+}
+
+/// Engines sharing one queue of prompts.
+pub struct WorkerPool {
+    engines: Vec<Engine>,
+}
+
+impl WorkerPool {
+    /// `workers` engines: `engine` and replicas of it on the same weights.
+    pub fn new(engine: Engine, workers: usize) -> Self {
+        let mut engines = Vec::with_capacity(workers.max(1));
+        for _ in 1..workers.max(1) {
+            engines.push(engine.replica());
+        }
+        engines.insert(0, engine);
+        Self { engines }
+    }
+
+    pub fn workers(&self) -> usize {
+        self.engines.len()
+    }
+
+    /// Every worker takes `model`'s current weights (merged once, shared by all).
+    pub fn refit(&mut self, model: &CausalLm) -> Result<Duration> {
+        let start = Instant::now();
+        let weights = inference_weights(model);
+        for engine in &mut self.engines {
+            engine.take_weights(weights.clone())?;
+        }
+        Ok(start.elapsed())
+    }
+
+    /// Completes every request (outputs in request order) and reports each worker's share.
+    pub fn generate(
+        &mut self,
+        requests: &[GenerationRequest],
+        progress: &(dyn Fn(&Generation) + Sync),
+    ) -> Result<(Vec<Generation>, PoolReport)> {
+        let Some(first) = self.engines.first() else {
+            return Ok((Vec::new(), PoolReport::default()));
+        };
+        validate(requests, first.model().model.rope.max_positions())?;
+        let start = Instant::now();
+        let queue = AtomicUsize::new(0);
+        let results: Mutex<Vec<Option<Generation>>> = Mutex::new(vec![None; requests.len()]);
+        let reports = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .engines
+                .iter_mut()
+                .map(|engine| {
+                    let (queue, results) = (&queue, &results);
+                    scope.spawn(move || -> Result<WorkerReport> {
+                        let begun = Instant::now();
+                        let mut report = WorkerReport::default();
+                        engine.serve(requests, queue, &mut |i, generation| {
+                            report.prompts += 1;
+                            report.tokens += generation.token_ids.len();
+                            progress(&generation);
+                            results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(generation);
+                        })?;
+                        report.seconds = begun.elapsed().as_secs_f64();
+                        Ok(report)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(w, h)| h.join().map_err(|_| GenError::WorkerPanicked(w))?)
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let outputs = results
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .into_iter()
+            .map(|g| g.expect("every request finishes"))
+            .collect();
+        Ok((
+            outputs,
+            PoolReport {
+                workers: reports,
+                seconds: start.elapsed().as_secs_f64(),
+            },
+        ))
+    }
+}
