@@ -3,7 +3,9 @@
 mod bench;
 mod convert;
 mod generate;
+mod ppo;
 mod score;
+mod serve;
 mod train;
 
 use anyhow::{Result, bail};
@@ -35,6 +37,11 @@ enum Command {
     /// KTO on unpaired desirable/undesirable completions.
     #[cfg(feature = "kto")]
     Kto(train::TrainArgs),
+    /// RLHF with PPO: actor, reference, critic and reward model.
+    Ppo(train::TrainArgs),
+    /// Serve a PPO role over gRPC.
+    #[command(subcommand)]
+    Serve(serve::ServeCommand),
     /// Generate responses to prompts.
     Generate(generate::GenerateArgs),
     /// Sequence log-probs of responses given prompts.
@@ -81,6 +88,8 @@ fn main() -> Result<()> {
         Command::Dpo(args) => train::dpo(args, &device),
         #[cfg(feature = "kto")]
         Command::Kto(args) => train::kto(args, &device),
+        Command::Ppo(args) => ppo::ppo(args, &device),
+        Command::Serve(cmd) => serve::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
         Command::Convert(cmd) => convert::run(cmd, &device),

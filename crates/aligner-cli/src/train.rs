@@ -23,23 +23,23 @@ use serde::de::DeserializeOwned;
 pub struct TrainArgs {
     /// TOML configuration (default: the embedded default run).
     #[arg(long)]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Override any key of the configuration, e.g. `--set train.max_steps=20`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
-    sets: Vec<String>,
+    pub(crate) sets: Vec<String>,
     /// Run folder.
     #[arg(long)]
-    out: Option<PathBuf>,
+    pub(crate) out: Option<PathBuf>,
     /// Continue the run in RUN_DIR from its newest checkpoint, with its config.toml.
     #[arg(long, value_name = "RUN_DIR", conflicts_with = "config")]
-    resume: Option<PathBuf>,
+    pub(crate) resume: Option<PathBuf>,
     /// Stop after this many optimizer steps as if interrupted (checkpoints stay resumable).
     #[arg(long, hide = true)]
-    stop_after: Option<usize>,
+    pub(crate) stop_after: Option<usize>,
 }
 
 /// The resolved configuration and run folder of a command.
-fn prepare<T: Serialize + DeserializeOwned + Default>(
+pub(crate) fn prepare<T: Serialize + DeserializeOwned + Default>(
     args: &TrainArgs,
     command: &str,
 ) -> Result<(T, PathBuf)> {
@@ -58,7 +58,7 @@ fn prepare<T: Serialize + DeserializeOwned + Default>(
     Ok((config, out))
 }
 
-fn model_dir(model: &ModelSection) -> Result<PathBuf> {
+pub(crate) fn model_dir(model: &ModelSection) -> Result<PathBuf> {
     crate::model_dir(model.path.clone())
 }
 
@@ -68,7 +68,7 @@ fn require(path: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
 
 /// Attaches LoRA adapters to a policy when `[model]` asks for them, and returns how its run
 /// folder saves and loads it.
-fn policy_store(
+pub(crate) fn policy_store(
     model: &mut CausalLm,
     section: &ModelSection,
     llama: &LlamaConfig,

@@ -49,7 +49,8 @@ pub enum CoreError {
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
 impl CoreError {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    /// An I/O error that names the file or folder.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
             source,

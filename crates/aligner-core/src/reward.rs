@@ -58,6 +58,21 @@ impl RewardModel {
         self.score.forward(pooled)
     }
 
+    /// Head outputs at every position, `[batch, seq, outputs]`, of `tokens` at `positions`
+    /// under `mask` (a critic reads its per-token values this way).
+    pub fn forward_all(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, burn::tensor::Bool>>,
+    ) -> Tensor<3> {
+        let hidden = self.model.forward(tokens, positions, mask, None);
+        let [b, s, d] = hidden.dims();
+        self.score
+            .forward(hidden.reshape([b * s, d]))
+            .reshape([b, s, self.outputs()])
+    }
+
     fn slots(&mut self) -> Vec<(String, Slot<'_>)> {
         let mut out = trunk_slots(&mut self.model);
         out.push(("score".to_string(), Slot::Linear(&mut self.score)));

@@ -119,12 +119,15 @@ struct Slot {
 }
 
 impl Engine {
+    /// An engine on `model`'s current weights (as [`Engine::refit`] takes them: autodiff state
+    /// dropped, LoRA adapters merged).
     pub fn new(
         model: CausalLm,
         config: LlamaConfig,
         tokenizer: Option<TextTokenizer>,
         options: EngineOptions,
     ) -> Self {
+        let model = inference_weights(&model);
         let eos_ids = match &tokenizer {
             Some(t) if !t.eos_ids().is_empty() => t.eos_ids().to_vec(),
             _ => config.eos_token_ids(),

@@ -1,0 +1,86 @@
+//! Helpers shared by the CLI's end-to-end tests.
+#![allow(dead_code)] // each test crate uses its own subset
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs the `aligner` binary from the repository root: (success, stderr).
+pub fn aligner(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_aligner"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+pub fn metrics(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+pub fn first_and_last(rows: &[Value], key: &str) -> (f64, f64) {
+    let values: Vec<f64> = rows.iter().filter_map(|r| r[key].as_f64()).collect();
+    (values[0], *values.last().unwrap())
+}
+
+/// The tinystories_sentiment lexicon score (assets/tinystories_sentiment/SOURCE.txt): positive
+/// minus negative words, words being lower-cased runs of [a-z'].
+pub fn lexicon_score(text: &str) -> i64 {
+    const POSITIVE: &str = "happy happily smiled smile smiles laughed laugh fun love loved loves friend friends good great kind nice hug hugged play played together yay glad enjoy enjoyed best beautiful proud excited thank thanked";
+    const NEGATIVE: &str = "sad sadly cried cry crying scared angry mad hurt bad upset lost alone broke broken afraid fear tears mean never sorry ouch pain sick";
+    let lower = text.to_lowercase();
+    let words = lower.split(|c: char| !(c.is_ascii_lowercase() || c == '\''));
+    words
+        .filter(|w| !w.is_empty())
+        .map(|w| POSITIVE.split(' ').any(|p| p == w) as i64 - NEGATIVE.split(' ').any(|n| n == w) as i64)
+        .sum()
+}
+
+/// Mean lexicon score of a model's own samples on the held-out prompts (temperature 1,
+/// 48 new tokens).
+pub fn sample_sentiment(model: &Path, out: &Path) -> f64 {
+    let prompts = repo().join("assets/tinystories_sentiment/test.prompts.jsonl");
+    let (ok, err) = aligner(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-new-tokens",
+        "48",
+        "--temperature",
+        "1",
+        "--seed",
+        "1",
+        "--batch-size",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let text = std::fs::read_to_string(out).unwrap();
+    let scores: Vec<i64> = text
+        .lines()
+        .map(|l| {
+            lexicon_score(
+                serde_json::from_str::<Value>(l).unwrap()["response"]
+                    .as_str()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    scores.iter().sum::<i64>() as f64 / scores.len() as f64
+}

@@ -1,0 +1,190 @@
+//! Per-token rewards, advantages and returns: the arithmetic of a PPO step on host vectors.
+//!
+//! Each function works on one response (a slice of per-token values), so the hand-computed
+//! tests below read like the formulas.
+
+use serde::{Deserialize, Serialize};
+
+/// How the per-token KL between policy and reference is estimated from the sampled token's
+/// log-probs (`log π`, `log π_ref`); see Schulman, "Approximating KL divergence".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum KlEstimator {
+    /// `log π − log π_ref` (unbiased, can be negative).
+    #[default]
+    K1,
+    /// `|log π − log π_ref|`.
+    Absolute,
+    /// `(r − 1) − log r` with `r = π_ref / π` (unbiased, never negative).
+    K3,
+}
+
+/// The KL estimate of each token.
+pub fn kl_per_token(logp: &[f32], ref_logp: &[f32], estimator: KlEstimator) -> Vec<f32> {
+    logp.iter()
+        .zip(ref_logp)
+        .map(|(&lp, &lr)| {
+            let d = lp - lr;
+            match estimator {
+                KlEstimator::K1 => d,
+                KlEstimator::Absolute => d.abs(),
+                KlEstimator::K3 => (-d).exp() - 1.0 + d,
+            }
+        })
+        .collect()
+}
+
+/// Per-token rewards: `−kl_coef · kl_t` everywhere, plus the sequence `score` on the last token.
+pub fn token_rewards(score: f32, kl: &[f32], kl_coef: f32) -> Vec<f32> {
+    let mut rewards: Vec<f32> = kl.iter().map(|k| -kl_coef * k).collect();
+    if let Some(last) = rewards.last_mut() {
+        *last += score;
+    }
+    rewards
+}
+
+/// Generalised advantage estimation over one response:
+/// `δ_t = r_t + γ V_{t+1} − V_t` (`V` after the last token is 0),
+/// `A_t = δ_t + γλ A_{t+1}`, returns `A_t + V_t`.
+pub fn gae(rewards: &[f32], values: &[f32], gamma: f32, lam: f32) -> (Vec<f32>, Vec<f32>) {
+    let n = rewards.len();
+    let mut advantages = vec![0.0; n];
+    let mut next_value = 0.0;
+    let mut running = 0.0;
+    for t in (0..n).rev() {
+        let delta = rewards[t] + gamma * next_value - values[t];
+        running = delta + gamma * lam * running;
+        advantages[t] = running;
+        next_value = values[t];
+    }
+    let returns = advantages.iter().zip(values).map(|(a, v)| a + v).collect();
+    (advantages, returns)
+}
+
+/// Shifts and scales every value of `rows` (all tokens of all responses together) to mean 0
+/// and standard deviation 1, as PPO whitens advantages over a rollout batch.
+pub fn whiten(rows: &mut [Vec<f32>]) {
+    let n: usize = rows.iter().map(Vec::len).sum();
+    if n < 2 {
+        return;
+    }
+    let mean = rows.iter().flatten().map(|&x| x as f64).sum::<f64>() / n as f64;
+    let var = rows
+        .iter()
+        .flatten()
+        .map(|&x| (x as f64 - mean).powi(2))
+        .sum::<f64>()
+        / (n - 1) as f64;
+    let scale = 1.0 / (var.sqrt() + 1e-8);
+    for x in rows.iter_mut().flatten() {
+        *x = ((*x as f64 - mean) * scale) as f32;
+    }
+}
+
+/// Critic-free baselines over groups of `group` consecutive samples of the same prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Advantage {
+    /// GAE on the critic's values.
+    #[default]
+    Gae,
+    /// GRPO: `(r − mean(group)) / (std(group) + ε)`.
+    Grpo,
+    /// RLOO: `r − mean(other samples of the group)`.
+    Rloo,
+}
+
+/// Sequence-level advantages of `scores` under a group baseline (`Gae` is not one: it returns
+/// the scores unchanged). `scores.len()` must be a multiple of `group`.
+pub fn group_advantages(scores: &[f32], group: usize, mode: Advantage) -> Vec<f32> {
+    let group = group.max(1);
+    let mut out = Vec::with_capacity(scores.len());
+    for chunk in scores.chunks(group) {
+        let k = chunk.len() as f32;
+        let sum: f32 = chunk.iter().sum();
+        let mean = sum / k;
+        match mode {
+            Advantage::Gae => out.extend_from_slice(chunk),
+            Advantage::Grpo => {
+                let std = if chunk.len() > 1 {
+                    (chunk.iter().map(|r| (r - mean).powi(2)).sum::<f32>() / (k - 1.0)).sqrt()
+                } else {
+                    0.0
+                };
+                out.extend(chunk.iter().map(|r| (r - mean) / (std + 1e-6)));
+            }
+            Advantage::Rloo if chunk.len() > 1 => {
+                out.extend(chunk.iter().map(|r| r - (sum - r) / (k - 1.0)));
+            }
+            Advantage::Rloo => out.extend(chunk.iter().map(|_| 0.0)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f32], b: &[f32]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn kl_estimators_by_hand() {
+        let (lp, lr) = ([-1.0f32, -2.0], [-1.5f32, -1.0]);
+        close(&kl_per_token(&lp, &lr, KlEstimator::K1), &[0.5, -1.0]);
+        close(&kl_per_token(&lp, &lr, KlEstimator::Absolute), &[0.5, 1.0]);
+        // k3 = e^{-d} - 1 + d: d = 0.5 → 0.1065307; d = -1 → e - 2 = 0.7182818.
+        close(
+            &kl_per_token(&lp, &lr, KlEstimator::K3),
+            &[0.106_530_7, 0.718_281_8],
+        );
+    }
+
+    #[test]
+    fn rewards_put_the_score_on_the_last_token() {
+        close(&token_rewards(2.0, &[0.5, -1.0, 0.0], 0.1), &[-0.05, 0.1, 2.0]);
+    }
+
+    #[test]
+    fn gae_by_hand() {
+        // γ = 0.9, λ = 0.8, r = [0, 0, 1], V = [0.5, 0.4, 0.3]
+        // δ2 = 1 − 0.3 = 0.7;           A2 = 0.7
+        // δ1 = 0 + 0.9·0.3 − 0.4 = −0.13; A1 = −0.13 + 0.72·0.7 = 0.374
+        // δ0 = 0 + 0.9·0.4 − 0.5 = −0.14; A0 = −0.14 + 0.72·0.374 = 0.12928
+        let (adv, ret) = gae(&[0.0, 0.0, 1.0], &[0.5, 0.4, 0.3], 0.9, 0.8);
+        close(&adv, &[0.12928, 0.374, 0.7]);
+        close(&ret, &[0.62928, 0.774, 1.0]);
+        // λ = 1, γ = 1: advantages are reward-to-go minus the value.
+        let (adv, _) = gae(&[1.0, 2.0], &[0.5, 0.5], 1.0, 1.0);
+        close(&adv, &[2.5, 1.5]);
+    }
+
+    #[test]
+    fn whitening_gives_zero_mean_unit_std() {
+        let mut rows = vec![vec![1.0, 2.0], vec![3.0, 4.0, 5.0]];
+        whiten(&mut rows);
+        // mean 3, sample std √2.5
+        let s = 2.5f32.sqrt();
+        close(&rows[0], &[-2.0 / s, -1.0 / s]);
+        close(&rows[1], &[0.0, 1.0 / s, 2.0 / s]);
+    }
+
+    #[test]
+    fn group_baselines_by_hand() {
+        let scores = [1.0, 3.0, 2.0, 2.0];
+        // RLOO: 1 − 3, 3 − 1; 2 − 2, 2 − 2
+        close(
+            &group_advantages(&scores, 2, Advantage::Rloo),
+            &[-2.0, 2.0, 0.0, 0.0],
+        );
+        // GRPO: group (1, 3): mean 2, std √2 → ∓1/√2; (2, 2): 0
+        let g = group_advantages(&scores, 2, Advantage::Grpo);
+        close(&g, &[-0.707_106_2, 0.707_106_2, 0.0, 0.0]);
+        close(&group_advantages(&scores, 2, Advantage::Gae), &scores);
+    }
+}

@@ -1,0 +1,135 @@
+//! `aligner ppo` configuration: `[model]` (the actor, from an SFT model; LoRA), `[reward_model]`,
+//! `[data]` (prompt files) and `[ppo]`.
+
+use std::path::PathBuf;
+
+use aligner_core::train::{DataSection, ModelSection};
+use serde::{Deserialize, Serialize};
+
+use crate::advantages::{Advantage, KlEstimator};
+
+/// `[reward_model]`: the frozen reward model, which also starts the critic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardModelSection {
+    /// HF sequence-classifier folder; empty = train one on the shipped preference data first.
+    pub path: Option<PathBuf>,
+}
+
+/// What happens to responses that never produced EOS (cut by the token limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NonEos {
+    /// Trained on like any other.
+    #[default]
+    Keep,
+    /// Left out of the policy and value updates.
+    Exclude,
+    /// Their reward gets `non_eos_penalty` added.
+    Penalize,
+}
+
+/// `[ppo]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PpoSection {
+    /// Rollout-and-update steps.
+    pub steps: usize,
+    /// Prompts per rollout.
+    pub rollout_prompts: usize,
+    /// Responses per prompt (GRPO / RLOO need at least 2).
+    pub samples_per_prompt: usize,
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub kl_coef: f32,
+    pub kl_estimator: KlEstimator,
+    pub gamma: f32,
+    pub lam: f32,
+    pub advantage: Advantage,
+    pub whiten_advantages: bool,
+    /// Passes over each rollout.
+    pub epochs: usize,
+    pub mini_batch: usize,
+    pub clip_eps: f64,
+    pub value_clip_eps: f64,
+    pub actor_lr: f64,
+    pub critic_lr: f64,
+    pub max_grad_norm: f64,
+    pub non_eos: NonEos,
+    pub non_eos_penalty: f32,
+    /// `http://host:port` of `aligner serve critic`; empty = the critic runs in this process.
+    pub critic_url: Option<String>,
+    /// One server (or thread) holds the reward model and the critic.
+    pub combine_rm_and_critic: bool,
+    /// How long the actor keeps retrying an unreachable critic before it stops.
+    pub critic_retry_seconds: f64,
+    /// Engine rows and workers for rollouts.
+    pub slots: usize,
+    pub workers: usize,
+    pub eval_every: usize,
+    /// Held-out prompts scored at each evaluation (0 = all).
+    pub eval_prompts: usize,
+    pub save_every: usize,
+    pub seed: u64,
+}
+
+impl Default for PpoSection {
+    fn default() -> Self {
+        Self {
+            steps: 24,
+            rollout_prompts: 32,
+            samples_per_prompt: 1,
+            max_new_tokens: 48,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            kl_coef: 0.05,
+            kl_estimator: KlEstimator::K1,
+            gamma: 1.0,
+            lam: 0.95,
+            advantage: Advantage::Gae,
+            whiten_advantages: true,
+            epochs: 2,
+            mini_batch: 16,
+            clip_eps: 0.2,
+            value_clip_eps: 0.2,
+            actor_lr: 3e-4,
+            critic_lr: 3e-4,
+            max_grad_norm: 1.0,
+            non_eos: NonEos::Keep,
+            non_eos_penalty: -1.0,
+            critic_url: None,
+            combine_rm_and_critic: true,
+            critic_retry_seconds: 30.0,
+            slots: 64,
+            workers: 1,
+            eval_every: 6,
+            eval_prompts: 64,
+            save_every: 6,
+            seed: 0,
+        }
+    }
+}
+
+/// The whole `aligner ppo` configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PpoConfig {
+    pub model: ModelSection,
+    pub reward_model: RewardModelSection,
+    pub data: DataSection,
+    pub ppo: PpoSection,
+}
+
+impl Default for PpoConfig {
+    fn default() -> Self {
+        Self {
+            model: ModelSection::default(),
+            reward_model: RewardModelSection::default(),
+            data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
+            ppo: PpoSection::default(),
+        }
+    }
+}
