@@ -3,9 +3,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use aligner_core::data::{Prompt, PromptRow, read_jsonl};
+use std::collections::BTreeMap;
+
+use aligner_core::data::{Prompt, read_jsonl};
 use aligner_core::{Device, LoadedModel};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
+use aligner_steerlm::Conditioning;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
@@ -44,31 +47,61 @@ pub struct GenerateArgs {
     /// Engine workers sharing the prompt queue.
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// SteerLM steering, e.g. `positivity:4,verbosity:2`: applied with the model folder's
+    /// template (`steerlm.json`). A prompts file may give `"attributes"` per line instead.
+    #[arg(long)]
+    attributes: Option<String>,
     /// JSON Lines output, one line per prompt in input order; stdout text otherwise.
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+/// A prompt line, optionally with SteerLM attributes.
+#[derive(serde::Deserialize)]
+struct SteeredPrompt {
+    prompt: Prompt,
+    #[serde(default)]
+    attributes: Option<BTreeMap<String, f64>>,
 }
 
 pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     let dir = crate::model_dir(args.model.clone())?;
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
-    let prompts: Vec<Prompt> = match (&args.prompt, &args.prompts) {
-        (Some(text), None) => vec![Prompt::Text(text.clone())],
-        (None, Some(path)) => read_jsonl::<PromptRow>(path)?
-            .into_iter()
-            .map(|r| r.prompt)
-            .collect(),
+    let rows: Vec<SteeredPrompt> = match (&args.prompt, &args.prompts) {
+        (Some(text), None) => vec![SteeredPrompt {
+            prompt: Prompt::Text(text.clone()),
+            attributes: None,
+        }],
+        (None, Some(path)) => read_jsonl::<SteeredPrompt>(path)?,
         (None, None) => bail!("give --prompt TEXT or --prompts FILE.jsonl"),
         (Some(_), Some(_)) => unreachable!("clap rejects both"),
     };
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let texts: Vec<String> = prompts
+    let steered = args.attributes.is_some() || rows.iter().any(|r| r.attributes.is_some());
+    let conditioning = match steered {
+        true => Some(Conditioning::load(&dir)?),
+        false => None,
+    };
+    let given = match (&conditioning, &args.attributes) {
+        (Some(c), Some(text)) => Some(c.parse(text)?),
+        _ => None,
+    };
+    let texts: Vec<String> = rows
         .iter()
-        .map(|p| p.render(&lm.tokenizer))
-        .collect::<Result<_, _>>()?;
+        .map(|row| {
+            let text = row.prompt.render(&lm.tokenizer)?;
+            Ok(
+                match (&conditioning, row.attributes.as_ref().or(given.as_ref())) {
+                    (Some(c), Some(values)) => c.apply(&text, values)?,
+                    _ => text,
+                },
+            )
+        })
+        .collect::<Result<_>>()?;
+    let prompts: Vec<&Prompt> = rows.iter().map(|r| &r.prompt).collect();
     let requests: Vec<GenerationRequest> = texts
         .iter()
         .enumerate()

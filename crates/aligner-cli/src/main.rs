@@ -6,6 +6,7 @@ mod generate;
 mod ppo;
 mod score;
 mod serve;
+mod steerlm;
 mod train;
 
 use anyhow::{Result, bail};
@@ -39,6 +40,13 @@ enum Command {
     Kto(train::TrainArgs),
     /// RLHF with PPO: actor, reference, critic and reward model.
     Ppo(train::TrainArgs),
+    /// SteerLM: attribute model, annotation, attribute-conditioned SFT.
+    #[command(subcommand)]
+    Steerlm(steerlm::SteerCommand),
+    /// Self-play fine-tuning (SPIN) iterations.
+    Spin(train::TrainArgs),
+    /// Rejection sampling (best-of-n) rounds.
+    Rs(train::TrainArgs),
     /// Serve a PPO role over gRPC.
     #[command(subcommand)]
     Serve(serve::ServeCommand),
@@ -90,6 +98,9 @@ fn main() -> Result<()> {
         Command::Kto(args) => train::kto(args, &device),
         Command::Ppo(args) => ppo::ppo(args, &device),
         Command::Serve(cmd) => serve::run(cmd, &device),
+        Command::Spin(args) => ppo::spin(args, &device),
+        Command::Rs(args) => ppo::rs(args, &device),
+        Command::Steerlm(cmd) => steerlm::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
         Command::Convert(cmd) => convert::run(cmd, &device),

@@ -7,7 +7,8 @@ use aligner_core::data::{PromptRow, read_jsonl};
 use aligner_core::reward::RewardModel;
 use aligner_core::rm::RewardModelStore;
 use aligner_core::{Device, LlamaConfig, LoadedModel, TextTokenizer};
-use aligner_ppo::{CriticClient, CriticWorker, LocalCritic, PpoConfig, PpoRunner};
+use aligner_ppo::rejection::{RejectionSampling, RsConfig};
+use aligner_ppo::{CriticClient, CriticWorker, LocalCritic, PpoConfig, PpoRunner, RewardModelSection};
 use anyhow::{Context, Result};
 
 use crate::train::{TrainArgs, model_dir, policy_store, prepare};
@@ -23,8 +24,8 @@ pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<Vec<u3
 
 /// The reward model folder: the configured one, or one trained now on the shipped preference
 /// pairs into `<run>/reward_model` (kept for resumes and later runs).
-fn reward_model_dir(config: &PpoConfig, out: &Path, device: &Device) -> Result<PathBuf> {
-    if let Some(path) = &config.reward_model.path {
+fn reward_model_dir(section: &RewardModelSection, out: &Path, device: &Device) -> Result<PathBuf> {
+    if let Some(path) = &section.path {
         return Ok(path.clone());
     }
     let run = out.join("reward_model");
@@ -59,7 +60,7 @@ pub fn load_reward_model(dir: &Path, device: &Device) -> Result<(RewardModel, Re
 
 pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, out): (PpoConfig, _) = prepare(&args, "ppo")?;
-    let rm_dir = reward_model_dir(&config, &out, device)?;
+    let rm_dir = reward_model_dir(&config.reward_model, &out, device)?;
     let dir = model_dir(&config.model)?;
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
@@ -122,5 +123,84 @@ pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
         "finished; policy in {}",
         summary.final_dir.display()
     );
+    Ok(())
+}
+
+/// `aligner rs`: best-of-n rejection sampling rounds.
+pub fn rs(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, out): (RsConfig, _) = prepare(&args, "rs")?;
+    let rm_dir = reward_model_dir(&config.reward_model, &out, device)?;
+    let (reward, _) = load_reward_model(&rm_dir, device)?;
+    let dir = model_dir(&config.model)?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let render = |path: &Path| -> Result<Vec<String>> {
+        read_jsonl::<PromptRow>(path)?
+            .iter()
+            .map(|r| Ok(r.prompt.render(&lm.tokenizer)?))
+            .collect()
+    };
+    let train_prompts = render(&config.data.train.clone().context("data.train is not set")?)?;
+    let eval_prompts = match config
+        .data
+        .validation
+        .as_ref()
+        .filter(|p| !p.as_os_str().is_empty())
+    {
+        Some(p) => render(p)?,
+        None => Vec::new(),
+    };
+    let mut model = lm.model;
+    let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
+    let run = RejectionSampling {
+        config: &config,
+        llama: &lm.config,
+        tokenizer: &lm.tokenizer,
+        store: store.as_ref(),
+        reward: &reward,
+        train_prompts: &train_prompts,
+        eval_prompts: &eval_prompts,
+        out_dir: &out,
+        device: device.clone(),
+    };
+    let reports = run.run(model)?;
+    for r in &reports {
+        println!(
+            "round {}: held-out reward {:.3} -> {:.3}; kept {} best of {} (mean reward {:.3} of all samples, {:.3} kept)",
+            r.round,
+            r.eval_reward_before,
+            r.eval_reward_after,
+            r.kept,
+            config.rs.n,
+            r.sample_reward,
+            r.kept_reward
+        );
+    }
+    Ok(())
+}
+
+/// `aligner spin`: self-play fine-tuning iterations.
+pub fn spin(args: TrainArgs, device: &Device) -> Result<()> {
+    use aligner_spin::{Spin, SpinConfig};
+    let (config, out): (SpinConfig, _) = prepare(&args, "spin")?;
+    let dir = model_dir(&config.model)?;
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let mut model = lm.model;
+    let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
+    let spin = Spin {
+        config: &config,
+        llama: &lm.config,
+        tokenizer: &lm.tokenizer,
+        store: store.as_ref(),
+        out_dir: &out,
+        device: device.clone(),
+    };
+    for r in spin.run(model)? {
+        println!(
+            "iteration {}: reference margin of ground truth over its own answers {:.3} ({:.4} per token)",
+            r.iteration, r.margin, r.margin_per_token
+        );
+    }
     Ok(())
 }

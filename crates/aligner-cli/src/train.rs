@@ -43,6 +43,15 @@ pub(crate) fn prepare<T: Serialize + DeserializeOwned + Default>(
     args: &TrainArgs,
     command: &str,
 ) -> Result<(T, PathBuf)> {
+    prepare_with(args, command, &T::default())
+}
+
+/// [`prepare`] from explicit defaults (commands whose steps default differently).
+pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
+    args: &TrainArgs,
+    command: &str,
+    defaults: &T,
+) -> Result<(T, PathBuf)> {
     let (config_file, out) = match &args.resume {
         Some(run) => (Some(run.join("config.toml")), run.clone()),
         None => (
@@ -52,7 +61,7 @@ pub(crate) fn prepare<T: Serialize + DeserializeOwned + Default>(
                 .unwrap_or_else(|| PathBuf::from("runs").join(command)),
         ),
     };
-    let config: T = load_config(&T::default(), config_file.as_deref(), &args.sets)?;
+    let config: T = load_config(defaults, config_file.as_deref(), &args.sets)?;
     std::fs::create_dir_all(&out).with_context(|| format!("creating run folder {}", out.display()))?;
     aligner_core::checkpoint::write_atomic(&out.join("config.toml"), to_toml(&config)?.as_bytes())?;
     Ok((config, out))
@@ -94,7 +103,7 @@ pub(crate) fn policy_store(
 }
 
 /// The LoRA settings of `[model]`, when `lora_rank > 0`.
-fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
+pub(crate) fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
     (model.lora_rank > 0).then(|| LoraSpec {
         rank: model.lora_rank,
         alpha: model.lora_alpha,
@@ -104,15 +113,15 @@ fn lora_spec(model: &ModelSection) -> Option<LoraSpec> {
 }
 
 /// Where and how a command's training runs: its options, run folder and device.
-struct Run<'a> {
-    args: &'a TrainArgs,
-    out: &'a Path,
-    device: &'a Device,
+pub(crate) struct Run<'a> {
+    pub(crate) args: &'a TrainArgs,
+    pub(crate) out: &'a Path,
+    pub(crate) device: &'a Device,
 }
 
 impl Run<'_> {
     /// Trains (or resumes) `model` on `objective` and logs the validation before and after.
-    fn fit<M: Module + 'static, O: Objective<M>>(
+    pub(crate) fn fit<M: Module + 'static, O: Objective<M>>(
         &self,
         config: &TrainSection,
         objective: &O,
@@ -144,7 +153,7 @@ fn report(summary: &RunSummary, out: &Path) {
     tracing::info!(steps = summary.steps, eval = ?summary.final_eval, run = %out.display(), "finished; model in {}", summary.final_dir.display());
 }
 
-fn trainer_parts(data: &DataSection, train: &TrainSection) -> Result<(PathBuf, Option<PathBuf>)> {
+pub(crate) fn trainer_parts(data: &DataSection, train: &TrainSection) -> Result<(PathBuf, Option<PathBuf>)> {
     if train.batch_size == 0 || train.grad_accum == 0 {
         bail!("train.batch_size and train.grad_accum must be at least 1");
     }

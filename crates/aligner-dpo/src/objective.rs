@@ -113,22 +113,7 @@ pub fn load_dpo_examples(
     rows.iter()
         .enumerate()
         .map(|(i, row)| {
-            let encode = |response: &str| -> Result<ScoredSequence, CoreError> {
-                let prompt = row.prompt.render(tokenizer)?;
-                let mut seq = ScoredSequence::encode(tokenizer, &prompt, response)?;
-                seq.ids.truncate(max_len.max(2));
-                seq.prompt_len = seq.prompt_len.min(seq.ids.len() - 1);
-                Ok(seq)
-            };
-            let example = || -> Result<DpoExample, CoreError> {
-                Ok(DpoExample {
-                    chosen: encode(&row.chosen)?,
-                    rejected: encode(&row.rejected)?,
-                    reference: None,
-                    rewards: row.chosen_reward.zip(row.rejected_reward),
-                })
-            };
-            example().map_err(|e| {
+            dpo_example(row, tokenizer, max_len).map_err(|e| {
                 CoreError::Data(aligner_core::data::DataError {
                     path: path.to_path_buf(),
                     line: i + 1,
@@ -137,6 +122,23 @@ pub fn load_dpo_examples(
             })
         })
         .collect()
+}
+
+/// Tokenizes one preference row (prompt + each response by the scoring convention).
+pub fn dpo_example(row: &DpoRow, tokenizer: &TextTokenizer, max_len: usize) -> Result<DpoExample, CoreError> {
+    let prompt = row.prompt.render(tokenizer)?;
+    let encode = |response: &str| -> Result<ScoredSequence, CoreError> {
+        let mut seq = ScoredSequence::encode(tokenizer, &prompt, response)?;
+        seq.ids.truncate(max_len.max(2));
+        seq.prompt_len = seq.prompt_len.min(seq.ids.len() - 1);
+        Ok(seq)
+    };
+    Ok(DpoExample {
+        chosen: encode(&row.chosen)?,
+        rejected: encode(&row.rejected)?,
+        reference: None,
+        rewards: row.chosen_reward.zip(row.rejected_reward),
+    })
 }
 
 /// Fills in reference log-probs: read from `cache` when it matches, else computed with

@@ -8,16 +8,19 @@
 //!
 //! The arithmetic is in pure functions: [`advantages`] (KL estimators, per-token rewards, GAE,
 //! whitening, GRPO / RLOO group baselines) and [`losses`] (the clipped policy and value
-//! losses). [`runner::PpoRunner`] is the loop; [`critic`] holds the critic's roles.
+//! losses). [`runner::PpoRunner`] is the loop; [`critic`] holds the critic's roles;
+//! [`rejection`] is best-of-n rejection sampling on the same roles.
 
 pub mod advantages;
 pub mod config;
 pub mod critic;
 mod error;
 pub mod losses;
+pub mod rejection;
 pub mod rollout;
 pub mod runner;
 pub mod server;
+mod timing;
 
 pub use config::{NonEos, PpoConfig, PpoSection, RewardModelSection};
 pub use critic::{CriticClient, CriticSettings, CriticWorker, LocalCritic};

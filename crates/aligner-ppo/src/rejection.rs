@@ -1,0 +1,241 @@
+//! Rejection sampling (best-of-n, as in Llama 2): for each prompt, `rs.n` samples from the
+//! policy scored by the reward model, the best kept (above an optional threshold), then SFT on
+//! them; several rounds.
+//!
+//! It lives here, beside PPO, because it is made of the same roles minus the critic: the
+//! rollout engine as the actor's sampler and the frozen reward model as the judge
+//! ([`rewards_of`] on the same [`Layout`]); its update is plain SFT from aligner-core.
+
+use std::path::Path;
+
+use aligner_core::data::Prompt;
+use aligner_core::reward::RewardModel;
+use aligner_core::sft::{SftExample, SftObjective, SftRow};
+use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
+use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
+use burn::module::Module;
+use serde::{Deserialize, Serialize};
+
+use crate::config::RewardModelSection;
+use crate::critic::rewards_of;
+use crate::error::Result;
+use crate::rollout::{Layout, Sequence};
+
+/// `[rs]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RsSection {
+    pub rounds: usize,
+    /// Samples per prompt.
+    pub n: usize,
+    /// Keep the best sample only when its reward reaches this.
+    pub threshold: Option<f32>,
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    /// Held-out prompts scored after each round (0 = all).
+    pub eval_prompts: usize,
+    pub seed: u64,
+}
+
+impl Default for RsSection {
+    fn default() -> Self {
+        Self {
+            rounds: 3,
+            n: 4,
+            threshold: None,
+            max_new_tokens: 48,
+            temperature: 1.0,
+            eval_prompts: 0,
+            seed: 0,
+        }
+    }
+}
+
+/// `aligner rs` configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RsConfig {
+    pub model: ModelSection,
+    pub reward_model: RewardModelSection,
+    /// Prompt files: train (sampled each round) and validation (scored).
+    pub data: DataSection,
+    /// The SFT loop of each round.
+    pub train: TrainSection,
+    pub rs: RsSection,
+}
+
+impl Default for RsConfig {
+    fn default() -> Self {
+        let mut train = TrainSection::embedded_default(1);
+        train.lr = 1e-3;
+        train.save_every = 0;
+        train.eval_every = 0;
+        Self {
+            model: ModelSection::default(),
+            reward_model: RewardModelSection::default(),
+            data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
+            train,
+            rs: RsSection::default(),
+        }
+    }
+}
+
+/// One round's record in `rs.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundReport {
+    pub round: usize,
+    /// Mean reward of the policy's samples on the held-out prompts before the round's SFT.
+    pub eval_reward_before: f64,
+    /// ... and after it.
+    pub eval_reward_after: f64,
+    /// Mean reward of all samples and of the kept best ones.
+    pub sample_reward: f64,
+    pub kept_reward: f64,
+    pub kept: usize,
+}
+
+/// A rejection-sampling run.
+pub struct RejectionSampling<'a> {
+    pub config: &'a RsConfig,
+    pub llama: &'a LlamaConfig,
+    pub tokenizer: &'a TextTokenizer,
+    pub store: &'a dyn ModelStore<CausalLm>,
+    pub reward: &'a RewardModel,
+    /// Rendered prompt texts.
+    pub train_prompts: &'a [String],
+    pub eval_prompts: &'a [String],
+    pub out_dir: &'a Path,
+    pub device: Device,
+}
+
+impl RejectionSampling<'_> {
+    pub fn run(&self, mut policy: CausalLm) -> Result<Vec<RoundReport>> {
+        let cfg = &self.config.rs;
+        let eval_limit = match cfg.eval_prompts {
+            0 => self.eval_prompts.len(),
+            n => n.min(self.eval_prompts.len()),
+        };
+        let eval = &self.eval_prompts[..eval_limit];
+        let mut reports = Vec::new();
+        let mut before = self.mean_reward(&policy, eval, 1, u64::MAX / 2)?.0;
+        for round in 1..=cfg.rounds {
+            let seed = cfg.seed.wrapping_add(round as u64 * 10_000_000);
+            let (sample_reward, samples) =
+                self.mean_reward(&policy, self.train_prompts, cfg.n.max(1), seed)?;
+            let mut rows = Vec::new();
+            let mut kept_sum = 0.0;
+            for (prompt, group) in self.train_prompts.iter().zip(samples.chunks(cfg.n.max(1))) {
+                let best = group.iter().max_by(|a, b| a.1.total_cmp(&b.1)).expect("n >= 1");
+                if cfg.threshold.is_none_or(|t| best.1 >= t) {
+                    kept_sum += best.1 as f64;
+                    rows.push(SftRow::PromptResponse {
+                        prompt: Prompt::Text(prompt.clone()),
+                        response: best.0.clone(),
+                    });
+                }
+            }
+            let kept = rows.len();
+            let dir = self.out_dir.join(format!("round-{round}"));
+            std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+            if kept > 0 {
+                let train: Vec<SftExample> = rows
+                    .iter()
+                    .map(|r| SftExample::from_row(r, self.tokenizer, self.config.data.max_seq_len))
+                    .collect::<Result<_, _>>()?;
+                let trainer = Trainer {
+                    config: &self.config.train,
+                    objective: &SftObjective,
+                    store: self.store,
+                    train: &train,
+                    validation: &[],
+                    out_dir: &dir,
+                    device: self.device.clone(),
+                    stop_after: None,
+                };
+                policy = trainer.run(policy, false)?.0.valid();
+            }
+            let after = self.mean_reward(&policy, eval, 1, u64::MAX / 2)?.0;
+            let report = RoundReport {
+                round,
+                eval_reward_before: before,
+                eval_reward_after: after,
+                sample_reward,
+                kept_reward: kept_sum / kept.max(1) as f64,
+                kept,
+            };
+            tracing::info!(?report, "rejection-sampling round");
+            let line = format!("{}\n", serde_json::to_string(&report).expect("serialises"));
+            append(&self.out_dir.join("rs.jsonl"), &line)?;
+            reports.push(report);
+            before = after;
+        }
+        self.store.save(&policy, &self.out_dir.join("final"))?;
+        Ok(reports)
+    }
+
+    /// `n` samples per prompt (seeds from `seed`) with their rewards; and the mean reward.
+    fn mean_reward(
+        &self,
+        policy: &CausalLm,
+        prompts: &[String],
+        n: usize,
+        seed: u64,
+    ) -> Result<(f64, Vec<(String, f32)>)> {
+        let cfg = &self.config.rs;
+        let requests = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p, n))
+            .enumerate()
+            .map(|(i, p)| {
+                Ok(GenerationRequest {
+                    prompt_ids: self.tokenizer.encode(p, true)?,
+                    params: SamplingParams {
+                        temperature: cfg.temperature,
+                        seed: seed.wrapping_add(i as u64),
+                        max_new_tokens: cfg.max_new_tokens,
+                        ..SamplingParams::default()
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut engine = Engine::new(
+            policy.clone(),
+            self.llama.clone(),
+            Some(self.tokenizer.clone()),
+            EngineOptions::default(),
+        );
+        let outputs = engine.generate(&requests)?;
+        let sequences: Vec<Sequence> = requests
+            .iter()
+            .zip(&outputs)
+            .map(|(r, o)| Sequence {
+                prompt_ids: r.prompt_ids.clone(),
+                response_ids: o.token_ids.clone(),
+            })
+            .collect();
+        let mut rewards = Vec::with_capacity(sequences.len());
+        for chunk in sequences.chunks(32) {
+            rewards.extend(rewards_of(self.reward, &Layout::new(chunk, &self.device))?);
+        }
+        let texts = requests
+            .iter()
+            .zip(&outputs)
+            .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / rewards.len().max(1) as f64;
+        Ok((mean, texts.into_iter().zip(rewards).collect()))
+    }
+}
+
+fn append(path: &Path, line: &str) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| CoreError::io(path, e))?;
+    file.write_all(line.as_bytes())
+        .map_err(|e| CoreError::io(path, e))?;
+    Ok(())
+}
