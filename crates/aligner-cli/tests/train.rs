@@ -217,6 +217,68 @@ fn example_configs_parse_and_run() {
         ]);
         assert!(ok, "{command}: {err}");
     }
+    // The RL and self-play configs, cut to one tiny step (the base model stands in as a
+    // reward model with a fresh, zero head).
+    let base = repo().join("assets/stories260K");
+    let rm = format!("reward_model.path={}", base.display());
+    let runs: [(&[&str], &str, &[&str]); 4] = [
+        (
+            &["ppo"],
+            "ppo",
+            &[
+                "ppo.steps=1",
+                "ppo.rollout_prompts=4",
+                "ppo.eval_prompts=4",
+                "ppo.mini_batch=4",
+            ],
+        ),
+        (
+            &["rs"],
+            "rs",
+            &[
+                "rs.rounds=1",
+                "data.train=assets/tinystories_sentiment/test.prompts.jsonl",
+                "rs.eval_prompts=4",
+                "rs.n=2",
+            ],
+        ),
+        (
+            &["spin"],
+            "spin",
+            &[
+                "spin.iterations=1",
+                "train.max_steps=1",
+                "data.train=assets/tinystories_sentiment/test.sft.jsonl",
+                "data.validation=''",
+            ],
+        ),
+        (
+            &["steerlm", "sft"],
+            "steerlm",
+            &["train.max_steps=1", "data.validation=''"],
+        ),
+    ];
+    for (command, file, sets) in runs {
+        let out = dir.path().join(file);
+        let config = repo().join("configs").join(format!("{file}.toml"));
+        let mut args: Vec<String> = command.iter().map(|s| s.to_string()).collect();
+        args.extend([
+            "--config".into(),
+            config.display().to_string(),
+            "--out".into(),
+            out.display().to_string(),
+        ]);
+        for s in sets
+            .iter()
+            .map(|s| s.to_string())
+            .chain((file != "spin" && file != "steerlm").then(|| rm.clone()))
+        {
+            args.extend(["--set".into(), s]);
+        }
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, err) = aligner(&refs);
+        assert!(ok, "{file}: {err}");
+    }
     let out = dir.path().join("packed");
     let (ok, err) = aligner(&[
         "sft",
