@@ -137,7 +137,9 @@ fn annotate(args: AnnotateArgs, device: &Device) -> Result<()> {
 }
 
 fn sft(args: TrainArgs, device: &Device) -> Result<()> {
-    let (config, out) = prepare_with(&args, "steerlm-sft", &SteerConfig::for_step(2, 2e-3))?;
+    // Eight epochs: the conditioning is learned slowly by a 260K model (measured: positivity
+    // 0 → 4 moves the lexicon by +0.3 after 2 epochs, +0.9 after 4, +1.5 after 8).
+    let (config, out) = prepare_with(&args, "steerlm-sft", &SteerConfig::for_step(8, 3e-3))?;
     let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
     let names = &config.steerlm.attributes;
     let dir = model_dir(&config.model)?;

@@ -222,7 +222,7 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
 }
 
 #[test]
-fn lora_actor_and_group_baselines_run() {
+fn lora_actor_group_baselines_and_entropy_bonus_run() {
     let dir = tempfile::tempdir().unwrap();
     let rm = quick_reward_model(dir.path());
     let rm_key = format!("reward_model.path={}", rm.display());
@@ -245,11 +245,19 @@ fn lora_actor_and_group_baselines_run() {
         "ppo.steps=2",
         "--set",
         "ppo.eval_prompts=8",
+        "--set",
+        "ppo.entropy_coef=0.01",
     ]);
     assert!(ok, "{err}");
     assert!(run.join("final/adapter/adapter_model.safetensors").exists());
     let rows = metrics(&run);
     assert!(values(&rows, "value_loss").is_empty(), "RLOO trains no critic");
+    // The entropy of the policy's full next-token distributions (vocab 512: at most ln 512).
+    let entropy = values(&rows, "entropy");
+    assert!(
+        entropy.len() == 2 && entropy.iter().all(|&h| h > 0.0 && h < 512f64.ln()),
+        "{entropy:?}"
+    );
     assert_eq!(values(&rows, "clip_fraction").len(), 2);
 
     let (ok, err) = aligner(&[

@@ -54,6 +54,9 @@ pub struct PpoSection {
     pub mini_batch: usize,
     pub clip_eps: f64,
     pub value_clip_eps: f64,
+    /// Weight of the entropy bonus (0 = off); computed exactly from the response positions'
+    /// full distributions.
+    pub entropy_coef: f64,
     pub actor_lr: f64,
     pub critic_lr: f64,
     pub max_grad_norm: f64,
@@ -95,6 +98,7 @@ impl Default for PpoSection {
             mini_batch: 16,
             clip_eps: 0.2,
             value_clip_eps: 0.2,
+            entropy_coef: 0.0,
             actor_lr: 3e-4,
             critic_lr: 3e-4,
             max_grad_norm: 1.0,

@@ -53,6 +53,19 @@ pub fn clipped_value_loss(
     masked_mean(plain.max_pair(clipped), mask).mul_scalar(0.5)
 }
 
+/// Entropy `−Σ p log p` of each position's distribution, `[batch, seq, vocab]` logits →
+/// `[batch, seq]`.
+pub fn entropy(logits: Tensor<3>) -> Tensor<2> {
+    let [b, s, _] = logits.dims();
+    let log_p = burn::tensor::activation::log_softmax(logits, 2);
+    (log_p.clone().exp() * log_p).sum_dim(2).neg().reshape([b, s])
+}
+
+/// Mean over real tokens of a `[batch, tokens]` quantity.
+pub fn masked_token_mean(x: Tensor<2>, mask: &Tensor<2>) -> Tensor<1> {
+    masked_mean(x, mask)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +107,20 @@ mod tests {
         );
         assert!((out.loss.into_scalar::<f32>() - 0.8).abs() < 1e-6);
         assert!((out.clip_fraction - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn entropy_by_hand() {
+        // Uniform over 4: ln 4. Logits (0, ln 3): p = (1/4, 3/4) → −(¼ ln ¼ + ¾ ln ¾) = 0.562335.
+        let logits = Tensor::<3>::from_data(
+            TensorData::new(vec![0.0f32, 0.0, 0.0, 0.0, 0.0, 3f32.ln(), -1e9, -1e9], [1, 2, 4]),
+            &Device::flex(),
+        );
+        let h: Vec<f32> = entropy(logits).into_data().try_to_vec().unwrap();
+        assert!(
+            (h[0] - 4f32.ln()).abs() < 1e-5 && (h[1] - 0.562_335).abs() < 1e-5,
+            "{h:?}"
+        );
     }
 
     #[test]

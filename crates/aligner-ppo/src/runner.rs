@@ -24,9 +24,10 @@ use crate::advantages::{Advantage, gae, group_advantages, kl_per_token, token_re
 use crate::config::{NonEos, PpoConfig};
 use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest, rewards_of};
 use crate::error::{PpoError, Result};
-use crate::losses::clipped_policy_loss;
+use crate::losses::{clipped_policy_loss, entropy, masked_token_mean};
 use crate::rollout::{Layout, Sequence};
 pub use crate::timing::StepTimes;
+use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
 
 /// Where a run stands; stored with each checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -60,6 +61,14 @@ pub struct PpoRunner<'a> {
     pub local_reward: Option<RewardModel>,
     /// Stop after this many steps as if interrupted.
     pub stop_after: Option<usize>,
+}
+
+/// What the actor's update reports (means over its mini-batches).
+struct ActorStats {
+    clip_fraction: f64,
+    approx_kl: f64,
+    policy_loss: f64,
+    entropy: Option<f64>,
 }
 
 /// A rollout after scoring: everything the updates need, one entry per sequence.
@@ -202,8 +211,7 @@ impl PpoRunner<'_> {
                 })
             });
             let t = Instant::now();
-            let (clip_fraction, approx_kl, policy_loss) =
-                self.update_actor(&mut actor, &mut optim, &scored)?;
+            let stats = self.update_actor(&mut actor, &mut optim, &scored)?;
             times.train = t.elapsed().as_secs_f64();
             let mut value_loss = None;
             if let Some(ticket) = value_ticket {
@@ -220,11 +228,14 @@ impl PpoRunner<'_> {
             let mut out = metrics;
             out.insert("step".into(), done.into());
             for (k, v) in [
-                ("policy_loss", policy_loss),
-                ("clip_fraction", clip_fraction),
-                ("approx_kl", approx_kl),
+                ("policy_loss", stats.policy_loss),
+                ("clip_fraction", stats.clip_fraction),
+                ("approx_kl", stats.approx_kl),
             ] {
                 out.insert(k.into(), v.into());
+            }
+            if let Some(h) = stats.entropy {
+                out.insert("entropy".into(), h.into());
             }
             if let Some(v) = value_loss {
                 out.insert("value_loss".into(), v.into());
@@ -452,33 +463,52 @@ impl PpoRunner<'_> {
         Ok((scored, metrics))
     }
 
-    /// `ppo.epochs` passes of the clipped policy loss; returns mean clip fraction, approximate
-    /// KL and loss.
+    /// `ppo.epochs` passes of the clipped policy loss (minus `ppo.entropy_coef` × entropy).
     fn update_actor(
         &self,
         actor: &mut CausalLm,
         optim: &mut ModuleOptimizer,
         scored: &Scored,
-    ) -> Result<(f64, f64, f64)> {
+    ) -> Result<ActorStats> {
         let cfg = &self.config.ppo;
         let device = self.device.clone().autodiff();
         let n = scored.sequences.len();
         let (mut clip, mut kl, mut loss_sum, mut batches) = (0.0, 0.0, 0.0, 0usize);
+        let mut entropy_sum = 0.0;
         for _ in 0..cfg.epochs.max(1) {
             for start in (0..n).step_by(cfg.mini_batch.max(1)) {
                 let end = (start + cfg.mini_batch.max(1)).min(n);
                 let layout = Layout::new(&scored.sequences[start..end], &device);
                 let old = layout.padded(&scored.old_logprobs[start..end], &device);
                 let adv = layout.padded(&scored.advantages[start..end], &device);
+                // One trunk pass serves the log-probs and, with an entropy bonus, the entropy of
+                // the response positions' full distributions.
+                let hidden =
+                    actor
+                        .model
+                        .forward(layout.tokens.clone(), &layout.positions, Some(&layout.mask), None);
+                let [rows, width, d] = hidden.dims();
+                let inputs = hidden
+                    .clone()
+                    .narrow(1, 0, width - 1)
+                    .reshape([rows, width - 1, d]);
+                let targets = layout.tokens.clone().narrow(1, 1, width - 1);
                 let lp =
-                    actor.token_logprobs_with(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
-                let out = clipped_policy_loss(
+                    token_logprobs_from_hidden(inputs, actor.output_weight(), targets, DEFAULT_CHUNK_TOKENS);
+                let mut out = clipped_policy_loss(
                     layout.response_columns(lp),
                     old,
                     adv,
                     &layout.response_mask,
                     cfg.clip_eps,
                 );
+                if cfg.entropy_coef > 0.0 {
+                    let states = hidden.narrow(1, layout.prompt_width - 1, layout.response_width);
+                    let h =
+                        masked_token_mean(entropy(actor.logits_from_hidden(states)), &layout.response_mask);
+                    entropy_sum += h.clone().into_scalar::<f32>() as f64;
+                    out.loss = out.loss - h.mul_scalar(cfg.entropy_coef);
+                }
                 let value = out.loss.clone().into_scalar::<f32>() as f64;
                 if !value.is_finite() {
                     return Err(PpoError::Invalid(format!(
@@ -496,7 +526,12 @@ impl PpoRunner<'_> {
             }
         }
         let b = batches.max(1) as f64;
-        Ok((clip / b, kl / b, loss_sum / b))
+        Ok(ActorStats {
+            clip_fraction: clip / b,
+            approx_kl: kl / b,
+            policy_loss: loss_sum / b,
+            entropy: (cfg.entropy_coef > 0.0).then_some(entropy_sum / b),
+        })
     }
 
     /// Mean reward-model score of the policy's samples on the held-out prompts.

@@ -26,9 +26,13 @@ pub struct Conditioning {
 }
 
 impl Default for Conditioning {
+    /// The shipped task's attributes, the one to steer most (positivity) last: it then sits
+    /// right before the response. With stories260K's character-level vocabulary the string is
+    /// ~32 tokens, and measured on test.prompts the model follows a value 23 tokens back far
+    /// less than one next to the response (lexicon at positivity 0 → 4: +0.1 vs +1.5).
     fn default() -> Self {
         Self {
-            attributes: ["positivity", "verbosity", "dialogue"].map(String::from).to_vec(),
+            attributes: ["verbosity", "dialogue", "positivity"].map(String::from).to_vec(),
             template: "{prompt} <{attributes}>".into(),
         }
     }
@@ -124,9 +128,16 @@ mod tests {
         pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
     }
 
+    fn ordered() -> Conditioning {
+        Conditioning {
+            attributes: ["positivity", "verbosity", "dialogue"].map(String::from).to_vec(),
+            ..Conditioning::default()
+        }
+    }
+
     #[test]
     fn formats_in_the_configured_order_and_skips_missing() {
-        let c = Conditioning::default();
+        let c = ordered();
         let v = values(&[("verbosity", 2.0), ("positivity", 4.0)]);
         assert_eq!(c.format(&v).unwrap(), "positivity:4,verbosity:2");
         let all = values(&[("dialogue", 0.0), ("verbosity", 1.4), ("positivity", 3.6)]);
@@ -141,10 +152,15 @@ mod tests {
 
     #[test]
     fn parses_and_round_trips() {
-        let c = Conditioning::default();
+        let c = ordered();
         let v = c.parse(" verbosity:2 , positivity:4").unwrap();
         assert_eq!(v, values(&[("positivity", 4.0), ("verbosity", 2.0)]));
         assert_eq!(c.parse(&c.format(&v).unwrap()).unwrap(), v);
+        // Another configured order formats the same values differently.
+        assert_eq!(
+            Conditioning::default().format(&v).unwrap(),
+            "verbosity:2,positivity:4"
+        );
         assert!(c.parse("").unwrap().is_empty());
     }
 
