@@ -12,6 +12,7 @@
 //! [`rejection`] is best-of-n rejection sampling on the same roles.
 
 pub mod advantages;
+mod checkpoint;
 pub mod config;
 pub mod critic;
 mod error;
