@@ -180,6 +180,20 @@ pub fn rewards_of(rm: &RewardModel, layout: &Layout) -> Result<Vec<f32>> {
         .collect())
 }
 
+/// [`rewards_of`] over `sequences` in batches of `batch`.
+pub fn rewards_in_batches(
+    rm: &RewardModel,
+    sequences: &[Sequence],
+    batch: usize,
+    device: &Device,
+) -> Result<Vec<f32>> {
+    let mut all = Vec::with_capacity(sequences.len());
+    for chunk in sequences.chunks(batch.max(1)) {
+        all.extend(rewards_of(rm, &Layout::new(chunk, device))?);
+    }
+    Ok(all)
+}
+
 /// A reply the actor waits for later.
 pub struct Ticket<T> {
     reply: Receiver<Result<T>>,

@@ -4,7 +4,8 @@
 //!
 //! It lives here, beside PPO, because it is made of the same roles minus the critic: the
 //! rollout engine as the actor's sampler and the frozen reward model as the judge
-//! ([`rewards_of`] on the same [`Layout`]); its update is plain SFT from aligner-core.
+//! ([`crate::critic::rewards_of`] on the same [`crate::rollout::Layout`]); its update is plain
+//! SFT from aligner-core.
 
 use std::path::Path;
 
@@ -18,9 +19,9 @@ use burn::module::Module;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RewardModelSection;
-use crate::critic::rewards_of;
+use crate::critic::rewards_in_batches;
 use crate::error::Result;
-use crate::rollout::{Layout, Sequence};
+use crate::rollout::Sequence;
 
 /// `[rs]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -206,18 +207,8 @@ impl RejectionSampling<'_> {
             EngineOptions::default(),
         );
         let outputs = engine.generate(&requests)?;
-        let sequences: Vec<Sequence> = requests
-            .iter()
-            .zip(&outputs)
-            .map(|(r, o)| Sequence {
-                prompt_ids: r.prompt_ids.clone(),
-                response_ids: o.token_ids.clone(),
-            })
-            .collect();
-        let mut rewards = Vec::with_capacity(sequences.len());
-        for chunk in sequences.chunks(32) {
-            rewards.extend(rewards_of(self.reward, &Layout::new(chunk, &self.device))?);
-        }
+        let sequences = Sequence::from_generations(&requests, &outputs);
+        let rewards = rewards_in_batches(self.reward, &sequences, 32, &self.device)?;
         let texts = requests
             .iter()
             .zip(&outputs)

@@ -7,6 +7,7 @@
 //! so every per-token quantity is one `narrow` away.
 
 use aligner_core::model::left_padded_layout;
+use aligner_gen::{Generation, GenerationRequest};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +16,20 @@ use serde::{Deserialize, Serialize};
 pub struct Sequence {
     pub prompt_ids: Vec<u32>,
     pub response_ids: Vec<u32>,
+}
+
+impl Sequence {
+    /// Each request's prompt with the response generated for it.
+    pub fn from_generations(requests: &[GenerationRequest], generations: &[Generation]) -> Vec<Self> {
+        requests
+            .iter()
+            .zip(generations)
+            .map(|(r, g)| Self {
+                prompt_ids: r.prompt_ids.clone(),
+                response_ids: g.token_ids.clone(),
+            })
+            .collect()
+    }
 }
 
 /// Tensors of a batch of sequences in the layout above.

@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 
 use crate::advantages::{Advantage, gae, group_advantages, kl_per_token, token_rewards, whiten};
 use crate::config::{NonEos, PpoConfig};
-use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest, rewards_of};
+use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest, rewards_in_batches};
 use crate::error::{PpoError, Result};
 use crate::losses::{clipped_policy_loss, entropy, masked_token_mean};
 use crate::rollout::{Layout, Sequence};
@@ -159,14 +159,7 @@ impl PpoRunner<'_> {
             let requests = self.requests(&prompts, step, false);
             let (generations, _) = pool.generate(&requests, &|_| {})?;
             times.generation = t.elapsed().as_secs_f64();
-            let sequences: Vec<Sequence> = requests
-                .iter()
-                .zip(&generations)
-                .map(|(r, g)| Sequence {
-                    prompt_ids: r.prompt_ids.clone(),
-                    response_ids: g.token_ids.clone(),
-                })
-                .collect();
+            let sequences = Sequence::from_generations(&requests, &generations);
 
             // The critic scores while the actor computes the reference log-probs.
             let pending = critic.infer(sequences.clone());
@@ -354,13 +347,7 @@ impl PpoRunner<'_> {
     ) -> Result<(Scored, Map<String, Value>)> {
         let cfg = &self.config.ppo;
         let mut scores = match &self.local_reward {
-            Some(rm) => {
-                let mut all = Vec::new();
-                for chunk in sequences.chunks(cfg.mini_batch.max(1)) {
-                    all.extend(rewards_of(rm, &Layout::new(chunk, &self.device))?);
-                }
-                all
-            }
+            Some(rm) => rewards_in_batches(rm, &sequences, cfg.mini_batch, &self.device)?,
             None => critic_out.rewards.clone(),
         };
         if scores.len() != sequences.len() {
@@ -526,22 +513,9 @@ impl PpoRunner<'_> {
         pool.refit(actor)?;
         let requests = self.requests(&self.eval_prompts[..limit], 0, true);
         let (generations, _) = pool.generate(&requests, &|_| {})?;
-        let sequences: Vec<Sequence> = requests
-            .iter()
-            .zip(&generations)
-            .map(|(r, g)| Sequence {
-                prompt_ids: r.prompt_ids.clone(),
-                response_ids: g.token_ids.clone(),
-            })
-            .collect();
+        let sequences = Sequence::from_generations(&requests, &generations);
         let rewards = match &self.local_reward {
-            Some(rm) => {
-                let mut all = Vec::new();
-                for chunk in sequences.chunks(self.config.ppo.mini_batch.max(1)) {
-                    all.extend(rewards_of(rm, &Layout::new(chunk, &self.device))?);
-                }
-                all
-            }
+            Some(rm) => rewards_in_batches(rm, &sequences, self.config.ppo.mini_batch, &self.device)?,
             None => critic.infer(sequences).wait()?.rewards,
         };
         Ok(mean(&rewards))
