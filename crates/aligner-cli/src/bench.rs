@@ -8,6 +8,15 @@ use anyhow::Result;
 use burn::tensor::{Distribution, Int, Tensor};
 use clap::Subcommand;
 
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchCommand,
+    /// Only the models whose name contains this (`stories260K`, `random-16M`).
+    #[arg(long, global = true, default_value = "")]
+    only: String,
+}
+
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Forward-pass tokens/s (batch × seq tokens per pass).
@@ -64,35 +73,39 @@ pub fn random_16m_config() -> LlamaConfig {
     config
 }
 
-fn models(device: &Device) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
+fn models(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
     let shipped = LoadedModel::from_dir(&aligner_core::default_model_dir()?, device)?;
     let config = random_16m_config();
     device.seed(0);
     let random = CausalLm::new(&config, device);
-    Ok(vec![
-        ("stories260K".into(), shipped.config, shipped.model),
-        ("random-16M".into(), config, random),
-    ])
+    Ok([
+        ("stories260K".to_string(), shipped.config, shipped.model),
+        ("random-16M".to_string(), config, random),
+    ]
+    .into_iter()
+    .filter(|(name, _, _)| name.contains(only))
+    .collect())
 }
 
-pub fn run(cmd: BenchCommand, device: &Device) -> Result<()> {
-    match cmd {
-        BenchCommand::Forward { batch, seq, iters } => forward(device, batch, seq, iters),
-        BenchCommand::Train { batch, seq, steps } => train(device, batch, seq, steps),
-        BenchCommand::Dpo { pairs, seq, steps } => dpo(device, pairs, seq, steps),
+pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
+    let only = args.only.as_str();
+    match args.what {
+        BenchCommand::Forward { batch, seq, iters } => forward(device, only, batch, seq, iters),
+        BenchCommand::Train { batch, seq, steps } => train(device, only, batch, seq, steps),
+        BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
         BenchCommand::Generate {
             prompts,
             new_tokens,
             batch_sizes,
             workers,
-        } => generate(device, prompts, new_tokens, &batch_sizes, workers),
+        } => generate(device, only, prompts, new_tokens, &batch_sizes, workers),
     }
 }
 
-fn forward(device: &Device, batch: usize, seq: usize, iters: usize) -> Result<()> {
+fn forward(device: &Device, only: &str, batch: usize, seq: usize, iters: usize) -> Result<()> {
     println!("| model | params | batch × seq | ms / forward | tokens/s |");
     println!("|---|---:|---:|---:|---:|");
-    for (name, config, model) in models(device)? {
+    for (name, config, model) in models(device, only)? {
         let tokens = Tensor::<2, Int>::random(
             [batch, seq],
             Distribution::Uniform(0.0, config.vocab_size as f64),
@@ -124,6 +137,7 @@ fn forward(device: &Device, batch: usize, seq: usize, iters: usize) -> Result<()
 
 fn generate(
     device: &Device,
+    only: &str,
     prompts: usize,
     new_tokens: usize,
     batch_sizes: &[usize],
@@ -133,7 +147,7 @@ fn generate(
         "| model | batch | workers | prompts × new tokens | seconds | tokens/s | ms / step (per-token latency) |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    for (name, config, model) in models(device)? {
+    for (name, config, model) in models(device, only)? {
         // Fixed 8-token prompts of arbitrary ids; EOS is ignored so every sequence runs to length.
         let requests: Vec<GenerationRequest> = (0..prompts)
             .map(|i| GenerationRequest {
@@ -202,12 +216,12 @@ fn synthetic_ids(salt: usize, len: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> {
+fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) -> Result<()> {
     use aligner_core::sft::{SftExample, SftObjective};
 
     println!("| model | params | batch × seq | ms / step | tokens/s |");
     println!("|---|---:|---:|---:|---:|");
-    for (name, config, model) in models(device)? {
+    for (name, config, model) in models(device, only)? {
         let examples: Vec<SftExample> = (0..batch)
             .map(|b| SftExample {
                 ids: synthetic_ids(b, seq, config.vocab_size),
@@ -227,14 +241,14 @@ fn train(device: &Device, batch: usize, seq: usize, steps: usize) -> Result<()> 
     Ok(())
 }
 
-fn dpo(device: &Device, pairs: usize, seq: usize, steps: usize) -> Result<()> {
+fn dpo(device: &Device, only: &str, pairs: usize, seq: usize, steps: usize) -> Result<()> {
     use aligner_core::score::ScoredSequence;
     use aligner_dpo::objective::{DpoExample, DpoObjective};
     use aligner_dpo::{LossParams, LossRegistry};
 
     println!("| model | params | pairs × seq | ms / step | pairs/s |");
     println!("|---|---:|---:|---:|---:|");
-    for (name, config, model) in models(device)? {
+    for (name, config, model) in models(device, only)? {
         let seq_of = |salt: usize| ScoredSequence {
             ids: synthetic_ids(salt, seq, config.vocab_size),
             prompt_len: seq / 4,

@@ -58,8 +58,7 @@ enum Command {
     #[command(subcommand)]
     Convert(convert::ConvertCommand),
     /// Benchmarks that print a table.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    Bench(bench::BenchArgs),
 }
 
 fn device(name: &str) -> Result<Device> {

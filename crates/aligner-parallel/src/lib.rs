@@ -11,6 +11,8 @@
 //! tensor ops, so gradients come from Burn's autodiff on any backend; fused CubeCL kernels will
 //! slot in behind the same functions.
 
+pub mod fused;
 mod logprob;
 
+pub use fused::{fused_attention, fused_available, fused_token_logprobs};
 pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};

@@ -82,8 +82,12 @@ impl Attention {
             softcap: None,
             is_causal: mask.is_none(),
         };
-        // The fused CPU kernel shares KV heads itself and broadcasts the mask; autodiff runs
-        // the generic fallback, which needs both materialised to full size.
+        // Training on CPU: aligner's fused op (one autodiff node, hand-written backward).
+        if q.is_autodiff() && aligner_parallel::fused_available(&q.device()) {
+            return aligner_parallel::fused_attention(q, k, v, mask);
+        }
+        // Flex's inference kernel shares KV heads itself and broadcasts the mask; autodiff
+        // elsewhere runs the generic fallback, which needs both materialised to full size.
         let (k, v, mask) = if q.is_autodiff() {
             let full = [batch, self.n_heads, seq, keys];
             (

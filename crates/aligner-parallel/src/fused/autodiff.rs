@@ -1,0 +1,196 @@
+//! The backward passes of the fused ops: one autodiff node per op, its state the host buffers
+//! the hand-written gradient needs.
+
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::{Autodiff, Backend, TensorMetadata, tensor::FloatTensor, tensor::IntTensor};
+use burn::tensor::TensorData;
+
+use super::host::{self, AttentionShape, SoftmaxRows};
+use super::{FusedOps, attention_shape, host_floats, host_ints};
+
+/// What the token log-prob backward keeps: inputs, targets and the softmax rows.
+struct LogprobState {
+    hidden: Vec<f32>,
+    weight: Vec<f32>,
+    targets: Vec<i64>,
+    rows: SoftmaxRows,
+    d: usize,
+    v: usize,
+}
+
+impl std::fmt::Debug for LogprobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "LogprobState {{ rows: {}, d: {}, v: {} }}",
+            self.targets.len(),
+            self.d,
+            self.v
+        )
+    }
+}
+
+#[derive(Debug)]
+struct TokenLogprobs;
+
+impl<B: Backend> Backward<B, 2> for TokenLogprobs {
+    type State = Arc<LogprobState>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [hidden_node, weight_node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let device = grad.device();
+        let (g, _) = host_floats::<B, 1>(grad);
+        let state = Arc::try_unwrap(ops.state).unwrap_or_else(|shared| LogprobState {
+            hidden: shared.hidden.clone(),
+            weight: shared.weight.clone(),
+            targets: shared.targets.clone(),
+            rows: SoftmaxRows {
+                lse: shared.rows.lse.clone(),
+                probs: shared.rows.probs.clone(),
+            },
+            d: shared.d,
+            v: shared.v,
+        });
+        let (n, d, v) = (state.targets.len(), state.d, state.v);
+        let (d_hidden, d_weight) =
+            host::token_logprobs_backward(&state.hidden, &state.weight, &state.targets, state.rows, &g, d, v);
+        if let Some(node) = hidden_node {
+            grads.register::<B>(
+                node.id,
+                B::float_from_data(TensorData::new(d_hidden, [n, d]), &device),
+            );
+        }
+        if let Some(node) = weight_node {
+            grads.register::<B>(
+                node.id,
+                B::float_from_data(TensorData::new(d_weight, [d, v]), &device),
+            );
+        }
+    }
+}
+
+/// What the attention backward keeps: inputs, output, per-row logsumexp and the mask.
+struct AttentionState {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    mask: Option<Arc<Vec<bool>>>,
+    shape: AttentionShape,
+    scale: f32,
+}
+
+impl std::fmt::Debug for AttentionState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AttentionState {{ {:?} }}", self.shape)
+    }
+}
+
+#[derive(Debug)]
+struct Attention;
+
+impl<B: Backend> Backward<B, 3> for Attention {
+    type State = Arc<AttentionState>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [q_node, k_node, v_node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let device = grad.device();
+        let (g, _) = host_floats::<B, 4>(grad);
+        let s = &ops.state;
+        let sh = s.shape;
+        let (dq, dk, dv) = host::attention_backward(
+            &s.q,
+            &s.k,
+            &s.v,
+            &s.out,
+            &s.lse,
+            &g,
+            s.mask.as_deref().map(Vec::as_slice),
+            sh,
+            s.scale,
+        );
+        let q_dims = [sh.batch, sh.heads, sh.queries, sh.dim];
+        let kv_dims = [sh.batch, sh.kv_heads, sh.keys, sh.dim];
+        for (node, values, dims) in [(q_node, dq, q_dims), (k_node, dk, kv_dims), (v_node, dv, kv_dims)] {
+            if let Some(node) = node {
+                grads.register::<B>(
+                    node.id,
+                    B::float_from_data(TensorData::new(values, dims), &device),
+                );
+            }
+        }
+    }
+}
+
+impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn fused_token_logprobs(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let nodes = [hidden.node(), weight.node()];
+        let device = hidden.primitive().device();
+        let (h, [_, d]) = host_floats::<B, 2>(hidden.into_primitive());
+        let (w, [_, v]) = host_floats::<B, 2>(weight.into_primitive());
+        let t = host_ints::<B>(targets);
+        let n = t.len();
+        let (out, rows) = host::token_logprobs_forward(&h, &w, &t, d, v);
+        let out = B::float_from_data(TensorData::new(out, [n]), &device);
+        match TokenLogprobs.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = LogprobState {
+                    hidden: h,
+                    weight: w,
+                    targets: t,
+                    rows,
+                    d,
+                    v,
+                };
+                prep.finish(Arc::new(state), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: Option<Arc<Vec<bool>>>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        let nodes = [q.node(), k.node(), v.node()];
+        let device = q.primitive().device();
+        let (q, q_dims) = host_floats::<B, 4>(q.into_primitive());
+        let (k, k_dims) = host_floats::<B, 4>(k.into_primitive());
+        let (v, _) = host_floats::<B, 4>(v.into_primitive());
+        let shape = attention_shape(q_dims, k_dims);
+        let (out, lse) =
+            host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
+        let output = B::float_from_data(TensorData::new(out.clone(), q_dims), &device);
+        match Attention.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = AttentionState {
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    mask,
+                    shape,
+                    scale,
+                };
+                prep.finish(Arc::new(state), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+}

@@ -1,0 +1,431 @@
+//! The CPU kernels behind the fused ops: plain row-major `f32` slices, rayon across rows or
+//! heads, the `gemm` crate for the vocabulary projection.
+
+use rayon::prelude::*;
+
+/// `e^x` for a whole slice, in place: Cody–Waite range reduction and a degree-6 polynomial,
+/// branch-free so the loop vectorises (libm's scalar `expf` was a sixth of a training step).
+/// Relative error below 5e-7 for x in [-87, 88]; below that the result is 0.
+pub fn exp_in_place(xs: &mut [f32]) {
+    for x in xs {
+        *x = fast_exp(*x);
+    }
+}
+
+#[inline(always)]
+pub fn fast_exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding and removing 1.5·2²³ rounds to the nearest integer without a libm call.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.3, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.666_666_7e-1
+                    + r * (4.166_579_6e-2 + r * (8.333_452e-3 + r * (1.393_859e-3 + r * 1.987_569e-4))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // Below e^-87 the value is a denormal: flush it to zero so masked scores vanish exactly.
+    if x <= -87.3 { 0.0 } else { p * scale }
+}
+
+/// `c = a·b` (or `c += a·b` when `accumulate`) for row-major `a: [m, k]`, `b: [k, n]`,
+/// `c: [m, n]`; `a_t` / `b_t` read `a` as `[k, m]` / `b` as `[n, k]` transposed instead. Large
+/// products use every core.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    a_t: bool,
+    b_t: bool,
+    accumulate: bool,
+) {
+    let parallel = m * n * k >= 1 << 21;
+    matmul_with(c, a, b, (m, n, k), (a_t, b_t), accumulate, parallel);
+}
+
+/// [`matmul`] on one thread, for products inside an already parallel loop.
+fn matmul_serial(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    mnk: (usize, usize, usize),
+    t: (bool, bool),
+    accumulate: bool,
+) {
+    matmul_with(c, a, b, mnk, t, accumulate, false);
+}
+
+fn matmul_with(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    (m, n, k): (usize, usize, usize),
+    (a_t, b_t): (bool, bool),
+    accumulate: bool,
+    parallel: bool,
+) {
+    assert_eq!(c.len(), m * n, "matmul output");
+    assert_eq!(a.len(), m * k, "matmul lhs");
+    assert_eq!(b.len(), k * n, "matmul rhs");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    // (column stride, row stride) of each operand as stored.
+    let (a_cs, a_rs) = if a_t { (m as isize, 1) } else { (1, k as isize) };
+    let (b_cs, b_rs) = if b_t { (k as isize, 1) } else { (1, n as isize) };
+    let parallelism = if parallel {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above bound every index the strides reach; `c` does not alias `a`/`b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// Rows of a log-softmax pass kept between forward and backward: each row's `logsumexp`, and
+/// the softmax itself when it fits the memory budget (else the backward recomputes it).
+pub struct SoftmaxRows {
+    pub lse: Vec<f32>,
+    pub probs: Option<Vec<f32>>,
+}
+
+/// Softmax rows above this many floats (256 MB) are recomputed in the backward pass.
+pub const KEEP_PROBS_LIMIT: usize = 1 << 26;
+
+/// Log-probabilities of `targets` under `softmax(hidden · weight)`.
+///
+/// `hidden: [n, d]`, `weight: [d, v]`; a target outside `0..v` (padding) gets log-prob 0 and no
+/// gradient.
+pub fn token_logprobs_forward(
+    hidden: &[f32],
+    weight: &[f32],
+    targets: &[i64],
+    d: usize,
+    v: usize,
+) -> (Vec<f32>, SoftmaxRows) {
+    let n = targets.len();
+    let mut logits = vec![0.0f32; n * v];
+    matmul(&mut logits, hidden, weight, n, v, d, false, false, false);
+    let mut lse = vec![0.0f32; n];
+    let mut out = vec![0.0f32; n];
+    logits
+        .par_chunks_mut(v.max(1))
+        .zip(lse.par_iter_mut())
+        .zip(out.par_iter_mut())
+        .zip(targets.par_iter())
+        .for_each(|(((row, lse), out), &target)| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let picked = valid(target, v).map(|t| row[t]);
+            for x in row.iter_mut() {
+                *x -= max;
+            }
+            exp_in_place(row);
+            let sum: f32 = row.iter().sum();
+            *lse = max + sum.ln();
+            *out = picked.map_or(0.0, |x| x - *lse);
+            let inv = 1.0 / sum;
+            for x in row.iter_mut() {
+                *x *= inv;
+            }
+        });
+    let probs = (n * v <= KEEP_PROBS_LIMIT).then_some(logits);
+    (out, SoftmaxRows { lse, probs })
+}
+
+/// Gradients of [`token_logprobs_forward`] for the upstream gradient `grad: [n]`:
+/// `(d hidden [n, d], d weight [d, v])`, with `d logits = grad · (onehot(target) − softmax)`.
+pub fn token_logprobs_backward(
+    hidden: &[f32],
+    weight: &[f32],
+    targets: &[i64],
+    rows: SoftmaxRows,
+    grad: &[f32],
+    d: usize,
+    v: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = targets.len();
+    let mut g = match rows.probs {
+        Some(probs) => probs,
+        None => {
+            let mut logits = vec![0.0f32; n * v];
+            matmul(&mut logits, hidden, weight, n, v, d, false, false, false);
+            logits
+                .par_chunks_mut(v.max(1))
+                .zip(rows.lse.par_iter())
+                .for_each(|(row, &lse)| {
+                    for x in row.iter_mut() {
+                        *x -= lse;
+                    }
+                    exp_in_place(row);
+                });
+            logits
+        }
+    };
+    g.par_chunks_mut(v.max(1))
+        .zip(grad.par_iter())
+        .zip(targets.par_iter())
+        .for_each(|((row, &gi), &target)| match valid(target, v) {
+            Some(t) => {
+                for x in row.iter_mut() {
+                    *x *= -gi;
+                }
+                row[t] += gi;
+            }
+            None => row.fill(0.0),
+        });
+    let mut d_hidden = vec![0.0f32; n * d];
+    matmul(&mut d_hidden, &g, weight, n, d, v, false, true, false);
+    let mut d_weight = vec![0.0f32; d * v];
+    matmul(&mut d_weight, hidden, &g, d, v, n, true, false, false);
+    (d_hidden, d_weight)
+}
+
+fn valid(target: i64, v: usize) -> Option<usize> {
+    usize::try_from(target).ok().filter(|&t| t < v)
+}
+
+/// Shapes of one attention call: `q: [batch, heads, queries, dim]`,
+/// `k, v: [batch, kv_heads, keys, dim]`; query head `h` reads KV head `h / (heads / kv_heads)`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub queries: usize,
+    pub keys: usize,
+    pub dim: usize,
+}
+
+impl AttentionShape {
+    fn groups(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Keys `0..end` of query `i` that can be visible, and the mask row if any: causal rows
+    /// stop at the diagonal, so the work above it is skipped.
+    #[inline]
+    fn row<'m>(&self, mask: Option<&'m [bool]>, b: usize, i: usize) -> (usize, Option<&'m [bool]>) {
+        match mask {
+            Some(m) => (
+                self.keys,
+                Some(&m[(b * self.queries + i) * self.keys..][..self.keys]),
+            ),
+            None => ((i + 1 + self.keys - self.queries).min(self.keys), None),
+        }
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Per-row softmax of `scores · scale` over the visible keys, in place (hidden keys get 0);
+/// returns the row's `logsumexp`, `-inf` when it sees no key.
+fn softmax_row(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32) -> f32 {
+    let (head, tail) = scores.split_at_mut(visible);
+    tail.fill(0.0);
+    let mut max = f32::NEG_INFINITY;
+    for (j, x) in head.iter_mut().enumerate() {
+        *x = if mask.is_some_and(|m| m[j]) {
+            f32::NEG_INFINITY
+        } else {
+            *x * scale
+        };
+        max = max.max(*x);
+    }
+    if max == f32::NEG_INFINITY {
+        head.fill(0.0);
+        return f32::NEG_INFINITY;
+    }
+    for x in head.iter_mut() {
+        *x -= max;
+    }
+    exp_in_place(head);
+    let sum: f32 = head.iter().sum();
+    let inv = 1.0 / sum;
+    for x in head.iter_mut() {
+        *x *= inv;
+    }
+    max + sum.ln()
+}
+
+/// `softmax(q·kᵀ·scale, masked)·v` and each query row's `logsumexp` (`-inf` when the row
+/// sees no key; its output is then 0). Per (batch, head): two small GEMMs around a row softmax.
+pub fn attention_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: Option<&[bool]>,
+    s: AttentionShape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (dim, groups, keys) = (s.dim, s.groups(), s.keys);
+    let head_block = s.queries * dim;
+    let mut out = vec![0.0f32; s.batch * s.heads * head_block];
+    let mut lse = vec![f32::NEG_INFINITY; s.batch * s.heads * s.queries];
+    out.par_chunks_mut(head_block.max(1))
+        .zip(lse.par_chunks_mut(s.queries.max(1)))
+        .enumerate()
+        .for_each(|(bh, (out, lse))| {
+            let b = bh / s.heads;
+            let kv = (b * s.kv_heads + (bh % s.heads) / groups) * keys * dim;
+            let (kg, vg) = (&k[kv..][..keys * dim], &v[kv..][..keys * dim]);
+            let qh = &q[bh * head_block..][..head_block];
+            let mut probs = vec![0.0f32; s.queries * keys];
+            matmul_serial(&mut probs, qh, kg, (s.queries, keys, dim), (false, true), false);
+            for (i, row) in probs.chunks_mut(keys).enumerate() {
+                let (visible, mask_row) = s.row(mask, b, i);
+                lse[i] = softmax_row(row, visible, mask_row, scale);
+            }
+            matmul_serial(out, &probs, vg, (s.queries, dim, keys), (false, false), false);
+        });
+    (out, lse)
+}
+
+/// Gradients of [`attention_forward`] for `grad` (shaped like its output): `(dq, dk, dv)`.
+/// Probabilities are recomputed from `lse`; work is split by (batch, KV head) so each task
+/// owns the key and value gradients it accumulates over its query heads.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    grad: &[f32],
+    mask: Option<&[bool]>,
+    s: AttentionShape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (dim, groups, keys, queries) = (s.dim, s.groups(), s.keys, s.queries);
+    let kv_block = keys * dim;
+    let head_block = queries * dim;
+    let mut dq = vec![0.0f32; q.len()];
+    let mut dk = vec![0.0f32; k.len()];
+    let mut dv = vec![0.0f32; v.len()];
+    dq.par_chunks_mut((groups * head_block).max(1))
+        .zip(dk.par_chunks_mut(kv_block.max(1)))
+        .zip(dv.par_chunks_mut(kv_block.max(1)))
+        .enumerate()
+        .for_each(|(bkv, ((dq, dk), dv))| {
+            let b = bkv / s.kv_heads;
+            let (kg, vg) = (&k[bkv * kv_block..][..kv_block], &v[bkv * kv_block..][..kv_block]);
+            let mut probs = vec![0.0f32; queries * keys];
+            let mut dscores = vec![0.0f32; queries * keys];
+            for g in 0..groups {
+                let bh = bkv * groups + g;
+                let range = bh * head_block..(bh + 1) * head_block;
+                let (qh, oh, doh) = (&q[range.clone()], &out[range.clone()], &grad[range]);
+                matmul_serial(&mut probs, qh, kg, (queries, keys, dim), (false, true), false);
+                matmul_serial(&mut dscores, doh, vg, (queries, keys, dim), (false, true), false);
+                for (i, (p_row, ds_row)) in probs.chunks_mut(keys).zip(dscores.chunks_mut(keys)).enumerate() {
+                    let lse_i = lse[bh * queries + i];
+                    let (visible, mask_row) = s.row(mask, b, i);
+                    if lse_i == f32::NEG_INFINITY {
+                        p_row.fill(0.0);
+                        ds_row.fill(0.0);
+                        continue;
+                    }
+                    let delta = dot(&doh[i * dim..][..dim], &oh[i * dim..][..dim]);
+                    let (p_head, p_tail) = p_row.split_at_mut(visible);
+                    p_tail.fill(0.0);
+                    ds_row[visible..].fill(0.0);
+                    for (j, x) in p_head.iter_mut().enumerate() {
+                        *x = if mask_row.is_some_and(|m| m[j]) {
+                            -f32::INFINITY
+                        } else {
+                            *x * scale - lse_i
+                        };
+                    }
+                    exp_in_place(p_head);
+                    for (ds, &p) in ds_row[..visible].iter_mut().zip(p_head.iter()) {
+                        *ds = p * (*ds - delta) * scale;
+                    }
+                }
+                let dqh = &mut dq[g * head_block..][..head_block];
+                matmul_serial(dqh, &dscores, kg, (queries, dim, keys), (false, false), false);
+                matmul_serial(dk, &dscores, qh, (keys, dim, queries), (true, false), true);
+                matmul_serial(dv, &probs, doh, (keys, dim, queries), (true, false), true);
+            }
+        });
+    (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_matches_libm() {
+        let mut worst = 0.0f32;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let rel = (fast_exp(x) - x.exp()).abs() / x.exp();
+            worst = worst.max(rel);
+            x += 0.0137;
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+        assert_eq!(fast_exp(-1000.0), 0.0);
+        assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn matmul_transposes_agree() {
+        let (m, n, k) = (3, 4, 5);
+        let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| 1.0 - i as f32 * 0.25).collect();
+        let naive: Vec<f32> = (0..m * n)
+            .map(|ij| (0..k).map(|t| a[ij / n * k + t] * b[t * n + ij % n]).sum())
+            .collect();
+        let transpose = |x: &[f32], r: usize, c: usize| -> Vec<f32> {
+            (0..r * c).map(|ij| x[(ij % r) * c + ij / r]).collect()
+        };
+        for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+            let a_in = if a_t { transpose(&a, m, k) } else { a.clone() };
+            let b_in = if b_t { transpose(&b, k, n) } else { b.clone() };
+            let mut c = vec![1.0; m * n];
+            matmul(&mut c, &a_in, &b_in, m, n, k, a_t, b_t, true);
+            for (got, want) in c.iter().zip(&naive) {
+                assert!((got - want - 1.0).abs() < 1e-4, "{a_t} {b_t}: {got} vs {want}");
+            }
+        }
+    }
+}

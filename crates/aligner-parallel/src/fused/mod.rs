@@ -1,0 +1,161 @@
+//! Fused CPU ops with their own backward passes: the vocabulary projection + log-softmax +
+//! gather of [`fused_token_logprobs`], and the grouped-query attention of [`fused_attention`].
+//!
+//! Composed from Burn tensor ops, each of these is a dozen autodiff nodes: exp, max, sub, sum,
+//! log, gather, mask and div, each allocating a full-size temporary and recomputing `exp` in its
+//! backward. Here each is one node whose forward keeps just what the backward needs (the
+//! softmax rows, or per-row `logsumexp` for attention) and whose backward is written out by
+//! hand. They are a Burn backend extension ([`FusedOps`]) implemented for the Flex CPU backend
+//! and for autodiff over it; [`fused_available`] tells callers when to use them, and other
+//! devices keep the composed ops.
+
+mod autodiff;
+pub mod host;
+
+use std::sync::Arc;
+
+use burn::backend::{
+    Backend, Flex, TensorMetadata, backend_extension, tensor::FloatTensor, tensor::IntTensor,
+};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+pub use host::AttentionShape;
+
+/// Fused ops of aligner, as a Burn backend extension (Flex and autodiff over Flex).
+///
+/// The default bodies compute on the host; the autodiff implementation adds the backward.
+#[backend_extension(Flex, Autodiff)]
+pub trait FusedOps: Backend {
+    /// `log softmax(hidden · weight)[target]` per row: `hidden: [n, d]`, `weight: [d, vocab]`,
+    /// `targets: [n]` → `[n]`.
+    fn fused_token_logprobs(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let device = hidden.device();
+        let (h, [_, d]) = host_floats::<Self, 2>(hidden);
+        let (w, [_, v]) = host_floats::<Self, 2>(weight);
+        let t = host_ints::<Self>(targets);
+        let n = t.len();
+        let (out, _) = host::token_logprobs_forward(&h, &w, &t, d, v);
+        Self::float_from_data(TensorData::new(out, [n]), &device)
+    }
+
+    /// `softmax(q·kᵀ·scale, mask)·v` with `q: [b, heads, s, dim]`, `k, v: [b, kv_heads, keys,
+    /// dim]`; `mask` is `[b, s, keys]` (`true` = hidden) or `None` for causal attention aligned
+    /// to the last key.
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: Option<Arc<Vec<bool>>>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        let device = q.device();
+        let (q, qs) = host_floats::<Self, 4>(q);
+        let (k, ks) = host_floats::<Self, 4>(k);
+        let (v, _) = host_floats::<Self, 4>(v);
+        let shape = attention_shape(qs, ks);
+        let (out, _) = host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
+        Self::float_from_data(TensorData::new(out, qs), &device)
+    }
+}
+
+impl FusedOps for Flex {}
+
+/// Whether the fused ops run on `device` (the Flex CPU backend, with or without autodiff).
+pub fn fused_available(device: &Device) -> bool {
+    // Devices print as `Flex` or `Autodiff { .. Flex .. }`; the enum is behind cargo features
+    // that vary by build, so its name is the stable thing to test.
+    format!("{device:?}").contains("Flex")
+}
+
+/// [`FusedOps::fused_token_logprobs`] on tensors: `hidden: [n, d]`, `weight: [d, vocab]`,
+/// `targets: [n]` → `[n]`, differentiable in `hidden` and `weight`.
+pub fn fused_token_logprobs(hidden: Tensor<2>, weight: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    use burn::backend::Dispatch;
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_token_logprobs(
+        hidden.into_dispatch(),
+        weight.into_dispatch(),
+        targets.into_dispatch(),
+    ))
+}
+
+/// [`FusedOps::fused_attention`] on tensors, scale `1/√dim`; `mask` is `[b, 1, s, keys]` as
+/// the model builds it (`true` = hidden). Differentiable in `q`, `k` and `v`.
+pub fn fused_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<&Tensor<4, Bool>>,
+) -> Tensor<4> {
+    use burn::backend::Dispatch;
+    let scale = 1.0 / (q.dims()[3] as f32).sqrt();
+    let mask = mask.map(|m| {
+        let values: Vec<bool> = m
+            .to_data()
+            .convert::<bool>()
+            .try_into_vec::<bool>()
+            .expect("a bool mask reads back as bools");
+        Arc::new(values)
+    });
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        mask,
+        scale,
+    ))
+}
+
+fn attention_shape(q: [usize; 4], k: [usize; 4]) -> AttentionShape {
+    assert!(
+        k[1] > 0 && q[1] % k[1] == 0,
+        "query heads {} must be a multiple of KV heads {}",
+        q[1],
+        k[1]
+    );
+    AttentionShape {
+        batch: q[0],
+        heads: q[1],
+        kv_heads: k[1],
+        queries: q[2],
+        keys: k[2],
+        dim: q[3],
+    }
+}
+
+/// Waits for a backend future; CPU backends resolve at once.
+fn ready<T>(future: impl std::future::Future<Output = T>) -> T {
+    let mut future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        if let std::task::Poll::Ready(value) = future.as_mut().poll(&mut cx) {
+            return value;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// A float tensor's values in row-major order, and its shape.
+fn host_floats<B: Backend, const D: usize>(tensor: FloatTensor<B>) -> (Vec<f32>, [usize; D]) {
+    let data = ready(B::float_into_data(tensor)).expect("reading a CPU tensor cannot fail");
+    let dims: [usize; D] = data
+        .shape()
+        .to_vec()
+        .try_into()
+        .unwrap_or_else(|_| panic!("expected a tensor of rank {D}"));
+    let values = data
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 after convert");
+    (values, dims)
+}
+
+fn host_ints<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
+    let data = ready(B::int_into_data(tensor)).expect("reading a CPU tensor cannot fail");
+    data.convert::<i64>()
+        .try_into_vec::<i64>()
+        .expect("i64 after convert")
+}
