@@ -14,5 +14,5 @@
 pub mod fused;
 mod logprob;
 
-pub use fused::{fused_attention, fused_available, fused_token_logprobs};
+pub use fused::{fused_attention, fused_available, fused_swiglu, fused_token_logprobs};
 pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};

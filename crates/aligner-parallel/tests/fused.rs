@@ -172,3 +172,34 @@ fn masked_attention_matches_composed_ops() {
     assert!(b * s * s == mask.len());
     check_attention(b, 4, 2, s, s, 8, Some(mask));
 }
+
+#[test]
+fn swiglu_values_and_gradients_match_composed_ops() {
+    use aligner_parallel::fused_swiglu;
+    use burn::tensor::activation::silu;
+    let device = Device::flex().autodiff();
+    device.seed(5);
+    // Larger than one parallel chunk, with a ragged end; values reach the exp clamp.
+    let shape = [3, 7001, 3];
+    let gate = normal(shape, &device) * 6.0;
+    let up = normal(shape, &device);
+    let weights = normal(shape, &device);
+    let run = |fused: bool| {
+        let (g, u) = (
+            gate.clone().detach().require_grad(),
+            up.clone().detach().require_grad(),
+        );
+        let out = if fused {
+            fused_swiglu(g.clone(), u.clone())
+        } else {
+            silu(g.clone()) * u.clone()
+        };
+        let grads = (out.clone() * weights.clone()).sum().backward();
+        (out, g.grad(&grads).unwrap(), u.grad(&grads).unwrap())
+    };
+    let (o_f, dg_f, du_f) = run(true);
+    let (o_c, dg_c, du_c) = run(false);
+    assert_close(o_f, o_c, 1e-4, "swiglu");
+    assert_close(dg_f, dg_c, 1e-4, "d gate");
+    assert_close(du_f, du_c, 1e-4, "d up");
+}

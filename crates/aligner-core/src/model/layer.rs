@@ -32,8 +32,15 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gate = self.gate_proj.forward(x.clone());
+        let up = self.up_proj.forward(x);
+        // Training on CPU: one fused node instead of sigmoid, two products and their backward.
+        let hidden = if gate.is_autodiff() && aligner_parallel::fused_available(&gate.device()) {
+            aligner_parallel::fused_swiglu(gate, up)
+        } else {
+            silu(gate) * up
+        };
+        self.down_proj.forward(hidden)
     }
 }
 

@@ -11,7 +11,7 @@ use burn::backend::{Autodiff, Backend, TensorMetadata, tensor::FloatTensor, tens
 use burn::tensor::TensorData;
 
 use super::host::{self, AttentionShape, SoftmaxRows};
-use super::{FusedOps, attention_shape, host_floats, host_ints};
+use super::{FusedOps, attention_shape, host_floats, host_ints, host_values};
 
 /// What the token log-prob backward keeps: inputs, targets and the softmax rows.
 struct LogprobState {
@@ -130,7 +130,56 @@ impl<B: Backend> Backward<B, 3> for Attention {
     }
 }
 
+/// What the SwiGLU backward keeps: both inputs.
+struct SwigluState {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    dims: Vec<usize>,
+}
+
+impl std::fmt::Debug for SwigluState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SwigluState {{ {:?} }}", self.dims)
+    }
+}
+
+#[derive(Debug)]
+struct Swiglu;
+
+impl<B: Backend> Backward<B, 2> for Swiglu {
+    type State = Arc<SwigluState>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [gate_node, up_node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let device = grad.device();
+        let g = host_values::<B>(grad);
+        let s = &ops.state;
+        let (d_gate, d_up) = host::swiglu_backward(&s.gate, &s.up, &g);
+        for (node, values) in [(gate_node, d_gate), (up_node, d_up)] {
+            if let Some(node) = node {
+                let data = TensorData::new(values, s.dims.clone());
+                grads.register::<B>(node.id, B::float_from_data(data, &device));
+            }
+        }
+    }
+}
+
 impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let nodes = [gate.node(), up.node()];
+        let device = gate.primitive().device();
+        let dims = gate.primitive().shape().to_vec();
+        let g = host_values::<B>(gate.into_primitive());
+        let u = host_values::<B>(up.into_primitive());
+        let out = host::swiglu_forward(&g, &u);
+        let out = B::float_from_data(TensorData::new(out, dims.clone()), &device);
+        match Swiglu.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(Arc::new(SwigluState { gate: g, up: u, dims }), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn fused_token_logprobs(
         hidden: FloatTensor<Self>,
         weight: FloatTensor<Self>,

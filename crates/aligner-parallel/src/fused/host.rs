@@ -3,9 +3,97 @@
 
 use rayon::prelude::*;
 
+/// Defines `fn $name(..)` that runs `$body` compiled for AVX-512 or AVX2+FMA when the CPU has
+/// them (checked at run time, cached by std), else for the baseline target: the row loops
+/// below are written to vectorise, and the default x86-64 target gives them 4-wide SSE only.
+macro_rules! simd_fn {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn v4($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn v3($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has the features `v4` is compiled for.
+                    return unsafe { v4($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    // SAFETY: as above, for `v3`.
+                    return unsafe { v3($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
+simd_fn!(
+    /// Turns a row of logits into its softmax in place; returns `(logsumexp, log p(target))`.
+    fn log_softmax_row(row: &mut [f32], target: Option<usize>) -> (f32, f32) = log_softmax_row_body
+);
+
+#[inline(always)]
+fn log_softmax_row_body(row: &mut [f32], target: Option<usize>) -> (f32, f32) {
+    let max = max_of(row);
+    let picked = target.map(|t| row[t]);
+    for x in row.iter_mut() {
+        *x -= max;
+    }
+    exp_in_place(row);
+    let sum = sum_of(row);
+    let lse = max + sum.ln();
+    let inv = 1.0 / sum;
+    for x in row.iter_mut() {
+        *x *= inv;
+    }
+    (lse, picked.map_or(0.0, |x| x - lse))
+}
+
+simd_fn!(
+    /// `x ← e^(x − shift)`.
+    fn exp_shifted_row(row: &mut [f32], shift: f32) = exp_shifted_row_body
+);
+
+#[inline(always)]
+fn exp_shifted_row_body(row: &mut [f32], shift: f32) {
+    for x in row.iter_mut() {
+        *x -= shift;
+    }
+    exp_in_place(row);
+}
+
+simd_fn!(
+    /// Softmax row `p` → `grad · (onehot(target) − p)`; all zero for a padding target.
+    fn softmax_grad_row(row: &mut [f32], grad: f32, target: Option<usize>) = softmax_grad_row_body
+);
+
+#[inline(always)]
+fn softmax_grad_row_body(row: &mut [f32], grad: f32, target: Option<usize>) {
+    match target {
+        Some(t) => {
+            for x in row.iter_mut() {
+                *x *= -grad;
+            }
+            row[t] += grad;
+        }
+        None => row.fill(0.0),
+    }
+}
+
 /// `e^x` for a whole slice, in place: Cody–Waite range reduction and a degree-6 polynomial,
 /// branch-free so the loop vectorises (libm's scalar `expf` was a sixth of a training step).
 /// Relative error below 5e-7 for x in [-87, 88]; below that the result is 0.
+#[inline(always)]
 pub fn exp_in_place(xs: &mut [f32]) {
     for x in xs {
         *x = fast_exp(*x);
@@ -150,19 +238,7 @@ pub fn token_logprobs_forward(
         .zip(out.par_iter_mut())
         .zip(targets.par_iter())
         .for_each(|(((row, lse), out), &target)| {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let picked = valid(target, v).map(|t| row[t]);
-            for x in row.iter_mut() {
-                *x -= max;
-            }
-            exp_in_place(row);
-            let sum: f32 = row.iter().sum();
-            *lse = max + sum.ln();
-            *out = picked.map_or(0.0, |x| x - *lse);
-            let inv = 1.0 / sum;
-            for x in row.iter_mut() {
-                *x *= inv;
-            }
+            (*lse, *out) = log_softmax_row(row, valid(target, v));
         });
     let probs = (n * v <= KEEP_PROBS_LIMIT).then_some(logits);
     (out, SoftmaxRows { lse, probs })
@@ -188,32 +264,73 @@ pub fn token_logprobs_backward(
             logits
                 .par_chunks_mut(v.max(1))
                 .zip(rows.lse.par_iter())
-                .for_each(|(row, &lse)| {
-                    for x in row.iter_mut() {
-                        *x -= lse;
-                    }
-                    exp_in_place(row);
-                });
+                .for_each(|(row, &lse)| exp_shifted_row(row, lse));
             logits
         }
     };
     g.par_chunks_mut(v.max(1))
         .zip(grad.par_iter())
         .zip(targets.par_iter())
-        .for_each(|((row, &gi), &target)| match valid(target, v) {
-            Some(t) => {
-                for x in row.iter_mut() {
-                    *x *= -gi;
-                }
-                row[t] += gi;
-            }
-            None => row.fill(0.0),
-        });
+        .for_each(|((row, &gi), &target)| softmax_grad_row(row, gi, valid(target, v)));
     let mut d_hidden = vec![0.0f32; n * d];
     matmul(&mut d_hidden, &g, weight, n, d, v, false, true, false);
     let mut d_weight = vec![0.0f32; d * v];
     matmul(&mut d_weight, hidden, &g, d, v, n, true, false, false);
     (d_hidden, d_weight)
+}
+
+simd_fn!(
+    /// `out = silu(gate) · up` elementwise (the SwiGLU of a Llama MLP), `silu(x) = x·σ(x)`.
+    fn swiglu_forward_rows(out: &mut [f32], gate: &[f32], up: &[f32]) = swiglu_forward_body
+);
+
+#[inline(always)]
+fn swiglu_forward_body(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + fast_exp(-g)) * u;
+    }
+}
+
+simd_fn!(
+    /// Gradients of [`swiglu_forward_rows`] for `grad`, written over `d_gate` and `d_up`:
+    /// `d up = grad · silu(g)`, `d gate = grad · u · σ(g)·(1 + g·(1 − σ(g)))`.
+    fn swiglu_backward_rows(d_gate: &mut [f32], d_up: &mut [f32], gate: &[f32], up: &[f32], grad: &[f32]) = swiglu_backward_body
+);
+
+#[inline(always)]
+fn swiglu_backward_body(d_gate: &mut [f32], d_up: &mut [f32], gate: &[f32], up: &[f32], grad: &[f32]) {
+    for ((((dg, du), &g), &u), &dy) in d_gate.iter_mut().zip(d_up.iter_mut()).zip(gate).zip(up).zip(grad) {
+        let sig = 1.0 / (1.0 + fast_exp(-g));
+        *du = dy * g * sig;
+        *dg = dy * u * sig * (1.0 + g * (1.0 - sig));
+    }
+}
+
+/// Elements per parallel task of the elementwise ops.
+const ELEMENT_CHUNK: usize = 1 << 14;
+
+/// `silu(gate) · up` over whole tensors, in parallel chunks.
+pub fn swiglu_forward(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len(), "swiglu operands");
+    let mut out = vec![0.0f32; gate.len()];
+    out.par_chunks_mut(ELEMENT_CHUNK)
+        .zip(gate.par_chunks(ELEMENT_CHUNK))
+        .zip(up.par_chunks(ELEMENT_CHUNK))
+        .for_each(|((o, g), u)| swiglu_forward_rows(o, g, u));
+    out
+}
+
+/// `(d gate, d up)` of [`swiglu_forward`] for `grad`.
+pub fn swiglu_backward(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let mut d_gate = vec![0.0f32; gate.len()];
+    let mut d_up = vec![0.0f32; gate.len()];
+    d_gate
+        .par_chunks_mut(ELEMENT_CHUNK)
+        .zip(d_up.par_chunks_mut(ELEMENT_CHUNK))
+        .zip(gate.par_chunks(ELEMENT_CHUNK).zip(up.par_chunks(ELEMENT_CHUNK)))
+        .zip(grad.par_chunks(ELEMENT_CHUNK))
+        .for_each(|(((dg, du), (g, u)), dy)| swiglu_backward_rows(dg, du, g, u, dy));
+    (d_gate, d_up)
 }
 
 fn valid(target: i64, v: usize) -> Option<usize> {
@@ -239,7 +356,7 @@ impl AttentionShape {
 
     /// Keys `0..end` of query `i` that can be visible, and the mask row if any: causal rows
     /// stop at the diagonal, so the work above it is skipped.
-    #[inline]
+    #[inline(always)]
     fn row<'m>(&self, mask: Option<&'m [bool]>, b: usize, i: usize) -> (usize, Option<&'m [bool]>) {
         match mask {
             Some(m) => (
@@ -251,25 +368,108 @@ impl AttentionShape {
     }
 }
 
-#[inline]
+/// `x · scale − shift`, or `-inf` where `mask` hides the key; the unmasked loop has no
+/// branch so it vectorises.
+#[inline(always)]
+fn scale_masked(xs: &mut [f32], mask: Option<&[bool]>, scale: f32, shift: f32) {
+    match mask {
+        Some(mask) => {
+            for (x, &hidden) in xs.iter_mut().zip(mask) {
+                *x = if hidden {
+                    f32::NEG_INFINITY
+                } else {
+                    *x * scale - shift
+                };
+            }
+        }
+        None => {
+            for x in xs.iter_mut() {
+                *x = *x * scale - shift;
+            }
+        }
+    }
+}
+
+/// Lanes of the reductions below: independent accumulators let the compiler keep them in
+/// vector registers (a single running max or sum must stay in order).
+const LANES: usize = 16;
+
+#[inline(always)]
+fn max_of(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l = l.max(x);
+        }
+    }
+    lanes.into_iter().fold(rest, f32::max)
+}
+
+#[inline(always)]
+fn sum_of(xs: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l += x;
+        }
+    }
+    lanes.into_iter().sum::<f32>() + rest
+}
+
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Per-row softmax of `scores · scale` over the visible keys, in place (hidden keys get 0);
-/// returns the row's `logsumexp`, `-inf` when it sees no key.
-fn softmax_row(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32) -> f32 {
+simd_fn!(
+    /// Per-row softmax of `scores · scale` over the visible keys, in place (hidden keys get
+    /// 0); returns the row's `logsumexp`, `-inf` when it sees no key.
+    fn softmax_row(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32) -> f32 = softmax_row_body
+);
+
+simd_fn!(
+    /// One query row of the attention backward: `p` (the row's scores on entry) becomes the
+    /// recomputed probabilities and `ds` (`dO·vᵀ` on entry) the score gradient
+    /// `p · (ds − delta) · scale`; keys from `visible` on are zero in both.
+    fn attention_grad_row(p: &mut [f32], ds: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32, lse: f32, delta: f32) = attention_grad_row_body
+);
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attention_grad_row_body(
+    p: &mut [f32],
+    ds: &mut [f32],
+    visible: usize,
+    mask: Option<&[bool]>,
+    scale: f32,
+    lse: f32,
+    delta: f32,
+) {
+    let (p_head, p_tail) = p.split_at_mut(visible);
+    let (ds_head, ds_tail) = ds.split_at_mut(visible);
+    p_tail.fill(0.0);
+    ds_tail.fill(0.0);
+    scale_masked(p_head, mask, scale, lse);
+    exp_in_place(p_head);
+    for (d, &pj) in ds_head.iter_mut().zip(p_head.iter()) {
+        *d = pj * (*d - delta) * scale;
+    }
+}
+
+#[inline(always)]
+fn softmax_row_body(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32) -> f32 {
     let (head, tail) = scores.split_at_mut(visible);
     tail.fill(0.0);
-    let mut max = f32::NEG_INFINITY;
-    for (j, x) in head.iter_mut().enumerate() {
-        *x = if mask.is_some_and(|m| m[j]) {
-            f32::NEG_INFINITY
-        } else {
-            *x * scale
-        };
-        max = max.max(*x);
-    }
+    scale_masked(head, mask, scale, 0.0);
+    let max = max_of(head);
     if max == f32::NEG_INFINITY {
         head.fill(0.0);
         return f32::NEG_INFINITY;
@@ -278,7 +478,7 @@ fn softmax_row(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale:
         *x -= max;
     }
     exp_in_place(head);
-    let sum: f32 = head.iter().sum();
+    let sum = sum_of(head);
     let inv = 1.0 / sum;
     for x in head.iter_mut() {
         *x *= inv;
@@ -364,20 +564,7 @@ pub fn attention_backward(
                         continue;
                     }
                     let delta = dot(&doh[i * dim..][..dim], &oh[i * dim..][..dim]);
-                    let (p_head, p_tail) = p_row.split_at_mut(visible);
-                    p_tail.fill(0.0);
-                    ds_row[visible..].fill(0.0);
-                    for (j, x) in p_head.iter_mut().enumerate() {
-                        *x = if mask_row.is_some_and(|m| m[j]) {
-                            -f32::INFINITY
-                        } else {
-                            *x * scale - lse_i
-                        };
-                    }
-                    exp_in_place(p_head);
-                    for (ds, &p) in ds_row[..visible].iter_mut().zip(p_head.iter()) {
-                        *ds = p * (*ds - delta) * scale;
-                    }
+                    attention_grad_row(p_row, ds_row, visible, mask_row, scale, lse_i, delta);
                 }
                 let dqh = &mut dq[g * head_block..][..head_block];
                 matmul_serial(dqh, &dscores, kg, (queries, dim, keys), (false, false), false);

@@ -1,5 +1,6 @@
 //! Fused CPU ops with their own backward passes: the vocabulary projection + log-softmax +
-//! gather of [`fused_token_logprobs`], and the grouped-query attention of [`fused_attention`].
+//! gather of [`fused_token_logprobs`], the grouped-query attention of [`fused_attention`] and
+//! the SwiGLU of [`fused_swiglu`].
 //!
 //! Composed from Burn tensor ops, each of these is a dozen autodiff nodes: exp, max, sub, sum,
 //! log, gather, mask and div, each allocating a full-size temporary and recomputing `exp` in its
@@ -60,6 +61,14 @@ pub trait FusedOps: Backend {
         let (out, _) = host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
         Self::float_from_data(TensorData::new(out, qs), &device)
     }
+
+    /// `silu(gate) · up` elementwise (tensors of one shape): the SwiGLU of a Llama MLP.
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let device = gate.device();
+        let dims = gate.shape().to_vec();
+        let (g, u) = (host_values::<Self>(gate), host_values::<Self>(up));
+        Self::float_from_data(TensorData::new(host::swiglu_forward(&g, &u), dims), &device)
+    }
 }
 
 impl FusedOps for Flex {}
@@ -79,6 +88,15 @@ pub fn fused_token_logprobs(hidden: Tensor<2>, weight: Tensor<2>, targets: Tenso
         hidden.into_dispatch(),
         weight.into_dispatch(),
         targets.into_dispatch(),
+    ))
+}
+
+/// [`FusedOps::fused_swiglu`] on tensors: `silu(gate) · up`, differentiable in both.
+pub fn fused_swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    use burn::backend::Dispatch;
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_swiglu(
+        gate.into_dispatch(),
+        up.into_dispatch(),
     ))
 }
 
@@ -151,6 +169,14 @@ fn host_floats<B: Backend, const D: usize>(tensor: FloatTensor<B>) -> (Vec<f32>,
         .try_into_vec::<f32>()
         .expect("f32 after convert");
     (values, dims)
+}
+
+/// A float tensor's values in row-major order, of any rank.
+fn host_values<B: Backend>(tensor: FloatTensor<B>) -> Vec<f32> {
+    let data = ready(B::float_into_data(tensor)).expect("reading a CPU tensor cannot fail");
+    data.convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 after convert")
 }
 
 fn host_ints<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
