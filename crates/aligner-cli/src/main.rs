@@ -80,6 +80,12 @@ fn device(name: &str) -> Result<Device> {
     }
 }
 
+/// mimalloc keeps freed pages for reuse: a training step allocates and frees the same large
+/// buffers (logits, gradients, optimizer moments) every time, which glibc hands back to the
+/// kernel and faults in again.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
