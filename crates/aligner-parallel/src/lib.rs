@@ -7,12 +7,18 @@
 //! Its first occupant is [`token_logprobs`]: the log-probability of each target token under a
 //! softmax over the vocabulary, computed a chunk of positions at a time so that the full
 //! `[batch, seq, vocab]` log-softmax never exists at once. For 50k–150k vocabularies that tensor
-//! (and its autodiff copies) dominates training memory. Every op here is built from plain Burn
-//! tensor ops, so gradients come from Burn's autodiff on any backend; fused CubeCL kernels will
-//! slot in behind the same functions.
+//! (and its autodiff copies) dominates training memory. It is built from plain Burn tensor ops,
+//! so gradients come from Burn's autodiff on any backend.
+//!
+//! On the CPU, training runs the [`fused`] ops instead: the vocabulary projection + log-softmax +
+//! gather ([`fused_token_logprobs`]), grouped-query attention ([`fused_attention`]), the
+//! SwiGLU of the MLP ([`fused_swiglu`]) and RMS norm ([`fused_rms_norm`]), each one autodiff node with a hand-written backward,
+//! registered as a Burn backend extension for Flex and autodiff-over-Flex. Their loops are
+//! compiled for AVX-512 / AVX2 at run time and their products go through `gemm`'s AVX-512
+//! kernels. `tests/fused.rs` checks values and gradients against the composed ops.
 
 pub mod fused;
 mod logprob;
 
-pub use fused::{fused_attention, fused_available, fused_swiglu, fused_token_logprobs};
+pub use fused::{fused_attention, fused_available, fused_rms_norm, fused_swiglu, fused_token_logprobs};
 pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};

@@ -203,3 +203,42 @@ fn swiglu_values_and_gradients_match_composed_ops() {
     assert_close(dg_f, dg_c, 1e-4, "d gate");
     assert_close(du_f, du_c, 1e-4, "d up");
 }
+
+#[test]
+fn rms_norm_values_and_gradients_match_burn() {
+    use aligner_parallel::fused_rms_norm;
+    use burn::nn::RmsNormConfig;
+    let device = Device::flex().autodiff();
+    device.seed(9);
+    // 37 features: two 16-lane blocks and a ragged end; rows span several parallel tasks.
+    let shape = [4, 1100, 37];
+    let x = normal(shape, &device) * 3.0;
+    let gamma = normal([37], &device);
+    let weights = normal(shape, &device);
+    let run = |fused: bool| {
+        let x = x.clone().detach().require_grad();
+        let g = gamma.clone().detach().require_grad();
+        let out = if fused {
+            fused_rms_norm(x.clone(), g.clone(), 1e-5)
+        } else {
+            let mut norm = RmsNormConfig::new(37).with_epsilon(1e-5).init(&device);
+            norm.gamma = burn::module::Param::from_tensor(g.clone());
+            norm.forward(x.clone())
+        };
+        let grads = (out.clone() * weights.clone()).sum().backward();
+        let dg = if fused { g.grad(&grads) } else { None };
+        (out, x.grad(&grads).unwrap(), dg)
+    };
+    let (o_f, dx_f, dg_f) = run(true);
+    let (o_c, dx_c, _) = run(false);
+    assert_close(o_f, o_c, 1e-4, "rms norm");
+    assert_close(dx_f, dx_c, 1e-4, "dx");
+    // d gamma = Σ over rows of dy · x̂, from the composed normalisation.
+    let x_hat = {
+        let x = x.clone().detach();
+        let rms = (x.clone().square().mean_dim(2) + 1e-5).sqrt();
+        x / rms
+    };
+    let dg_want = (weights.detach() * x_hat).sum_dim(0).sum_dim(1).reshape([37]);
+    assert_close(dg_f.unwrap(), dg_want, 2e-2, "d gamma (sum over 4400 rows)");
+}

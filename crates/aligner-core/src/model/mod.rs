@@ -62,7 +62,7 @@ impl LlamaModel {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             x = layer.forward(x, &angles, mask, layer_cache);
         }
-        self.norm.forward(x)
+        layer::norm(&self.norm, x)
     }
 }
 

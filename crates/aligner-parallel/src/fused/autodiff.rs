@@ -165,7 +165,63 @@ impl<B: Backend> Backward<B, 2> for Swiglu {
     }
 }
 
+/// What the RMS-norm backward keeps: input, weight and each row's `1/rms`.
+struct RmsNormState {
+    x: Vec<f32>,
+    w: Vec<f32>,
+    inv: Vec<f32>,
+    dims: Vec<usize>,
+}
+
+impl std::fmt::Debug for RmsNormState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RmsNormState {{ {:?} }}", self.dims)
+    }
+}
+
+#[derive(Debug)]
+struct RmsNorm;
+
+impl<B: Backend> Backward<B, 2> for RmsNorm {
+    type State = Arc<RmsNormState>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [x_node, w_node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let device = grad.device();
+        let dy = host_values::<B>(grad);
+        let s = &ops.state;
+        let (dx, dw) = host::rms_norm_backward(&s.x, &s.w, &s.inv, &dy);
+        if let Some(node) = x_node {
+            grads.register::<B>(
+                node.id,
+                B::float_from_data(TensorData::new(dx, s.dims.clone()), &device),
+            );
+        }
+        if let Some(node) = w_node {
+            grads.register::<B>(
+                node.id,
+                B::float_from_data(TensorData::new(dw, [s.w.len()]), &device),
+            );
+        }
+    }
+}
+
 impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        let nodes = [x.node(), gamma.node()];
+        let device = x.primitive().device();
+        let dims = x.primitive().shape().to_vec();
+        let xs = host_values::<B>(x.into_primitive());
+        let w = host_values::<B>(gamma.into_primitive());
+        let (y, inv) = host::rms_norm_forward(&xs, &w, eps);
+        let y = B::float_from_data(TensorData::new(y, dims.clone()), &device);
+        match RmsNorm.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(Arc::new(RmsNormState { x: xs, w, inv, dims }), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let nodes = [gate.node(), up.node()];
         let device = gate.primitive().device();

@@ -333,6 +333,103 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32>, Vec
     (d_gate, d_up)
 }
 
+simd_fn!(
+    /// One row of RMS normalisation: `y = x · w / √(mean(x²) + eps)`; returns `1/√(mean(x²) + eps)`.
+    fn rms_norm_row(y: &mut [f32], x: &[f32], w: &[f32], eps: f32) -> f32 = rms_norm_row_body
+);
+
+#[inline(always)]
+fn rms_norm_row_body(y: &mut [f32], x: &[f32], w: &[f32], eps: f32) -> f32 {
+    let mut squares = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    for chunk in chunks {
+        for (s, &v) in squares.iter_mut().zip(chunk) {
+            *s += v * v;
+        }
+    }
+    let mean = (squares.iter().sum::<f32>() + rest) / x.len() as f32;
+    let r = 1.0 / (mean + eps).sqrt();
+    for ((o, &v), &g) in y.iter_mut().zip(x).zip(w) {
+        *o = v * r * g;
+    }
+    r
+}
+
+simd_fn!(
+    /// One row of the RMS-norm backward: `dx = r·(dy·w − x̂·mean(dy·w·x̂))` with `x̂ = x·r`,
+    /// and `dw += dy·x̂`.
+    fn rms_norm_grad_row(dx: &mut [f32], dw: &mut [f32], x: &[f32], w: &[f32], dy: &[f32], r: f32) = rms_norm_grad_row_body
+);
+
+#[inline(always)]
+fn rms_norm_grad_row_body(dx: &mut [f32], dw: &mut [f32], x: &[f32], w: &[f32], dy: &[f32], r: f32) {
+    let mut dots = [0.0f32; LANES];
+    let n = x.len();
+    let full = n - n % LANES;
+    for ((xs, ws), gs) in x[..full]
+        .chunks_exact(LANES)
+        .zip(w[..full].chunks_exact(LANES))
+        .zip(dy[..full].chunks_exact(LANES))
+    {
+        for (((acc, &xv), &wv), &gv) in dots.iter_mut().zip(xs).zip(ws).zip(gs) {
+            *acc += gv * wv * xv;
+        }
+    }
+    let rest: f32 = x[full..]
+        .iter()
+        .zip(&w[full..])
+        .zip(&dy[full..])
+        .map(|((xv, wv), gv)| gv * wv * xv)
+        .sum();
+    let c = (dots.iter().sum::<f32>() + rest) * r * r / n as f32;
+    for ((((dxv, dwv), &xv), &wv), &gv) in dx.iter_mut().zip(dw.iter_mut()).zip(x).zip(w).zip(dy) {
+        *dxv = r * (gv * wv - xv * c);
+        *dwv += gv * xv * r;
+    }
+}
+
+/// RMS norm over the last axis of `x: [rows, d]` with weight `w: [d]`: `(y, 1/rms per row)`.
+pub fn rms_norm_forward(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let d = w.len().max(1);
+    let mut y = vec![0.0f32; x.len()];
+    let mut inv = vec![0.0f32; x.len() / d];
+    y.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .zip(inv.par_iter_mut())
+        .for_each(|((y, x), r)| *r = rms_norm_row(y, x, w, eps));
+    (y, inv)
+}
+
+/// `(dx, dw)` of [`rms_norm_forward`] for `dy`; `dw` is summed over rows per thread, then reduced.
+pub fn rms_norm_backward(x: &[f32], w: &[f32], inv: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let d = w.len().max(1);
+    let mut dx = vec![0.0f32; x.len()];
+    let rows_per_task = (ELEMENT_CHUNK / d).max(1);
+    let dw = dx
+        .par_chunks_mut(d * rows_per_task)
+        .zip(x.par_chunks(d * rows_per_task))
+        .zip(dy.par_chunks(d * rows_per_task))
+        .zip(inv.par_chunks(rows_per_task))
+        .map(|(((dx, x), dy), inv)| {
+            let mut dw = vec![0.0f32; d];
+            for (((dx, x), dy), &r) in dx.chunks_mut(d).zip(x.chunks(d)).zip(dy.chunks(d)).zip(inv) {
+                rms_norm_grad_row(dx, &mut dw, x, w, dy, r);
+            }
+            dw
+        })
+        .reduce(
+            || vec![0.0f32; d],
+            |mut a, b| {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x += y;
+                }
+                a
+            },
+        );
+    (dx, dw)
+}
+
 fn valid(target: i64, v: usize) -> Option<usize> {
     usize::try_from(target).ok().filter(|&t| t < v)
 }

@@ -1,6 +1,6 @@
 //! Fused CPU ops with their own backward passes: the vocabulary projection + log-softmax +
-//! gather of [`fused_token_logprobs`], the grouped-query attention of [`fused_attention`] and
-//! the SwiGLU of [`fused_swiglu`].
+//! gather of [`fused_token_logprobs`], the grouped-query attention of [`fused_attention`], the
+//! SwiGLU of [`fused_swiglu`] and the RMS norm of [`fused_rms_norm`].
 //!
 //! Composed from Burn tensor ops, each of these is a dozen autodiff nodes: exp, max, sub, sum,
 //! log, gather, mask and div, each allocating a full-size temporary and recomputing `exp` in its
@@ -69,6 +69,15 @@ pub trait FusedOps: Backend {
         let (g, u) = (host_values::<Self>(gate), host_values::<Self>(up));
         Self::float_from_data(TensorData::new(host::swiglu_forward(&g, &u), dims), &device)
     }
+
+    /// RMS normalisation over the last axis: `x · gamma / √(mean(x²) + eps)`.
+    fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
+        let device = x.device();
+        let dims = x.shape().to_vec();
+        let (x, w) = (host_values::<Self>(x), host_values::<Self>(gamma));
+        let (y, _) = host::rms_norm_forward(&x, &w, eps);
+        Self::float_from_data(TensorData::new(y, dims), &device)
+    }
 }
 
 impl FusedOps for Flex {}
@@ -97,6 +106,16 @@ pub fn fused_swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D>
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_swiglu(
         gate.into_dispatch(),
         up.into_dispatch(),
+    ))
+}
+
+/// [`FusedOps::fused_rms_norm`] on tensors: `x: [.., d]`, `gamma: [d]`; differentiable in both.
+pub fn fused_rms_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, eps: f64) -> Tensor<D> {
+    use burn::backend::Dispatch;
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rms_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        eps as f32,
     ))
 }
 
@@ -129,7 +148,7 @@ pub fn fused_attention(
 
 fn attention_shape(q: [usize; 4], k: [usize; 4]) -> AttentionShape {
     assert!(
-        k[1] > 0 && q[1] % k[1] == 0,
+        k[1] > 0 && q[1].is_multiple_of(k[1]),
         "query heads {} must be a multiple of KV heads {}",
         q[1],
         k[1]
