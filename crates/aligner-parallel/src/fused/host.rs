@@ -46,11 +46,22 @@ simd_fn!(
 fn log_softmax_row_body(row: &mut [f32], target: Option<usize>) -> (f32, f32) {
     let max = max_of(row);
     let picked = target.map(|t| row[t]);
-    for x in row.iter_mut() {
-        *x -= max;
+    // One pass for e^(x − max) and its sum: the rows are vocabulary-wide, so passes cost
+    // memory bandwidth, not arithmetic.
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (l, x) in lanes.iter_mut().zip(chunk.iter_mut()) {
+            *x = fast_exp(*x - max);
+            *l += *x;
+        }
     }
-    exp_in_place(row);
-    let sum = sum_of(row);
+    let mut rest = 0.0f32;
+    for x in chunks.into_remainder() {
+        *x = fast_exp(*x - max);
+        rest += *x;
+    }
+    let sum = lanes.iter().sum::<f32>() + rest;
     let lse = max + sum.ln();
     let inv = 1.0 / sum;
     for x in row.iter_mut() {
