@@ -46,22 +46,7 @@ simd_fn!(
 fn log_softmax_row_body(row: &mut [f32], target: Option<usize>) -> (f32, f32) {
     let max = max_of(row);
     let picked = target.map(|t| row[t]);
-    // One pass for e^(x − max) and its sum: the rows are vocabulary-wide, so passes cost
-    // memory bandwidth, not arithmetic.
-    let mut lanes = [0.0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for chunk in &mut chunks {
-        for (l, x) in lanes.iter_mut().zip(chunk.iter_mut()) {
-            *x = fast_exp(*x - max);
-            *l += *x;
-        }
-    }
-    let mut rest = 0.0f32;
-    for x in chunks.into_remainder() {
-        *x = fast_exp(*x - max);
-        rest += *x;
-    }
-    let sum = lanes.iter().sum::<f32>() + rest;
+    let sum = exp_sum_shifted(row, max);
     let lse = max + sum.ln();
     let inv = 1.0 / sum;
     for x in row.iter_mut() {
@@ -74,6 +59,26 @@ simd_fn!(
     /// `x ← e^(x − shift)`.
     fn exp_shifted_row(row: &mut [f32], shift: f32) = exp_shifted_row_body
 );
+
+/// `x ← e^(x − shift)` and the sum of the results, in one pass: rows are often
+/// vocabulary-wide, so passes cost memory bandwidth more than arithmetic.
+#[inline(always)]
+fn exp_sum_shifted(xs: &mut [f32], shift: f32) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (l, x) in lanes.iter_mut().zip(chunk.iter_mut()) {
+            *x = fast_exp(*x - shift);
+            *l += *x;
+        }
+    }
+    let mut rest = 0.0f32;
+    for x in chunks.into_remainder() {
+        *x = fast_exp(*x - shift);
+        rest += *x;
+    }
+    lanes.iter().sum::<f32>() + rest
+}
 
 #[inline(always)]
 fn exp_shifted_row_body(row: &mut [f32], shift: f32) {
@@ -520,19 +525,6 @@ fn max_of(xs: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn sum_of(xs: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let rest: f32 = chunks.remainder().iter().sum();
-    for chunk in chunks {
-        for (l, &x) in lanes.iter_mut().zip(chunk) {
-            *l += x;
-        }
-    }
-    lanes.into_iter().sum::<f32>() + rest
-}
-
-#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
@@ -565,10 +557,20 @@ fn attention_grad_row_body(
     let (ds_head, ds_tail) = ds.split_at_mut(visible);
     p_tail.fill(0.0);
     ds_tail.fill(0.0);
-    scale_masked(p_head, mask, scale, lse);
-    exp_in_place(p_head);
-    for (d, &pj) in ds_head.iter_mut().zip(p_head.iter()) {
-        *d = pj * (*d - delta) * scale;
+    // One pass: p = e^(s·scale − lse), ds = p·(ds − delta)·scale.
+    match mask {
+        None => {
+            for (p, d) in p_head.iter_mut().zip(ds_head.iter_mut()) {
+                *p = fast_exp(*p * scale - lse);
+                *d = *p * (*d - delta) * scale;
+            }
+        }
+        Some(mask) => {
+            for ((p, d), &hidden) in p_head.iter_mut().zip(ds_head.iter_mut()).zip(mask) {
+                *p = if hidden { 0.0 } else { fast_exp(*p * scale - lse) };
+                *d = *p * (*d - delta) * scale;
+            }
+        }
     }
 }
 
@@ -582,11 +584,7 @@ fn softmax_row_body(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, s
         head.fill(0.0);
         return f32::NEG_INFINITY;
     }
-    for x in head.iter_mut() {
-        *x -= max;
-    }
-    exp_in_place(head);
-    let sum = sum_of(head);
+    let sum = exp_sum_shifted(head, max);
     let inv = 1.0 / sum;
     for x in head.iter_mut() {
         *x *= inv;
