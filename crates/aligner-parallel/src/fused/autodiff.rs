@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -12,6 +13,19 @@ use burn::tensor::TensorData;
 
 use super::host::{self, AttentionShape, SoftmaxRows};
 use super::{FusedOps, attention_shape, host_floats, host_ints, host_values};
+
+/// Registers a gradient computed on the host for `node`, when that input tracks one.
+fn register<B: Backend>(
+    grads: &mut Gradients,
+    node: Option<NodeId>,
+    values: Vec<f32>,
+    dims: Vec<usize>,
+    device: &B::Device,
+) {
+    if let Some(id) = node {
+        grads.register::<B>(id, B::float_from_data(TensorData::new(values, dims), device));
+    }
+}
 
 /// What the token log-prob backward keeps: inputs, targets and the softmax rows.
 struct LogprobState {
@@ -60,18 +74,8 @@ impl<B: Backend> Backward<B, 2> for TokenLogprobs {
         let (n, d, v) = (state.targets.len(), state.d, state.v);
         let (d_hidden, d_weight) =
             host::token_logprobs_backward(&state.hidden, &state.weight, &state.targets, state.rows, &g, d, v);
-        if let Some(node) = hidden_node {
-            grads.register::<B>(
-                node.id,
-                B::float_from_data(TensorData::new(d_hidden, [n, d]), &device),
-            );
-        }
-        if let Some(node) = weight_node {
-            grads.register::<B>(
-                node.id,
-                B::float_from_data(TensorData::new(d_weight, [d, v]), &device),
-            );
-        }
+        register::<B>(grads, hidden_node.map(|n| n.id), d_hidden, vec![n, d], &device);
+        register::<B>(grads, weight_node.map(|n| n.id), d_weight, vec![d, v], &device);
     }
 }
 
@@ -120,12 +124,7 @@ impl<B: Backend> Backward<B, 3> for Attention {
         let q_dims = [sh.batch, sh.heads, sh.queries, sh.dim];
         let kv_dims = [sh.batch, sh.kv_heads, sh.keys, sh.dim];
         for (node, values, dims) in [(q_node, dq, q_dims), (k_node, dk, kv_dims), (v_node, dv, kv_dims)] {
-            if let Some(node) = node {
-                grads.register::<B>(
-                    node.id,
-                    B::float_from_data(TensorData::new(values, dims), &device),
-                );
-            }
+            register::<B>(grads, node.map(|n| n.id), values, dims.to_vec(), &device);
         }
     }
 }
@@ -156,12 +155,8 @@ impl<B: Backend> Backward<B, 2> for Swiglu {
         let g = host_values::<B>(grad);
         let s = &ops.state;
         let (d_gate, d_up) = host::swiglu_backward(&s.gate, &s.up, &g);
-        for (node, values) in [(gate_node, d_gate), (up_node, d_up)] {
-            if let Some(node) = node {
-                let data = TensorData::new(values, s.dims.clone());
-                grads.register::<B>(node.id, B::float_from_data(data, &device));
-            }
-        }
+        register::<B>(grads, gate_node.map(|n| n.id), d_gate, s.dims.clone(), &device);
+        register::<B>(grads, up_node.map(|n| n.id), d_up, s.dims.clone(), &device);
     }
 }
 
@@ -192,18 +187,8 @@ impl<B: Backend> Backward<B, 2> for RmsNorm {
         let dy = host_values::<B>(grad);
         let s = &ops.state;
         let (dx, dw) = host::rms_norm_backward(&s.x, &s.w, &s.inv, &dy);
-        if let Some(node) = x_node {
-            grads.register::<B>(
-                node.id,
-                B::float_from_data(TensorData::new(dx, s.dims.clone()), &device),
-            );
-        }
-        if let Some(node) = w_node {
-            grads.register::<B>(
-                node.id,
-                B::float_from_data(TensorData::new(dw, [s.w.len()]), &device),
-            );
-        }
+        register::<B>(grads, x_node.map(|n| n.id), dx, s.dims.clone(), &device);
+        register::<B>(grads, w_node.map(|n| n.id), dw, vec![s.w.len()], &device);
     }
 }
 
