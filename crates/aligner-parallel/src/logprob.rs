@@ -40,7 +40,8 @@ pub fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>, chunk_tokens: 
 ///
 /// The projection itself is chunked too, so neither `[batch, seq, vocab]` logits nor their
 /// log-softmax are ever materialised at once. Differentiable with respect to `hidden` and
-/// `weight`.
+/// `weight`. On the Flex CPU backend each chunk is one [`crate::fused_token_logprobs`] node
+/// (hand-written backward); elsewhere it is composed from Burn ops.
 pub fn token_logprobs_from_hidden(
     hidden: Tensor<3>,
     weight: Tensor<2>,
@@ -51,13 +52,16 @@ pub fn token_logprobs_from_hidden(
     let rows = batch * seq;
     let flat = hidden.reshape([rows, d_model]);
     let flat_targets = targets.reshape([rows, 1]);
+    let fused = crate::fused_available(&flat.device());
     let out = chunked_rows(rows, chunk_tokens, |start, end| {
-        let chunk = flat
-            .clone()
-            .slice([start..end, 0..d_model])
-            .matmul(weight.clone());
+        let chunk = flat.clone().slice([start..end, 0..d_model]);
         let ids = flat_targets.clone().slice([start..end, 0..1]);
-        gathered_log_softmax(chunk, ids)
+        if fused {
+            let len = end - start;
+            crate::fused_token_logprobs(chunk, weight.clone(), ids.reshape([len])).reshape([len, 1])
+        } else {
+            gathered_log_softmax(chunk.matmul(weight.clone()), ids)
+        }
     });
     out.reshape([batch, seq])
 }

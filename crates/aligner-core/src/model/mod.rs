@@ -136,26 +136,6 @@ impl CausalLm {
         let [_, _, d] = hidden.dims();
         let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
         let targets = tokens.narrow(1, 1, seq - 1);
-        if aligner_parallel::fused_available(&targets.device()) {
-            // One fused op per chunk of rows: projection, log-softmax and gather with a
-            // hand-written backward (the composed ops cost a dozen autodiff nodes).
-            let rows = batch * (seq - 1);
-            let flat = inputs.reshape([rows, d]);
-            let flat_targets = targets.reshape([rows]);
-            let weight = self.output_weight();
-            let pieces: Vec<Tensor<1>> = (0..rows)
-                .step_by(DEFAULT_CHUNK_TOKENS)
-                .map(|start| {
-                    let len = DEFAULT_CHUNK_TOKENS.min(rows - start);
-                    aligner_parallel::fused_token_logprobs(
-                        flat.clone().narrow(0, start, len),
-                        weight.clone(),
-                        flat_targets.clone().narrow(0, start, len),
-                    )
-                })
-                .collect();
-            return Tensor::cat(pieces, 0).reshape([batch, seq - 1]);
-        }
         token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
     }
 }

@@ -152,7 +152,7 @@ impl<B: Backend> Backward<B, 2> for Swiglu {
         let [gate_node, up_node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let device = grad.device();
-        let g = host_values::<B>(grad);
+        let (g, _) = host_values::<B>(grad);
         let s = &ops.state;
         let (d_gate, d_up) = host::swiglu_backward(&s.gate, &s.up, &g);
         register::<B>(grads, gate_node.map(|n| n.id), d_gate, s.dims.clone(), &device);
@@ -184,7 +184,7 @@ impl<B: Backend> Backward<B, 2> for RmsNorm {
         let [x_node, w_node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let device = grad.device();
-        let dy = host_values::<B>(grad);
+        let (dy, _) = host_values::<B>(grad);
         let s = &ops.state;
         let (dx, dw) = host::rms_norm_backward(&s.x, &s.w, &s.inv, &dy);
         register::<B>(grads, x_node.map(|n| n.id), dx, s.dims.clone(), &device);
@@ -196,9 +196,8 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         let nodes = [x.node(), gamma.node()];
         let device = x.primitive().device();
-        let dims = x.primitive().shape().to_vec();
-        let xs = host_values::<B>(x.into_primitive());
-        let w = host_values::<B>(gamma.into_primitive());
+        let (xs, dims) = host_values::<B>(x.into_primitive());
+        let (w, _) = host_values::<B>(gamma.into_primitive());
         let (y, inv) = host::rms_norm_forward(&xs, &w, eps);
         let y = B::float_from_data(TensorData::new(y, dims.clone()), &device);
         match RmsNorm.prepare::<C>(nodes).compute_bound().stateful() {
@@ -210,9 +209,8 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let nodes = [gate.node(), up.node()];
         let device = gate.primitive().device();
-        let dims = gate.primitive().shape().to_vec();
-        let g = host_values::<B>(gate.into_primitive());
-        let u = host_values::<B>(up.into_primitive());
+        let (g, dims) = host_values::<B>(gate.into_primitive());
+        let (u, _) = host_values::<B>(up.into_primitive());
         let out = host::swiglu_forward(&g, &u);
         let out = B::float_from_data(TensorData::new(out, dims.clone()), &device);
         match Swiglu.prepare::<C>(nodes).compute_bound().stateful() {
@@ -265,9 +263,11 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         let shape = attention_shape(q_dims, k_dims);
         let (out, lse) =
             host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
-        let output = B::float_from_data(TensorData::new(out.clone(), q_dims), &device);
+        let output = |values: Vec<f32>| B::float_from_data(TensorData::new(values, q_dims), &device);
         match Attention.prepare::<C>(nodes).compute_bound().stateful() {
+            // The backward needs the output on the host too, so only then is it copied.
             OpsKind::Tracked(prep) => {
+                let tensor = output(out.clone());
                 let state = AttentionState {
                     q,
                     k,
@@ -278,9 +278,9 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
                     shape,
                     scale,
                 };
-                prep.finish(Arc::new(state), output)
+                prep.finish(Arc::new(state), tensor)
             }
-            OpsKind::UnTracked(prep) => prep.finish(output),
+            OpsKind::UnTracked(prep) => prep.finish(output(out)),
         }
     }
 }

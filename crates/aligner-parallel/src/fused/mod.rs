@@ -65,16 +65,14 @@ pub trait FusedOps: Backend {
     /// `silu(gate) · up` elementwise (tensors of one shape): the SwiGLU of a Llama MLP.
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let device = gate.device();
-        let dims = gate.shape().to_vec();
-        let (g, u) = (host_values::<Self>(gate), host_values::<Self>(up));
+        let ((g, dims), (u, _)) = (host_values::<Self>(gate), host_values::<Self>(up));
         Self::float_from_data(TensorData::new(host::swiglu_forward(&g, &u), dims), &device)
     }
 
     /// RMS normalisation over the last axis: `x · gamma / √(mean(x²) + eps)`.
     fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         let device = x.device();
-        let dims = x.shape().to_vec();
-        let (x, w) = (host_values::<Self>(x), host_values::<Self>(gamma));
+        let ((x, dims), (w, _)) = (host_values::<Self>(x), host_values::<Self>(gamma));
         let (y, _) = host::rms_norm_forward(&x, &w, eps);
         Self::float_from_data(TensorData::new(y, dims), &device)
     }
@@ -176,13 +174,9 @@ fn ready<T>(future: impl std::future::Future<Output = T>) -> T {
 }
 
 /// A float tensor's values in row-major order, and its shape.
-fn host_floats<B: Backend, const D: usize>(tensor: FloatTensor<B>) -> (Vec<f32>, [usize; D]) {
+fn host_values<B: Backend>(tensor: FloatTensor<B>) -> (Vec<f32>, Vec<usize>) {
     let data = ready(B::float_into_data(tensor)).expect("reading a CPU tensor cannot fail");
-    let dims: [usize; D] = data
-        .shape()
-        .to_vec()
-        .try_into()
-        .unwrap_or_else(|_| panic!("expected a tensor of rank {D}"));
+    let dims = data.shape().to_vec();
     let values = data
         .convert::<f32>()
         .try_into_vec::<f32>()
@@ -190,12 +184,13 @@ fn host_floats<B: Backend, const D: usize>(tensor: FloatTensor<B>) -> (Vec<f32>,
     (values, dims)
 }
 
-/// A float tensor's values in row-major order, of any rank.
-fn host_values<B: Backend>(tensor: FloatTensor<B>) -> Vec<f32> {
-    let data = ready(B::float_into_data(tensor)).expect("reading a CPU tensor cannot fail");
-    data.convert::<f32>()
-        .try_into_vec::<f32>()
-        .expect("f32 after convert")
+/// [`host_values`] of a tensor of known rank `D`.
+fn host_floats<B: Backend, const D: usize>(tensor: FloatTensor<B>) -> (Vec<f32>, [usize; D]) {
+    let (values, dims) = host_values::<B>(tensor);
+    let dims = dims
+        .try_into()
+        .unwrap_or_else(|_| panic!("expected a tensor of rank {D}"));
+    (values, dims)
 }
 
 fn host_ints<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
