@@ -4,24 +4,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{aligner, lexicon_score, metrics};
+use common::{aligner, jsonl, mean_lexicon, metrics, sample_sentiment_with};
 use serde_json::Value;
-
-fn jsonl(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn mean_lexicon(path: &Path) -> f64 {
-    let rows = jsonl(path);
-    rows.iter()
-        .map(|r| lexicon_score(r["response"].as_str().unwrap()) as f64)
-        .sum::<f64>()
-        / rows.len() as f64
-}
 
 fn data(name: &str) -> PathBuf {
     common::repo().join("assets/tinystories_sentiment").join(name)
@@ -95,23 +79,7 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
     let steered = |positivity: u8| -> f64 {
         let out = dir.path().join(format!("positivity-{positivity}.jsonl"));
         let attributes = format!("verbosity:0,dialogue:0,positivity:{positivity}");
-        let (ok, err) = aligner(&[
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompts",
-            data("test.prompts.jsonl").to_str().unwrap(),
-            "--attributes",
-            &attributes,
-            "--max-new-tokens",
-            "48",
-            "--seed",
-            "1",
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        assert!(ok, "{err}");
-        mean_lexicon(&out)
+        sample_sentiment_with(&model, &out, &["--attributes", &attributes])
     };
     let scores: Vec<f64> = (0..=4).map(steered).collect();
     assert!(

@@ -23,12 +23,17 @@ pub fn aligner(args: &[&str]) -> (bool, String) {
     )
 }
 
-pub fn metrics(run: &Path) -> Vec<Value> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
+/// The rows of a JSON-lines file.
+pub fn jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
+}
+
+pub fn metrics(run: &Path) -> Vec<Value> {
+    jsonl(&run.join("metrics.jsonl"))
 }
 
 pub fn first_and_last(rows: &[Value], key: &str) -> (f64, f64) {
@@ -49,11 +54,25 @@ pub fn lexicon_score(text: &str) -> i64 {
         .sum()
 }
 
+/// Mean lexicon score of the `"response"` of each row of a JSON-lines file.
+pub fn mean_lexicon(path: &Path) -> f64 {
+    let rows = jsonl(path);
+    rows.iter()
+        .map(|r| lexicon_score(r["response"].as_str().unwrap()) as f64)
+        .sum::<f64>()
+        / rows.len() as f64
+}
+
 /// Mean lexicon score of a model's own samples on the held-out prompts (temperature 1,
 /// 48 new tokens).
 pub fn sample_sentiment(model: &Path, out: &Path) -> f64 {
+    sample_sentiment_with(model, out, &[])
+}
+
+/// [`sample_sentiment`] with more `aligner generate` arguments (e.g. `--attributes`).
+pub fn sample_sentiment_with(model: &Path, out: &Path, extra: &[&str]) -> f64 {
     let prompts = repo().join("assets/tinystories_sentiment/test.prompts.jsonl");
-    let (ok, err) = aligner(&[
+    let mut args = vec![
         "generate",
         "--model",
         model.to_str().unwrap(),
@@ -69,18 +88,9 @@ pub fn sample_sentiment(model: &Path, out: &Path) -> f64 {
         "32",
         "--out",
         out.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let (ok, err) = aligner(&args);
     assert!(ok, "{err}");
-    let text = std::fs::read_to_string(out).unwrap();
-    let scores: Vec<i64> = text
-        .lines()
-        .map(|l| {
-            lexicon_score(
-                serde_json::from_str::<Value>(l).unwrap()["response"]
-                    .as_str()
-                    .unwrap(),
-            )
-        })
-        .collect();
-    scores.iter().sum::<i64>() as f64 / scores.len() as f64
+    mean_lexicon(out)
 }
