@@ -167,6 +167,7 @@ fn generate(
             let options = EngineOptions {
                 slots: batch.max(1),
                 cache_len: None,
+                ..EngineOptions::default()
             };
             let engine = Engine::new(model.clone(), config.clone(), None, options).with_eos_ids(vec![]);
             let mut pool = WorkerPool::new(engine, workers.max(1));

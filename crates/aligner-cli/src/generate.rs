@@ -125,6 +125,7 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         EngineOptions {
             slots: args.batch_size,
             cache_len: None,
+            ..EngineOptions::default()
         },
     );
     let mut pool = WorkerPool::new(engine, args.workers.max(1));

@@ -1,25 +1,21 @@
 //! The rollout engine: one KV cache of `slots` rows, continuous batching, refit in place.
 //!
-//! Every cache row holds one running sequence. All rows share one write cursor; a sequence
-//! occupies the positions from its `start` to the cursor, and the attention mask hides
-//! everything before its start (stale keys of the row's earlier occupants, left padding). When
-//! a sequence finishes, the last row moves into its place, so running rows are always the first
-//! ones and a decode step is one forward pass over exactly those rows; the next queued prompt
-//! is prefilled and copied into the freed row at once, without waiting for the batch. When the
-//! cursor reaches the end of the buffers, every row shifts left by the positions no running
-//! sequence uses any more.
+//! Every cache row holds one running sequence. When a sequence finishes, the last row moves
+//! into its place, so running rows are always the first ones and a decode step is one forward
+//! pass over exactly those rows; the next queued prompt is prefilled into the freed row at
+//! once, without waiting for the batch. The forward pass itself (and how the cache is laid
+//! out) is the runner's: Burn's model on any device, or host kernels on the CPU.
 
 use std::time::{Duration, Instant};
 
-use aligner_core::model::{KvCache, left_padded_layout};
 use aligner_core::{CausalLm, LlamaConfig, LoadedModel, TextTokenizer};
 use burn::module::Module;
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{GenError, Result};
+use crate::runner::Runner;
 use crate::sampling::{SamplingParams, sample};
 
 /// Why a sequence stopped.
@@ -52,14 +48,27 @@ pub struct Generation {
     pub stop_reason: StopReason,
 }
 
+/// Which forward pass an engine runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ForwardPath {
+    /// The host kernels on the CPU (Flex), Burn's model elsewhere.
+    #[default]
+    Auto,
+    /// The Burn model with a tensor KV cache: any device.
+    Burn,
+    /// aligner-parallel's host kernels over weights copied to plain buffers: the CPU.
+    Host,
+}
+
 /// How an engine is sized.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineOptions {
     /// Sequences decoded together (rows of the KV cache).
     pub slots: usize,
-    /// Positions per cache row; by default sized by the first run (prompt + response + slack)
-    /// and grown only when a later run needs more.
+    /// Positions per cache row; by default sized by the first run (prompt + response, plus
+    /// slack on the Burn path) and grown only when a later run needs more.
     pub cache_len: Option<usize>,
+    pub path: ForwardPath,
 }
 
 impl Default for EngineOptions {
@@ -67,6 +76,7 @@ impl Default for EngineOptions {
         Self {
             slots: 64,
             cache_len: None,
+            path: ForwardPath::Auto,
         }
     }
 }
@@ -80,7 +90,8 @@ pub struct EngineStats {
     pub prefills: usize,
     /// Prompts admitted while other sequences were running (continuous batching).
     pub admitted_mid_batch: usize,
-    /// Times the rows shifted left to make room at the end of the cache.
+    /// Times the rows shifted left to make room at the end of the cache (Burn path: its rows
+    /// share one write cursor).
     pub shifts: usize,
     /// Cache (re)allocations.
     pub allocations: usize,
@@ -94,17 +105,8 @@ pub struct Engine {
     tokenizer: Option<TextTokenizer>,
     eos_ids: Vec<u32>,
     options: EngineOptions,
-    cache: Option<KvCache>,
-    device: Device,
+    runner: Runner,
     stats: EngineStats,
-    /// The output projection `[hidden, vocab]` laid out contiguously (with tied embeddings it is
-    /// otherwise a transposed view, which the logits GEMM would re-pack every step).
-    head: Tensor<2>,
-}
-
-/// The output projection as one contiguous buffer.
-fn packed_head(model: &CausalLm, device: &Device) -> Tensor<2> {
-    Tensor::from_data(model.output_weight().into_data(), device)
 }
 
 /// A running sequence in a cache row.
@@ -112,8 +114,6 @@ struct Slot {
     request: usize,
     rng: ChaCha8Rng,
     out: Generation,
-    /// First cache position of the sequence (its prompt's first token).
-    start: usize,
     /// Position (RoPE index) the last sampled token takes when it is fed back.
     next_pos: usize,
 }
@@ -132,24 +132,21 @@ impl Engine {
             Some(t) if !t.eos_ids().is_empty() => t.eos_ids().to_vec(),
             _ => config.eos_token_ids(),
         };
-        let device = model.model.embed_tokens.weight.device();
-        let cache = options
-            .cache_len
-            .map(|len| KvCache::new(&config, options.slots.max(1), len, &device));
-        Self {
+        let runner = Runner::new(&model, &config, options.path);
+        let mut engine = Self {
             config,
             tokenizer,
             eos_ids,
             options,
-            stats: EngineStats {
-                allocations: cache.is_some() as usize,
-                ..EngineStats::default()
-            },
-            head: packed_head(&model, &device),
+            stats: EngineStats::default(),
             model,
-            cache,
-            device,
+            runner,
+        };
+        if let Some(len) = engine.options.cache_len {
+            let slots = engine.slots();
+            engine.runner.reserve(slots, 0, len, &mut engine.stats);
         }
+        engine
     }
 
     /// An engine for a loaded model folder (the weights are shared, not copied).
@@ -179,11 +176,14 @@ impl Engine {
                 cache_len: None,
                 ..self.options.clone()
             },
-            cache: None,
-            device: self.device.clone(),
+            runner: self.runner.replica(),
             stats: EngineStats::default(),
-            head: self.head.clone(),
         }
+    }
+
+    /// The forward pass the engine runs ([`ForwardPath::Burn`] or [`ForwardPath::Host`]).
+    pub fn path(&self) -> ForwardPath {
+        self.runner.path()
     }
 
     /// The weights the engine generates with.
@@ -203,7 +203,7 @@ impl Engine {
 
     /// Positions per cache row (0 before the cache is allocated).
     pub fn cache_len(&self) -> usize {
-        self.cache.as_ref().map_or(0, KvCache::capacity)
+        self.runner.cache_len()
     }
 
     /// Takes `model`'s current weights (a training model included: its autodiff state is
@@ -221,8 +221,15 @@ impl Engine {
         if have != got {
             return Err(GenError::RefitMismatch { have, got });
         }
-        self.model = model.to_device(&self.device);
-        self.head = packed_head(&self.model, &self.device);
+        self.runner.take_weights(&model, &self.config)?;
+        self.model = model;
+        Ok(())
+    }
+
+    /// Takes `other`'s current weights (shared, not copied).
+    pub(crate) fn share_weights(&mut self, other: &Engine) -> Result<()> {
+        self.runner.share_weights(&other.runner)?;
+        self.model = other.model.clone();
         Ok(())
     }
 
@@ -264,16 +271,21 @@ impl Engine {
             (i < requests.len()).then_some(i)
         };
         let prompt_width = requests.iter().map(|r| r.prompt_ids.len()).max().unwrap_or(0);
-        let mut cache = self.take_cache(requests, prompt_width);
-        // The cursor never goes below the longest prompt, so any prompt fits before it.
-        cache.set_len(prompt_width);
+        let longest = requests
+            .iter()
+            .map(|r| r.params.max_new_tokens)
+            .max()
+            .unwrap_or(0);
+        let slots = self.slots();
+        self.runner
+            .reserve(slots, prompt_width, prompt_width + longest, &mut self.stats);
         let max_positions = self.model.model.rope.max_positions();
         let mut active: Vec<Slot> = Vec::new();
         let mut exhausted = false;
         loop {
-            while !exhausted && active.len() < self.slots() {
+            while !exhausted && active.len() < slots {
                 let mut new = Vec::new();
-                while active.len() + new.len() < self.slots() {
+                while active.len() + new.len() < slots {
                     match next() {
                         Some(i) => new.push(i),
                         None => {
@@ -290,174 +302,47 @@ impl Engine {
                 if first_row > 0 {
                     self.stats.admitted_mid_batch += new.len();
                 }
-                let logits = self.prefill(&new, requests, &mut cache, &mut active);
-                self.sample_rows(
-                    &logits,
-                    first_row,
-                    requests,
-                    &mut active,
-                    &mut cache,
-                    max_positions,
-                    done,
-                )?;
+                let prompts: Vec<&[u32]> = new.iter().map(|&i| requests[i].prompt_ids.as_slice()).collect();
+                let logits = self.runner.prefill(&prompts);
+                active.extend(new.iter().map(|&i| Slot {
+                    request: i,
+                    rng: ChaCha8Rng::seed_from_u64(requests[i].params.seed),
+                    out: Generation {
+                        token_ids: Vec::new(),
+                        token_logprobs: Vec::new(),
+                        stop_reason: StopReason::MaxTokens,
+                    },
+                    next_pos: requests[i].prompt_ids.len(),
+                }));
+                self.sample_rows(&logits, first_row, requests, &mut active, max_positions, done)?;
             }
             if active.is_empty() {
                 break;
             }
-            if cache.len() == cache.capacity() {
-                let shift = active
-                    .iter()
-                    .map(|s| s.start)
-                    .min()
-                    .unwrap_or(0)
-                    .min(cache.len() - prompt_width);
-                cache.shift_left(shift);
-                self.stats.shifts += 1;
-                for slot in &mut active {
-                    slot.start -= shift;
-                }
-            }
             self.stats.decode_steps += 1;
-            let logits = self.decode(&mut active, &mut cache);
-            self.sample_rows(&logits, 0, requests, &mut active, &mut cache, max_positions, done)?;
-        }
-        self.cache = Some(cache);
-        Ok(())
-    }
-
-    /// The engine's cache, allocated (once) or grown to fit a run over `requests`.
-    fn take_cache(&mut self, requests: &[GenerationRequest], prompt_width: usize) -> KvCache {
-        let longest = requests
-            .iter()
-            .map(|r| r.params.max_new_tokens)
-            .max()
-            .unwrap_or(0);
-        let span = prompt_width + longest;
-        // Slack beyond one sequence's span: how far the cursor runs between two shifts.
-        let needed = span + (span / 4).max(16);
-        match self.cache.take() {
-            Some(cache) if cache.capacity() >= needed => cache,
-            Some(cache) => {
-                tracing::debug!(from = cache.capacity(), to = needed, "growing the KV cache");
-                self.stats.allocations += 1;
-                cache.with_capacity(needed)
-            }
-            None => {
-                self.stats.allocations += 1;
-                KvCache::new(&self.config, self.slots(), needed, &self.device)
-            }
-        }
-    }
-
-    /// Prefills the requests `new` together (left-padded) into a scratch cache, copies each
-    /// into the next free row, and returns their last-position logits.
-    fn prefill(
-        &self,
-        new: &[usize],
-        requests: &[GenerationRequest],
-        cache: &mut KvCache,
-        active: &mut Vec<Slot>,
-    ) -> Vec<f32> {
-        let width = new
-            .iter()
-            .map(|&i| requests[i].prompt_ids.len())
-            .max()
-            .unwrap_or(0);
-        let mut scratch = KvCache::new(&self.config, new.len(), width, &self.device);
-        let mut flat = Vec::with_capacity(new.len() * width);
-        let mut valid = Vec::with_capacity(new.len());
-        for &i in new {
-            let prompt = &requests[i].prompt_ids;
-            let pad = width - prompt.len();
-            flat.extend(std::iter::repeat_n(0i64, pad));
-            flat.extend(prompt.iter().map(|&t| t as i64));
-            valid.push((0..width).map(|t| t >= pad).collect::<Vec<bool>>());
-        }
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(flat, [new.len(), width]), &self.device);
-        let (positions, mask) = if valid.iter().all(|row| row.iter().all(|&v| v)) {
-            (aligner_core::model::default_positions(&tokens), None)
-        } else {
-            let (p, m) = left_padded_layout(&valid, width, &self.device);
-            (p, Some(m))
-        };
-        let logits = self.last_logits(tokens, &positions, mask.as_ref(), &mut scratch);
-        for (j, &i) in new.iter().enumerate() {
-            let row = active.len();
-            cache.copy_row_block(&scratch, j, row);
-            let prompt_len = requests[i].prompt_ids.len();
-            active.push(Slot {
-                request: i,
-                rng: ChaCha8Rng::seed_from_u64(requests[i].params.seed),
-                out: Generation {
-                    token_ids: Vec::new(),
-                    token_logprobs: Vec::new(),
-                    stop_reason: StopReason::MaxTokens,
-                },
-                start: cache.len() - prompt_len,
-                next_pos: prompt_len,
-            });
-        }
-        logits
-    }
-
-    /// Feeds every running row its last token; returns the logits of the next one.
-    fn decode(&self, active: &mut [Slot], cache: &mut KvCache) -> Vec<f32> {
-        let rows = active.len();
-        let last: Vec<i64> = active
-            .iter()
-            .map(|s| *s.out.token_ids.last().expect("a running row has sampled") as i64)
-            .collect();
-        let tokens = Tensor::<2, Int>::from_data(TensorData::new(last, [rows, 1]), &self.device);
-        let positions: Vec<i64> = active.iter().map(|s| s.next_pos as i64).collect();
-        let positions = Tensor::<2, Int>::from_data(TensorData::new(positions, [rows, 1]), &self.device);
-        // Attention reads from the earliest running sequence's start; when every row starts
-        // there, nothing is left to hide and the causal default (faster kernel) is exact.
-        let window = active.iter().map(|s| s.start).min().unwrap_or(0);
-        cache.set_window_start(window);
-        let keys = cache.len() + 1 - window;
-        let mask = active.iter().any(|s| s.start > window).then(|| {
-            let hidden: Vec<bool> = active
+            let tokens: Vec<u32> = active
                 .iter()
-                .flat_map(|s| (0..keys).map(move |k| k + window < s.start))
+                .map(|s| *s.out.token_ids.last().expect("a running row has sampled"))
                 .collect();
-            Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, 1, keys]), &self.device)
-        });
-        let logits = self.last_logits(tokens, &positions, mask.as_ref(), cache);
-        cache.set_window_start(0);
-        for slot in active.iter_mut() {
-            slot.next_pos += 1;
+            let positions: Vec<usize> = active.iter().map(|s| s.next_pos).collect();
+            let logits = self.runner.decode(&tokens, &positions, &mut self.stats);
+            for slot in active.iter_mut() {
+                slot.next_pos += 1;
+            }
+            self.sample_rows(&logits, 0, requests, &mut active, max_positions, done)?;
         }
-        logits
-    }
-
-    /// One forward pass; the last position's logits as `[rows × vocab]` on the host.
-    fn last_logits(
-        &self,
-        tokens: Tensor<2, Int>,
-        positions: &Tensor<2, Int>,
-        mask: Option<&Tensor<4, Bool>>,
-        cache: &mut KvCache,
-    ) -> Vec<f32> {
-        let [rows, new] = tokens.dims();
-        let hidden = self.model.model.forward(tokens, positions, mask, Some(cache));
-        let [_, _, d] = hidden.dims();
-        let last = hidden.narrow(1, new - 1, 1).reshape([rows, d]);
-        last.matmul(self.head.clone())
-            .into_data()
-            .try_to_vec::<f32>()
-            .expect("logits are f32")
+        Ok(())
     }
 
     /// Samples the next token of rows `first_row..` from `logits` (one row of logits each),
     /// finishes the sequences that stop, and closes the gaps they leave.
     #[allow(clippy::too_many_arguments)]
     fn sample_rows(
-        &self,
+        &mut self,
         logits: &[f32],
         first_row: usize,
         requests: &[GenerationRequest],
         active: &mut Vec<Slot>,
-        cache: &mut KvCache,
         max_positions: usize,
         done: &mut dyn FnMut(usize, Generation),
     ) -> Result<()> {
@@ -492,10 +377,7 @@ impl Engine {
         }
         // Highest row first: the last row fills each gap, and it is never a finished one.
         for &row in finished.iter().rev() {
-            let last = active.len() - 1;
-            if row != last {
-                cache.move_row(last, row);
-            }
+            self.runner.remove_row(row);
             let slot = active.swap_remove(row);
             done(slot.request, slot.out);
         }

@@ -11,6 +11,8 @@ pub enum GenError {
     StopStringsNeedTokenizer,
     #[error("refit with a model of {got} parameters; the engine's model has {have}")]
     RefitMismatch { have: usize, got: usize },
+    #[error("engines on different forward paths (Burn and host) cannot share weights")]
+    MixedForwardPaths,
     #[error("generation worker {0} panicked")]
     WorkerPanicked(usize),
     #[error(transparent)]

@@ -22,9 +22,12 @@
 mod engine;
 mod error;
 mod pool;
+mod runner;
 pub mod sampling;
 
-pub use engine::{Engine, EngineOptions, EngineStats, Generation, GenerationRequest, StopReason};
+pub use engine::{
+    Engine, EngineOptions, EngineStats, ForwardPath, Generation, GenerationRequest, StopReason,
+};
 pub use error::{GenError, Result};
 pub use pool::{PoolReport, WorkerPool, WorkerReport};
 pub use sampling::SamplingParams;

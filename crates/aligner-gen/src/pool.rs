@@ -59,9 +59,10 @@ impl WorkerPool {
     /// Every worker takes `model`'s current weights (merged once, shared by all).
     pub fn refit(&mut self, model: &CausalLm) -> Result<Duration> {
         let start = Instant::now();
-        let weights = inference_weights(model);
-        for engine in &mut self.engines {
-            engine.take_weights(weights.clone())?;
+        let (first, rest) = self.engines.split_first_mut().expect("a pool has a worker");
+        first.take_weights(inference_weights(model))?;
+        for engine in rest {
+            engine.share_weights(first)?;
         }
         Ok(start.elapsed())
     }

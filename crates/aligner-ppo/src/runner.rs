@@ -128,6 +128,7 @@ impl PpoRunner<'_> {
             EngineOptions {
                 slots: cfg.slots,
                 cache_len: None,
+                ..EngineOptions::default()
             },
         );
         let mut pool = WorkerPool::new(engine, cfg.workers);

@@ -7,10 +7,10 @@ use rayon::prelude::*;
 /// them (checked at run time, cached by std), else for the baseline target: the row loops
 /// below are written to vectorise, and the default x86-64 target gives them 4-wide SSE only.
 macro_rules! simd_fn {
-    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident) => {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident) => {
         $(#[$doc])*
         #[allow(clippy::too_many_arguments)]
-        fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
@@ -36,6 +36,7 @@ macro_rules! simd_fn {
         }
     };
 }
+pub(crate) use simd_fn;
 
 simd_fn!(
     /// Turns a row of logits into its softmax in place; returns `(logsumexp, log p(target))`.
@@ -63,7 +64,7 @@ simd_fn!(
 /// `x ← e^(x − shift)` and the sum of the results, in one pass: rows are often
 /// vocabulary-wide, so passes cost memory bandwidth more than arithmetic.
 #[inline(always)]
-fn exp_sum_shifted(xs: &mut [f32], shift: f32) -> f32 {
+pub(crate) fn exp_sum_shifted(xs: &mut [f32], shift: f32) -> f32 {
     let mut lanes = [0.0f32; LANES];
     let mut chunks = xs.chunks_exact_mut(LANES);
     for chunk in &mut chunks {
@@ -156,7 +157,7 @@ pub fn matmul(
 }
 
 /// [`matmul`] on one thread, for products inside an already parallel loop.
-fn matmul_serial(
+pub(crate) fn matmul_serial(
     c: &mut [f32],
     a: &[f32],
     b: &[f32],
@@ -297,7 +298,7 @@ pub fn token_logprobs_backward(
 
 simd_fn!(
     /// `out = silu(gate) · up` elementwise (the SwiGLU of a Llama MLP), `silu(x) = x·σ(x)`.
-    fn swiglu_forward_rows(out: &mut [f32], gate: &[f32], up: &[f32]) = swiglu_forward_body
+    pub(crate) fn swiglu_forward_rows(out: &mut [f32], gate: &[f32], up: &[f32]) = swiglu_forward_body
 );
 
 #[inline(always)]
@@ -351,7 +352,7 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32>, Vec
 
 simd_fn!(
     /// One row of RMS normalisation: `y = x · w / √(mean(x²) + eps)`; returns `1/√(mean(x²) + eps)`.
-    fn rms_norm_row(y: &mut [f32], x: &[f32], w: &[f32], eps: f32) -> f32 = rms_norm_row_body
+    pub(crate) fn rms_norm_row(y: &mut [f32], x: &[f32], w: &[f32], eps: f32) -> f32 = rms_norm_row_body
 );
 
 #[inline(always)]
@@ -508,7 +509,7 @@ fn scale_masked(xs: &mut [f32], mask: Option<&[bool]>, scale: f32, shift: f32) {
 const LANES: usize = 16;
 
 #[inline(always)]
-fn max_of(xs: &[f32]) -> f32 {
+pub(crate) fn max_of(xs: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);
     let rest = chunks
@@ -525,14 +526,14 @@ fn max_of(xs: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 simd_fn!(
     /// Per-row softmax of `scores · scale` over the visible keys, in place (hidden keys get
     /// 0); returns the row's `logsumexp`, `-inf` when it sees no key.
-    fn softmax_row(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32) -> f32 = softmax_row_body
+    pub(crate) fn softmax_row(scores: &mut [f32], visible: usize, mask: Option<&[bool]>, scale: f32) -> f32 = softmax_row_body
 );
 
 simd_fn!(

@@ -12,6 +12,7 @@
 
 mod autodiff;
 pub mod host;
+pub mod infer;
 
 use std::sync::Arc;
 

@@ -1,0 +1,180 @@
+//! The engine's forward passes: through the Burn model on any device ([`burn`]), or through
+//! host kernels on the CPU ([`host`]). Both keep a KV cache of `slots` rows, allocated once;
+//! running sequences always occupy the first rows.
+
+mod burn;
+mod host;
+
+use std::sync::Arc;
+
+use aligner_core::{CausalLm, LlamaConfig};
+
+use self::burn::BurnRunner;
+use self::host::{HostCache, HostRunner, HostWeights, forward};
+use crate::engine::{EngineStats, ForwardPath};
+use crate::error::{GenError, Result};
+
+pub(crate) enum Runner {
+    Burn(BurnRunner),
+    Host(HostRunner),
+}
+
+impl Runner {
+    pub(crate) fn new(model: &CausalLm, config: &LlamaConfig, path: ForwardPath) -> Self {
+        let device = model.model.embed_tokens.weight.device();
+        let host = match path {
+            ForwardPath::Auto => aligner_parallel::fused_available(&device),
+            ForwardPath::Burn => false,
+            ForwardPath::Host => true,
+        };
+        if host {
+            Runner::Host(HostRunner {
+                weights: Arc::new(HostWeights::new(model, config)),
+                cache: None,
+            })
+        } else {
+            Runner::Burn(BurnRunner::new(model.clone(), config.clone(), device))
+        }
+    }
+
+    /// Which forward pass this is.
+    pub(crate) fn path(&self) -> ForwardPath {
+        match self {
+            Runner::Burn(_) => ForwardPath::Burn,
+            Runner::Host(_) => ForwardPath::Host,
+        }
+    }
+
+    /// The same weights (shared), no cache.
+    pub(crate) fn replica(&self) -> Self {
+        match self {
+            Runner::Burn(b) => Runner::Burn(b.replica()),
+            Runner::Host(h) => Runner::Host(HostRunner {
+                weights: h.weights.clone(),
+                cache: None,
+            }),
+        }
+    }
+
+    /// Takes `model`'s weights (already in inference form). The host path writes them over
+    /// its own buffers when no other engine shares them.
+    pub(crate) fn take_weights(&mut self, model: &CausalLm, config: &LlamaConfig) -> Result<()> {
+        match self {
+            Runner::Burn(b) => b.take_weights(model.clone()),
+            Runner::Host(h) => {
+                let fresh = HostWeights::new(model, config);
+                match Arc::get_mut(&mut h.weights) {
+                    Some(own) => own.copy_from(&fresh)?,
+                    None => {
+                        let mut shared = (*h.weights).clone();
+                        shared.copy_from(&fresh)?;
+                        h.weights = Arc::new(shared);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Uses `other`'s weights (a worker pool refits once and shares).
+    pub(crate) fn share_weights(&mut self, other: &Runner) -> Result<()> {
+        match (self, other) {
+            (Runner::Burn(b), Runner::Burn(o)) => b.take_weights(o.model.clone()),
+            (Runner::Host(h), Runner::Host(o)) => h.weights = o.weights.clone(),
+            _ => return Err(GenError::MixedForwardPaths),
+        }
+        Ok(())
+    }
+
+    /// Positions per cache row (0 before the cache is allocated).
+    pub(crate) fn cache_len(&self) -> usize {
+        match self {
+            Runner::Burn(b) => b.cache.as_ref().map_or(0, |c| c.capacity()),
+            Runner::Host(h) => h.cache.as_ref().map_or(0, HostCache::capacity),
+        }
+    }
+
+    /// Makes the cache ready for a run of `rows` rows whose prompts are at most
+    /// `prompt_width` tokens and whose sequences span at most `span` positions.
+    pub(crate) fn reserve(&mut self, rows: usize, prompt_width: usize, span: usize, stats: &mut EngineStats) {
+        match self {
+            Runner::Burn(b) => b.reserve(rows, prompt_width, span, stats),
+            Runner::Host(h) => {
+                let cache = match h.cache.take() {
+                    Some(cache) if cache.capacity() >= span => cache,
+                    Some(cache) => {
+                        tracing::debug!(from = cache.capacity(), to = span, "growing the KV cache");
+                        stats.allocations += 1;
+                        cache.grown(span)
+                    }
+                    None => {
+                        stats.allocations += 1;
+                        HostCache::new(&h.weights, rows, span)
+                    }
+                };
+                h.cache = Some(cache);
+            }
+        }
+        if let Runner::Host(HostRunner { cache: Some(c), .. }) = self {
+            c.lens.clear();
+        }
+    }
+
+    /// Puts `prompts` into the next free rows; returns each one's next-token logits.
+    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Vec<f32> {
+        match self {
+            Runner::Burn(b) => b.prefill(prompts),
+            Runner::Host(h) => {
+                let cache = h.cache.as_mut().expect("reserve comes first");
+                let (mut tokens, mut rows, mut picked) = (Vec::new(), Vec::new(), Vec::new());
+                for prompt in prompts {
+                    let row = cache.lens.len();
+                    cache.lens.push(prompt.len());
+                    tokens.extend_from_slice(prompt);
+                    rows.extend((0..prompt.len()).map(|pos| (row, pos)));
+                    picked.push(tokens.len() - 1);
+                }
+                forward(&h.weights, cache, &tokens, &rows, &picked)
+            }
+        }
+    }
+
+    /// Feeds running row `r` its token `tokens[r]` at position `positions[r]`; returns the
+    /// logits of the next tokens.
+    pub(crate) fn decode(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+        stats: &mut EngineStats,
+    ) -> Vec<f32> {
+        match self {
+            Runner::Burn(b) => b.decode(tokens, positions, stats),
+            Runner::Host(h) => {
+                let cache = h.cache.as_mut().expect("reserve comes first");
+                debug_assert!(positions.iter().zip(&cache.lens).all(|(p, l)| p == l));
+                let rows: Vec<(usize, usize)> = positions.iter().copied().enumerate().collect();
+                let picked: Vec<usize> = (0..tokens.len()).collect();
+                let logits = forward(&h.weights, cache, tokens, &rows, &picked);
+                for len in &mut cache.lens {
+                    *len += 1;
+                }
+                logits
+            }
+        }
+    }
+
+    /// Row `row` is done; the last running row moves into its place.
+    pub(crate) fn remove_row(&mut self, row: usize) {
+        match self {
+            Runner::Burn(b) => b.remove_row(row),
+            Runner::Host(h) => {
+                let cache = h.cache.as_mut().expect("a running row has a cache");
+                let last = cache.lens.len() - 1;
+                if row != last {
+                    cache.move_row(last, row);
+                }
+                cache.lens.pop();
+            }
+        }
+    }
+}

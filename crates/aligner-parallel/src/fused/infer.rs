@@ -1,0 +1,180 @@
+//! Kernels of the CPU inference path (aligner-gen's host runner): a batch is a list of token
+//! rows, each belonging to one sequence (a KV-cache row) at one position, so a decode step
+//! (one token per sequence) and a prefill (every prompt token) are the same call. Keys and
+//! values are read where they lie in the cache — no per-step views or copies, no padding, no
+//! mask: each row attends to its own sequence's positions up to its own.
+
+use rayon::prelude::*;
+
+use super::host::{dot, exp_sum_shifted, max_of, rms_norm_row, simd_fn, softmax_row, swiglu_forward_rows};
+
+/// Rows below this many elements run on one thread (a rayon split costs more than the work).
+const PARALLEL_ELEMENTS: usize = 1 << 15;
+
+/// RMS norm of each `w.len()`-wide row of `x` into `out`: `x · w / √(mean(x²) + eps)`.
+pub fn rms_norm_into(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let d = w.len().max(1);
+    assert_eq!(out.len(), x.len(), "rms norm output");
+    if x.len() < PARALLEL_ELEMENTS {
+        for (y, x) in out.chunks_mut(d).zip(x.chunks(d)) {
+            rms_norm_row(y, x, w, eps);
+        }
+    } else {
+        out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(y, x)| {
+            rms_norm_row(y, x, w, eps);
+        });
+    }
+}
+
+/// `out[r] = silu(gate[r]) · up[r]` for rows `gate_up[r] = [gate (ff) | up (ff)]`.
+pub fn swiglu_into(out: &mut [f32], gate_up: &[f32], ff: usize) {
+    assert_eq!(out.len() * 2, gate_up.len(), "swiglu operands");
+    let rows = |(o, gu): (&mut [f32], &[f32])| {
+        let (gate, up) = gu.split_at(ff);
+        swiglu_forward_rows(o, gate, up);
+    };
+    if out.len() < PARALLEL_ELEMENTS {
+        out.chunks_mut(ff).zip(gate_up.chunks(2 * ff)).for_each(rows);
+    } else {
+        out.par_chunks_mut(ff)
+            .zip(gate_up.par_chunks(2 * ff))
+            .for_each(rows);
+    }
+}
+
+/// Rotary embedding in Hugging Face's `rotate_half` layout, in place: in each row of `x`
+/// (stride `row_stride`), the `heads` heads of width `dim` starting at `offset` turn by their
+/// row's angles (`cos`, `sin`: `[rows, dim / 2]`): `(a, b) → (a·cos − b·sin, b·cos + a·sin)`
+/// for the pairs `(i, i + dim/2)`.
+pub fn rope_rows(
+    x: &mut [f32],
+    row_stride: usize,
+    offset: usize,
+    heads: usize,
+    dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = dim / 2;
+    for ((row, cos), sin) in x
+        .chunks_mut(row_stride)
+        .zip(cos.chunks(half))
+        .zip(sin.chunks(half))
+    {
+        for head in row[offset..offset + heads * dim].chunks_mut(dim) {
+            let (a, b) = head.split_at_mut(half);
+            for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+                let (x1, x2) = (*a, *b);
+                *a = x1 * c - x2 * s;
+                *b = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
+/// Where one layer's keys (or values) lie: `[cache rows, kv_heads, capacity, dim]`.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheLayout {
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub dim: usize,
+}
+
+impl CacheLayout {
+    /// Offset of position `pos` of KV head `head` in cache row `row`.
+    pub fn offset(&self, row: usize, head: usize, pos: usize) -> usize {
+        ((row * self.kv_heads + head) * self.capacity + pos) * self.dim
+    }
+}
+
+/// Grouped-query attention of token rows over a KV cache: token `t` (query `q[t]`, `heads`
+/// heads of `layout.dim`, at column `q_offset` of rows of stride `q_stride`) belongs to cache
+/// row `rows[t].0` at position `rows[t].1` and attends to that row's positions `0..=pos`
+/// (which must be written). Query head `h` reads KV head `h / (heads / kv_heads)`. Output:
+/// `out[t]` = `heads · dim` values.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention(
+    out: &mut [f32],
+    q: &[f32],
+    q_stride: usize,
+    q_offset: usize,
+    keys: &[f32],
+    values: &[f32],
+    rows: &[(usize, usize)],
+    heads: usize,
+    layout: CacheLayout,
+    scale: f32,
+) {
+    let width = heads * layout.dim;
+    assert_eq!(out.len(), rows.len() * width, "attention output");
+    assert_eq!(q.len(), rows.len() * q_stride, "attention queries");
+    let task = |(t, out): (usize, &mut [f32])| {
+        let mut scores = Vec::new();
+        let q = &q[t * q_stride + q_offset..][..width];
+        let (row, pos) = rows[t];
+        attend_row(out, q, keys, values, row, pos, heads, layout, scale, &mut scores);
+    };
+    // Work per token grows with its position; small batches stay on this thread.
+    let work: usize = rows.iter().map(|&(_, pos)| pos + 1).sum::<usize>() * width;
+    if work < PARALLEL_ELEMENTS {
+        out.chunks_mut(width).enumerate().for_each(task);
+    } else {
+        out.par_chunks_mut(width).enumerate().for_each(task);
+    }
+}
+
+simd_fn!(
+    /// One token's attention, every head: scores, softmax, weighted sum of values.
+    fn attend_row(out: &mut [f32], q: &[f32], keys: &[f32], values: &[f32], row: usize, pos: usize, heads: usize, layout: CacheLayout, scale: f32, scores: &mut Vec<f32>) = attend_row_body
+);
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_row_body(
+    out: &mut [f32],
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    row: usize,
+    pos: usize,
+    heads: usize,
+    layout: CacheLayout,
+    scale: f32,
+    scores: &mut Vec<f32>,
+) {
+    let dim = layout.dim;
+    let groups = heads / layout.kv_heads;
+    let n = pos + 1;
+    scores.resize(n, 0.0);
+    for (h, (o, qh)) in out.chunks_mut(dim).zip(q.chunks(dim)).enumerate() {
+        let base = layout.offset(row, h / groups, 0);
+        let (k, v) = (&keys[base..][..n * dim], &values[base..][..n * dim]);
+        for (s, kj) in scores.iter_mut().zip(k.chunks_exact(dim)) {
+            *s = dot(qh, kj);
+        }
+        softmax_row(scores, n, None, scale);
+        o.fill(0.0);
+        for (&p, vj) in scores.iter().zip(v.chunks_exact(dim)) {
+            for (o, &x) in o.iter_mut().zip(vj) {
+                *o += p * x;
+            }
+        }
+    }
+}
+
+simd_fn!(
+    /// `x ← e^(x − max(x))` over a row; returns `(max, Σ e^(x − max))`, the pieces of a
+    /// softmax or log-softmax (sampling over a vocabulary).
+    pub fn exp_shifted_sum(xs: &mut [f32]) -> (f32, f32) = exp_shifted_sum_body
+);
+
+#[inline(always)]
+fn exp_shifted_sum_body(xs: &mut [f32]) -> (f32, f32) {
+    let max = max_of(xs);
+    (max, exp_sum_shifted(xs, max))
+}
+
+simd_fn!(
+    /// The largest value of a row (`-inf` when empty).
+    pub fn row_max(xs: &[f32]) -> f32 = max_of
+);
