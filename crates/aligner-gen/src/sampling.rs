@@ -1,6 +1,7 @@
 //! Choosing the next token from logits: greedy, temperature, top-k and top-p, in the order
 //! transformers applies them.
 
+use aligner_parallel::fused::infer::{log_sum_exp, row_max, softmax_weights};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -45,39 +46,42 @@ impl SamplingParams {
     }
 }
 
-/// `log softmax(logits)[token]` (exponentials in f32, their sum in f64).
+/// `log softmax(logits)[token]`.
 pub fn log_prob(logits: &[f32], token: usize) -> f32 {
-    let max = max_logit(logits);
-    let sum: f64 = logits.iter().map(|&l| (l - max).exp() as f64).sum();
-    ((logits[token] - max) as f64 - sum.ln()) as f32
-}
-
-fn max_logit(logits: &[f32]) -> f32 {
-    logits.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    logits[token] - log_sum_exp(logits)
 }
 
 /// Plain temperature sampling (no top-k/top-p) in one pass of exponentials: the inverse CDF
 /// of the unnormalised weights, then the log-prob under the model (temperature 1).
 fn sample_unfiltered(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> (usize, f32) {
-    let max = max_logit(logits);
-    let inv_t = 1.0 / temperature;
-    let weights: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
-    let total: f64 = weights.iter().map(|&w| w as f64).sum();
-    let target = rng.random::<f64>() * total;
-    let mut cumulative = 0.0;
-    let mut chosen = 0;
-    for (i, &w) in weights.iter().enumerate() {
-        if w == 0.0 {
+    let mut weights = vec![0.0f32; logits.len()];
+    let (max, total) = softmax_weights(&mut weights, logits, 1.0 / temperature);
+    let target = rng.random::<f64>() * total as f64;
+    // Whole blocks first (their sums), then the tokens of the block the target falls in.
+    const BLOCK: usize = 256;
+    let mut cumulative = 0.0f64;
+    let mut chosen = None;
+    for (b, block) in weights.chunks(BLOCK).enumerate() {
+        let sum: f64 = block.iter().map(|&w| w as f64).sum();
+        if cumulative + sum <= target {
+            cumulative += sum;
             continue;
         }
-        cumulative += w as f64;
-        chosen = i;
-        if target < cumulative {
+        for (i, &w) in block.iter().enumerate() {
+            cumulative += w as f64;
+            if w > 0.0 && target < cumulative {
+                chosen = Some(b * BLOCK + i);
+                break;
+            }
+        }
+        if chosen.is_some() {
             break;
         }
     }
+    // Rounding can leave the target past the last weight: take the last token drawn possible.
+    let chosen = chosen.unwrap_or_else(|| weights.iter().rposition(|&w| w > 0.0).unwrap_or(0));
     let logprob = if temperature == 1.0 {
-        ((logits[chosen] - max) as f64 - total.ln()) as f32
+        logits[chosen] - max - total.ln()
     } else {
         log_prob(logits, chosen)
     };
@@ -86,13 +90,8 @@ fn sample_unfiltered(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> (u
 
 /// Index of the largest logit (the first one on ties, like `argmax`).
 pub fn argmax(logits: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best
+    let max = row_max(logits);
+    logits.iter().position(|&l| l == max).unwrap_or(0)
 }
 
 /// Probabilities after temperature, top-k and top-p filtering (zero for removed tokens).
@@ -101,8 +100,7 @@ pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
     let mut scores: Vec<f64> = logits.iter().map(|&l| l as f64 / t).collect();
     if params.top_k > 0 && params.top_k < scores.len() {
         let mut sorted = scores.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        let kth = sorted[params.top_k - 1];
+        let (_, &mut kth, _) = sorted.select_nth_unstable_by(params.top_k - 1, |a, b| b.total_cmp(a));
         for s in scores.iter_mut().filter(|s| **s < kth) {
             *s = f64::NEG_INFINITY;
         }

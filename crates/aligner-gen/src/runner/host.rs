@@ -223,11 +223,7 @@ impl HostCache {
                 .map(|b| {
                     let mut out = vec![0.0; self.rows * new.kv_heads * capacity * new.dim];
                     for (row, &len) in self.lens.iter().enumerate() {
-                        for h in 0..new.kv_heads {
-                            let n = len * new.dim;
-                            out[new.offset(row, h, 0)..][..n]
-                                .copy_from_slice(&b[old.offset(row, h, 0)..][..n]);
-                        }
+                        old.copy_row(b, row, &new, &mut out, row, len);
                     }
                     out
                 })
@@ -240,13 +236,13 @@ impl HostCache {
 
     /// Copies row `from`'s written positions over row `to`.
     pub(crate) fn move_row(&mut self, from: usize, to: usize) {
-        let (layout, n) = (self.layout, self.lens[from] * self.layout.dim);
+        let (layout, len) = (self.layout, self.lens[from]);
         for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
             for h in 0..layout.kv_heads {
-                buffer.copy_within(
-                    layout.offset(from, h, 0)..layout.offset(from, h, 0) + n,
-                    layout.offset(to, h, 0),
-                );
+                for d in 0..layout.dim {
+                    let at = |row| layout.head(row, h) + d * layout.capacity;
+                    buffer.copy_within(at(from)..at(from) + len, at(to));
+                }
             }
         }
         self.lens[to] = self.lens[from];
@@ -322,9 +318,8 @@ pub(crate) fn forward(
         for (qkv, &(row, pos)) in a.qkv.chunks(qkv_width).zip(rows) {
             let (k, v) = qkv[q_width..].split_at(kv_width);
             for (h, (kh, vh)) in k.chunks(hd).zip(v.chunks(hd)).enumerate() {
-                let at = layout.offset(row, h, pos);
-                keys[at..at + hd].copy_from_slice(kh);
-                values[at..at + hd].copy_from_slice(vh);
+                layout.write(keys, row, h, pos, kh);
+                layout.write(values, row, h, pos, vh);
             }
         }
         cached_attention(

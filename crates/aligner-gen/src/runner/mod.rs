@@ -8,6 +8,7 @@ mod host;
 use std::sync::Arc;
 
 use aligner_core::{CausalLm, LlamaConfig};
+use aligner_parallel::fused::infer::LANES;
 
 use self::burn::BurnRunner;
 use self::host::{HostCache, HostRunner, HostWeights, forward};
@@ -100,6 +101,8 @@ impl Runner {
         match self {
             Runner::Burn(b) => b.reserve(rows, prompt_width, span, stats),
             Runner::Host(h) => {
+                // Whole vectors of positions for the attention kernel.
+                let span = span.div_ceil(LANES) * LANES;
                 let cache = match h.cache.take() {
                     Some(cache) if cache.capacity() >= span => cache,
                     Some(cache) => {

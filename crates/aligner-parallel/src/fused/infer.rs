@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::host::{dot, exp_sum_shifted, max_of, rms_norm_row, simd_fn, softmax_row, swiglu_forward_rows};
+use super::host::{exp_sum_shifted, fast_exp, max_of, rms_norm_row, simd_fn, swiglu_forward_rows};
 
 /// Rows below this many elements run on one thread (a rayon split costs more than the work).
 const PARALLEL_ELEMENTS: usize = 1 << 15;
@@ -72,7 +72,9 @@ pub fn rope_rows(
     }
 }
 
-/// Where one layer's keys (or values) lie: `[cache rows, kv_heads, capacity, dim]`.
+/// Where one layer's keys (or values) lie: `[cache rows, kv_heads, dim, capacity]` — each
+/// head's positions run along the last axis, so the score and output loops of attention run
+/// over positions (many) rather than head dimensions (8 on a small model) and vectorise.
 #[derive(Debug, Clone, Copy)]
 pub struct CacheLayout {
     pub kv_heads: usize,
@@ -81,9 +83,29 @@ pub struct CacheLayout {
 }
 
 impl CacheLayout {
-    /// Offset of position `pos` of KV head `head` in cache row `row`.
-    pub fn offset(&self, row: usize, head: usize, pos: usize) -> usize {
-        ((row * self.kv_heads + head) * self.capacity + pos) * self.dim
+    /// Offset of KV head `head` of cache row `row`: its `dim` lanes of `capacity` positions.
+    pub fn head(&self, row: usize, head: usize) -> usize {
+        (row * self.kv_heads + head) * self.dim * self.capacity
+    }
+
+    /// Writes one position's key (or value) `x` (`dim` values) of `head` in `row`.
+    pub fn write(&self, buffer: &mut [f32], row: usize, head: usize, pos: usize, x: &[f32]) {
+        let base = self.head(row, head) + pos;
+        for (d, &v) in x.iter().enumerate() {
+            buffer[base + d * self.capacity] = v;
+        }
+    }
+
+    /// Copies the first `len` positions of every head of row `from` in `src` (laid out as
+    /// `self`) to row `to` of `dst` (laid out as `other`).
+    pub fn copy_row(&self, src: &[f32], from: usize, other: &CacheLayout, dst: &mut [f32], to: usize, len: usize) {
+        for h in 0..self.kv_heads {
+            for d in 0..self.dim {
+                let s = self.head(from, h) + d * self.capacity;
+                let t = other.head(to, h) + d * other.capacity;
+                dst[t..t + len].copy_from_slice(&src[s..s + len]);
+            }
+        }
     }
 }
 
@@ -142,36 +164,83 @@ fn attend_row_body(
     scale: f32,
     scores: &mut Vec<f32>,
 ) {
-    let dim = layout.dim;
+    let (dim, cap) = (layout.dim, layout.capacity);
     let groups = heads / layout.kv_heads;
     let n = pos + 1;
-    scores.resize(n, 0.0);
+    // Whole vectors of positions when the capacity allows (the engine rounds it up): the
+    // positions past `n` get probability 0, and no loop ends in a scalar remainder.
+    let width = (n.div_ceil(LANES) * LANES).min(cap);
+    scores.resize(width, 0.0);
     for (h, (o, qh)) in out.chunks_mut(dim).zip(q.chunks(dim)).enumerate() {
-        let base = layout.offset(row, h / groups, 0);
-        let (k, v) = (&keys[base..][..n * dim], &values[base..][..n * dim]);
-        for (s, kj) in scores.iter_mut().zip(k.chunks_exact(dim)) {
-            *s = dot(qh, kj);
-        }
-        softmax_row(scores, n, None, scale);
-        o.fill(0.0);
-        for (&p, vj) in scores.iter().zip(v.chunks_exact(dim)) {
-            for (o, &x) in o.iter_mut().zip(vj) {
-                *o += p * x;
+        let base = layout.head(row, h / groups);
+        scores.fill(0.0);
+        for (d, &qd) in qh.iter().enumerate() {
+            let qd = qd * scale;
+            for (s, &k) in scores.iter_mut().zip(&keys[base + d * cap..][..width]) {
+                *s += qd * k;
             }
+        }
+        scores[n..].fill(f32::NEG_INFINITY);
+        let max = max_of(&scores[..n]);
+        let inv = 1.0 / exp_sum_shifted(scores, max);
+        for (d, o) in o.iter_mut().enumerate() {
+            *o = dot_lanes(scores, &values[base + d * cap..][..width]) * inv;
         }
     }
 }
 
+/// Lanes of the dot product below (independent accumulators, so the loop vectorises); cache
+/// capacities that are a multiple of it let attention run on whole vectors.
+pub const LANES: usize = 16;
+
+#[inline(always)]
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (xa, xb) in ca.zip(cb) {
+        for ((l, &x), &y) in lanes.iter_mut().zip(xa).zip(xb) {
+            *l += x * y;
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
 simd_fn!(
-    /// `x ← e^(x − max(x))` over a row; returns `(max, Σ e^(x − max))`, the pieces of a
-    /// softmax or log-softmax (sampling over a vocabulary).
-    pub fn exp_shifted_sum(xs: &mut [f32]) -> (f32, f32) = exp_shifted_sum_body
+    /// Unnormalised sampling weights `out = e^((x − max)·inv_t)` of logits `x`; returns
+    /// `(max, Σ out)`.
+    pub fn softmax_weights(out: &mut [f32], logits: &[f32], inv_t: f32) -> (f32, f32) = softmax_weights_body
 );
 
 #[inline(always)]
-fn exp_shifted_sum_body(xs: &mut [f32]) -> (f32, f32) {
+fn softmax_weights_body(out: &mut [f32], logits: &[f32], inv_t: f32) -> (f32, f32) {
+    let max = max_of(logits);
+    for (o, &l) in out.iter_mut().zip(logits) {
+        *o = (l - max) * inv_t;
+    }
+    (max, exp_sum_shifted(out, 0.0))
+}
+
+simd_fn!(
+    /// `log Σ e^x` of a row, without writing it.
+    pub fn log_sum_exp(xs: &[f32]) -> f32 = log_sum_exp_body
+);
+
+#[inline(always)]
+fn log_sum_exp_body(xs: &[f32]) -> f32 {
     let max = max_of(xs);
-    (max, exp_sum_shifted(xs, max))
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    let mut lanes = [0.0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest: f32 = chunks.remainder().iter().map(|&x| fast_exp(x - max)).sum();
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l += fast_exp(x - max);
+        }
+    }
+    max + (lanes.iter().sum::<f32>() + rest).ln()
 }
 
 simd_fn!(
