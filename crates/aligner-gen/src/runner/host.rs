@@ -13,8 +13,7 @@ use std::sync::Arc;
 
 use aligner_core::config::RopeScaling;
 use aligner_core::{CausalLm, LlamaConfig, model::inverse_frequencies};
-use aligner_parallel::fused::host::matmul;
-use aligner_parallel::fused::infer::{CacheLayout, cached_attention, rms_norm_into, rope_rows, swiglu_into};
+use aligner_parallel::fused::infer::CacheLayout;
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 
@@ -56,37 +55,37 @@ fn side_by_side(layers: &[Linear]) -> (Vec<f32>, Option<Vec<f32>>) {
 
 /// One decoder layer as host buffers (`x · W` layout).
 #[derive(Clone)]
-struct HostLayer {
-    attn_norm: Vec<f32>,
+pub(super) struct HostLayer {
+    pub(super) attn_norm: Vec<f32>,
     /// `[hidden, (heads + 2·kv_heads)·head_dim]`: query, key, value columns.
-    qkv: Vec<f32>,
-    qkv_bias: Option<Vec<f32>>,
-    o: Vec<f32>,
-    o_bias: Option<Vec<f32>>,
-    mlp_norm: Vec<f32>,
+    pub(super) qkv: Vec<f32>,
+    pub(super) qkv_bias: Option<Vec<f32>>,
+    pub(super) o: Vec<f32>,
+    pub(super) o_bias: Option<Vec<f32>>,
+    pub(super) mlp_norm: Vec<f32>,
     /// `[hidden, 2·ffn]`: gate, up columns.
-    gate_up: Vec<f32>,
-    gate_up_bias: Option<Vec<f32>>,
-    down: Vec<f32>,
-    down_bias: Option<Vec<f32>>,
+    pub(super) gate_up: Vec<f32>,
+    pub(super) gate_up_bias: Option<Vec<f32>>,
+    pub(super) down: Vec<f32>,
+    pub(super) down_bias: Option<Vec<f32>>,
 }
 
 /// The weights of a model as the host forward pass reads them.
 #[derive(Clone)]
 pub(crate) struct HostWeights {
-    embed: Vec<f32>,
-    layers: Vec<HostLayer>,
-    norm: Vec<f32>,
+    pub(super) embed: Vec<f32>,
+    pub(super) layers: Vec<HostLayer>,
+    pub(super) norm: Vec<f32>,
     /// `[hidden, vocab]`, contiguous (the transposed embeddings when tied).
-    head: Vec<f32>,
-    inv_freq: Vec<f32>,
-    eps: Vec<f32>,
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    ffn: usize,
-    vocab: usize,
+    pub(super) head: Vec<f32>,
+    pub(super) inv_freq: Vec<f32>,
+    pub(super) eps: Vec<f32>,
+    pub(super) hidden: usize,
+    pub(super) heads: usize,
+    pub(super) kv_heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) ffn: usize,
+    pub(super) vocab: usize,
 }
 
 impl HostWeights {
@@ -176,13 +175,13 @@ impl HostWeights {
 /// Keys and values of every layer, `[rows, kv_heads, capacity, head_dim]` each, and how many
 /// positions of each row are written.
 pub(crate) struct HostCache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    pub(super) keys: Vec<Vec<f32>>,
+    pub(super) values: Vec<Vec<f32>>,
     /// Written positions of each running row (rows past its end are free).
     pub(crate) lens: Vec<usize>,
-    rows: usize,
+    pub(super) rows: usize,
     capacity: usize,
-    layout: CacheLayout,
+    pub(super) layout: CacheLayout,
 }
 
 impl HostCache {
@@ -247,143 +246,6 @@ impl HostCache {
         }
         self.lens[to] = self.lens[from];
     }
-}
-
-/// Scratch buffers of one forward pass.
-struct Activations {
-    x: Vec<f32>,
-    normed: Vec<f32>,
-    qkv: Vec<f32>,
-    attn: Vec<f32>,
-    gate_up: Vec<f32>,
-    act: Vec<f32>,
-}
-
-fn add_bias(rows: &mut [f32], bias: &Option<Vec<f32>>) {
-    if let Some(b) = bias {
-        for row in rows.chunks_mut(b.len()) {
-            for (x, &y) in row.iter_mut().zip(b) {
-                *x += y;
-            }
-        }
-    }
-}
-
-/// Runs `tokens` through the model: token `t` is at position `rows[t].1` of cache row
-/// `rows[t].0`, whose earlier positions are already in `cache`. Writes every token's keys and
-/// values, and returns the logits (`[picked.len(), vocab]`) of the tokens `picked`.
-pub(crate) fn forward(
-    w: &HostWeights,
-    cache: &mut HostCache,
-    tokens: &[u32],
-    rows: &[(usize, usize)],
-    picked: &[usize],
-) -> Vec<f32> {
-    let n = tokens.len();
-    let (d, hd, ffn) = (w.hidden, w.head_dim, w.ffn);
-    let (q_width, kv_width) = (w.heads * hd, w.kv_heads * hd);
-    let qkv_width = q_width + 2 * kv_width;
-    let mut a = Activations {
-        x: Vec::with_capacity(n * d),
-        normed: vec![0.0; n * d],
-        qkv: vec![0.0; n * qkv_width],
-        attn: vec![0.0; n * q_width],
-        gate_up: vec![0.0; n * 2 * ffn],
-        act: vec![0.0; n * ffn],
-    };
-    for &t in tokens {
-        a.x.extend_from_slice(&w.embed[t as usize * d..][..d]);
-    }
-    // Angles as transformers computes them: float32 position × float32 frequency.
-    let half = hd / 2;
-    let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
-    for &(_, pos) in rows {
-        for &f in &w.inv_freq {
-            let angle = pos as f32 * f;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
-        }
-    }
-    let layout = cache.layout;
-    let scale = 1.0 / (hd as f32).sqrt();
-    for (i, layer) in w.layers.iter().enumerate() {
-        rms_norm_into(&mut a.normed, &a.x, &layer.attn_norm, w.eps[2 * i]);
-        matmul(
-            &mut a.qkv, &a.normed, &layer.qkv, n, qkv_width, d, false, false, false,
-        );
-        add_bias(&mut a.qkv, &layer.qkv_bias);
-        rope_rows(&mut a.qkv, qkv_width, 0, w.heads, hd, &cos, &sin);
-        rope_rows(&mut a.qkv, qkv_width, q_width, w.kv_heads, hd, &cos, &sin);
-        let (keys, values) = (&mut cache.keys[i], &mut cache.values[i]);
-        for (qkv, &(row, pos)) in a.qkv.chunks(qkv_width).zip(rows) {
-            let (k, v) = qkv[q_width..].split_at(kv_width);
-            for (h, (kh, vh)) in k.chunks(hd).zip(v.chunks(hd)).enumerate() {
-                layout.write(keys, row, h, pos, kh);
-                layout.write(values, row, h, pos, vh);
-            }
-        }
-        cached_attention(
-            &mut a.attn,
-            &a.qkv,
-            qkv_width,
-            0,
-            keys,
-            values,
-            rows,
-            w.heads,
-            layout,
-            scale,
-        );
-        add_bias_then_project(&mut a.x, &a.attn, &layer.o, &layer.o_bias, n, d, q_width);
-        rms_norm_into(&mut a.normed, &a.x, &layer.mlp_norm, w.eps[2 * i + 1]);
-        matmul(
-            &mut a.gate_up,
-            &a.normed,
-            &layer.gate_up,
-            n,
-            2 * ffn,
-            d,
-            false,
-            false,
-            false,
-        );
-        add_bias(&mut a.gate_up, &layer.gate_up_bias);
-        swiglu_into(&mut a.act, &a.gate_up, ffn);
-        add_bias_then_project(&mut a.x, &a.act, &layer.down, &layer.down_bias, n, d, ffn);
-    }
-    let mut last = Vec::with_capacity(picked.len() * d);
-    for &t in picked {
-        last.extend_from_slice(&a.x[t * d..][..d]);
-    }
-    let mut normed = vec![0.0; last.len()];
-    rms_norm_into(&mut normed, &last, &w.norm, w.eps[2 * w.layers.len()]);
-    let mut logits = vec![0.0; picked.len() * w.vocab];
-    matmul(
-        &mut logits,
-        &normed,
-        &w.head,
-        picked.len(),
-        w.vocab,
-        d,
-        false,
-        false,
-        false,
-    );
-    logits
-}
-
-/// The residual update `x += input · weight + bias` (`input: [n, k]`, `weight: [k, d]`).
-fn add_bias_then_project(
-    x: &mut [f32],
-    input: &[f32],
-    weight: &[f32],
-    bias: &Option<Vec<f32>>,
-    n: usize,
-    d: usize,
-    k: usize,
-) {
-    add_bias(x, bias);
-    matmul(x, input, weight, n, d, k, false, false, true);
 }
 
 /// Shared weights and a cache: what the engine's host path holds.

@@ -3,6 +3,7 @@
 //! running sequences always occupy the first rows.
 
 mod burn;
+mod forward;
 mod host;
 
 use std::sync::Arc;
@@ -11,7 +12,8 @@ use aligner_core::{CausalLm, LlamaConfig};
 use aligner_parallel::fused::infer::LANES;
 
 use self::burn::BurnRunner;
-use self::host::{HostCache, HostRunner, HostWeights, forward};
+use self::forward::forward;
+use self::host::{HostCache, HostRunner, HostWeights};
 use crate::engine::{EngineStats, ForwardPath};
 use crate::error::{GenError, Result};
 

@@ -1,0 +1,268 @@
+//! The host forward pass: tokens → next-token logits, writing keys and values into the cache.
+//!
+//! Sequences are independent until the output projection, so the decoder layers run on
+//! groups of whole sequences in parallel (one group per core), each group on its own rows of
+//! the cache; inside a group every product covers all of its tokens. The output projection
+//! then runs once over every picked token, `gemm` splitting it across cores itself (its
+//! weights are the largest matrix and are read once rather than once per group).
+
+use aligner_parallel::fused::host::matmul;
+use aligner_parallel::fused::infer::{CacheLayout, cached_attention, rms_norm_into, rope_rows, swiglu_into};
+use rayon::prelude::*;
+
+use super::host::{HostCache, HostLayer, HostWeights};
+
+/// Fewest tokens worth a group of their own (below it, one thread does all).
+const MIN_GROUP_TOKENS: usize = 8;
+
+/// One group's rows of the cache: per layer, the keys and values of cache rows
+/// `first_row..` (as many as the slices hold).
+struct CacheRows<'a> {
+    keys: Vec<&'a mut [f32]>,
+    values: Vec<&'a mut [f32]>,
+    first_row: usize,
+    layout: CacheLayout,
+}
+
+/// Runs `tokens` through the model: token `t` is at position `rows[t].1` of cache row
+/// `rows[t].0`, whose earlier positions are already in `cache`; tokens come grouped by row, in
+/// increasing row order. Writes every token's keys and values and returns the logits
+/// (`[picked.len(), vocab]`) of the tokens `picked` (increasing).
+pub(crate) fn forward(
+    w: &HostWeights,
+    cache: &mut HostCache,
+    tokens: &[u32],
+    rows: &[(usize, usize)],
+    picked: &[usize],
+) -> Vec<f32> {
+    debug_assert!(rows.windows(2).all(|p| p[0].0 <= p[1].0), "tokens grouped by row");
+    debug_assert!(picked.windows(2).all(|p| p[0] < p[1]), "picked tokens in order");
+    let groups = token_groups(rows, rayon::current_num_threads());
+    let parts = split_cache(cache, rows, &groups);
+    let hidden: Vec<Vec<f32>> = parts
+        .into_par_iter()
+        .zip(groups.par_iter())
+        .map(|(mut part, range)| {
+            let first = range.start;
+            let local: Vec<usize> = picked
+                .iter()
+                .filter(|&&t| range.contains(&t))
+                .map(|&t| t - first)
+                .collect();
+            trunk(w, &mut part, &tokens[range.clone()], &rows[range.clone()], &local)
+        })
+        .collect();
+    let last: Vec<f32> = hidden.concat();
+    let d = w.hidden;
+    let mut normed = vec![0.0; last.len()];
+    rms_norm_into(&mut normed, &last, &w.norm, w.eps[2 * w.layers.len()]);
+    let mut logits = vec![0.0; picked.len() * w.vocab];
+    matmul(&mut logits, &normed, &w.head, picked.len(), w.vocab, d, false, false, false);
+    logits
+}
+
+/// Token ranges of about equal size, each made of whole rows: at most `threads` of them.
+fn token_groups(rows: &[(usize, usize)], threads: usize) -> Vec<std::ops::Range<usize>> {
+    let n = rows.len();
+    let count = (n / MIN_GROUP_TOKENS).clamp(1, threads.max(1));
+    let mut groups = Vec::with_capacity(count);
+    let mut start = 0;
+    for g in 1..=count {
+        let mut end = if g == count { n } else { (n * g / count).max(start) };
+        // Move the cut to the next row boundary.
+        while end > 0 && end < n && rows[end].0 == rows[end - 1].0 {
+            end += 1;
+        }
+        if end > start {
+            groups.push(start..end);
+            start = end;
+        }
+    }
+    groups
+}
+
+/// Mutable views of the cache rows each token group writes (disjoint, since groups hold
+/// whole rows in increasing order).
+fn split_cache<'a>(
+    cache: &'a mut HostCache,
+    rows: &[(usize, usize)],
+    groups: &[std::ops::Range<usize>],
+) -> Vec<CacheRows<'a>> {
+    let layout = cache.layout;
+    let row_size = layout.head(1, 0);
+    let spans: Vec<(usize, usize)> = groups
+        .iter()
+        .map(|g| (rows[g.start].0, rows[g.end - 1].0 + 1))
+        .collect();
+    let mut parts: Vec<CacheRows<'a>> = spans
+        .iter()
+        .map(|&(first_row, _)| CacheRows {
+            keys: Vec::new(),
+            values: Vec::new(),
+            first_row,
+            layout,
+        })
+        .collect();
+    let split = |buffer: &'a mut Vec<f32>| -> Vec<&'a mut [f32]> {
+        let mut rest: &'a mut [f32] = buffer.as_mut_slice();
+        let mut at = 0;
+        let mut out = Vec::with_capacity(spans.len());
+        for &(first, end) in &spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut((first - at) * row_size);
+            let (mine, tail) = tail.split_at_mut((end - first) * row_size);
+            out.push(mine);
+            rest = tail;
+            at = end;
+        }
+        out
+    };
+    for buffer in cache.keys.iter_mut() {
+        for (part, slice) in parts.iter_mut().zip(split(buffer)) {
+            part.keys.push(slice);
+        }
+    }
+    for buffer in cache.values.iter_mut() {
+        for (part, slice) in parts.iter_mut().zip(split(buffer)) {
+            part.values.push(slice);
+        }
+    }
+    parts
+}
+
+/// The decoder layers over one group of tokens; returns the final hidden states (before the
+/// last norm) of the tokens `picked`.
+fn trunk(w: &HostWeights, cache: &mut CacheRows, tokens: &[u32], rows: &[(usize, usize)], picked: &[usize]) -> Vec<f32> {
+    let n = tokens.len();
+    let d = w.hidden;
+    let mut x = Vec::with_capacity(n * d);
+    for &t in tokens {
+        x.extend_from_slice(&w.embed[t as usize * d..][..d]);
+    }
+    // Rows relative to the group's first cache row.
+    let local: Vec<(usize, usize)> = rows.iter().map(|&(r, p)| (r - cache.first_row, p)).collect();
+    let mut scratch = Scratch::new(w, n);
+    scratch.angles(w, rows);
+    for (i, layer) in w.layers.iter().enumerate() {
+        layer_forward(w, i, layer, &mut x, cache, &local, &mut scratch);
+    }
+    let mut out = Vec::with_capacity(picked.len() * d);
+    for &t in picked {
+        out.extend_from_slice(&x[t * d..][..d]);
+    }
+    out
+}
+
+/// Buffers reused across the layers of one group.
+struct Scratch {
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(w: &HostWeights, n: usize) -> Self {
+        let q_width = w.heads * w.head_dim;
+        let qkv_width = q_width + 2 * w.kv_heads * w.head_dim;
+        Self {
+            normed: vec![0.0; n * w.hidden],
+            qkv: vec![0.0; n * qkv_width],
+            attn: vec![0.0; n * q_width],
+            gate_up: vec![0.0; n * 2 * w.ffn],
+            act: vec![0.0; n * w.ffn],
+            cos: Vec::new(),
+            sin: Vec::new(),
+        }
+    }
+
+    /// Rotary angles as transformers computes them: float32 position × float32 frequency.
+    fn angles(&mut self, w: &HostWeights, rows: &[(usize, usize)]) {
+        for &(_, pos) in rows {
+            for &f in &w.inv_freq {
+                let angle = pos as f32 * f;
+                self.cos.push(angle.cos());
+                self.sin.push(angle.sin());
+            }
+        }
+    }
+}
+
+/// `x += attn(norm(x))`, then `x += mlp(norm(x))` for one decoder layer.
+fn layer_forward(
+    w: &HostWeights,
+    i: usize,
+    layer: &HostLayer,
+    x: &mut [f32],
+    cache: &mut CacheRows,
+    rows: &[(usize, usize)],
+    s: &mut Scratch,
+) {
+    let (n, d, hd, ffn) = (rows.len(), w.hidden, w.head_dim, w.ffn);
+    let (q_width, kv_width) = (w.heads * hd, w.kv_heads * hd);
+    let qkv_width = q_width + 2 * kv_width;
+    rms_norm_into(&mut s.normed, x, &layer.attn_norm, w.eps[2 * i]);
+    matmul(&mut s.qkv, &s.normed, &layer.qkv, n, qkv_width, d, false, false, false);
+    add_bias(&mut s.qkv, &layer.qkv_bias);
+    rope_rows(&mut s.qkv, qkv_width, 0, w.heads, hd, &s.cos, &s.sin);
+    rope_rows(&mut s.qkv, qkv_width, q_width, w.kv_heads, hd, &s.cos, &s.sin);
+    let layout = cache.layout;
+    let (keys, values) = (&mut *cache.keys[i], &mut *cache.values[i]);
+    for (qkv, &(row, pos)) in s.qkv.chunks(qkv_width).zip(rows) {
+        let (k, v) = qkv[q_width..].split_at(kv_width);
+        for (h, (kh, vh)) in k.chunks(hd).zip(v.chunks(hd)).enumerate() {
+            layout.write(keys, row, h, pos, kh);
+            layout.write(values, row, h, pos, vh);
+        }
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    cached_attention(&mut s.attn, &s.qkv, qkv_width, 0, keys, values, rows, w.heads, layout, scale);
+    project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
+    rms_norm_into(&mut s.normed, x, &layer.mlp_norm, w.eps[2 * i + 1]);
+    matmul(&mut s.gate_up, &s.normed, &layer.gate_up, n, 2 * ffn, d, false, false, false);
+    add_bias(&mut s.gate_up, &layer.gate_up_bias);
+    swiglu_into(&mut s.act, &s.gate_up, ffn);
+    project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
+}
+
+fn add_bias(rows: &mut [f32], bias: &Option<Vec<f32>>) {
+    if let Some(b) = bias {
+        for row in rows.chunks_mut(b.len()) {
+            for (x, &y) in row.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+    }
+}
+
+/// The residual update `x += input · weight + bias` (`input: [n, k]`, `weight: [k, d]`).
+fn project_into(x: &mut [f32], input: &[f32], weight: &[f32], bias: &Option<Vec<f32>>, n: usize, d: usize, k: usize) {
+    add_bias(x, bias);
+    matmul(x, input, weight, n, d, k, false, false, true);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_groups;
+
+    #[test]
+    fn groups_hold_whole_rows() {
+        // Row 0 has 10 tokens, row 1 has 3, row 2 has 9.
+        let rows: Vec<(usize, usize)> = [(0, 10), (1, 3), (2, 9)]
+            .iter()
+            .flat_map(|&(r, n)| (0..n).map(move |p| (r, p)))
+            .collect();
+        let groups = token_groups(&rows, 2);
+        assert_eq!(groups, vec![0..13, 13..22]);
+        // One row per token (decoding): an even split.
+        let decode: Vec<(usize, usize)> = (0..64).map(|r| (r, 40)).collect();
+        assert_eq!(token_groups(&decode, 2), vec![0..32, 32..64]);
+        // Too few tokens for two groups.
+        assert_eq!(token_groups(&decode[..9], 2), vec![0..9]);
+        // A single long row stays whole.
+        let one: Vec<(usize, usize)> = (0..50).map(|p| (0, p)).collect();
+        assert_eq!(token_groups(&one, 2), vec![0..50]);
+    }
+}
