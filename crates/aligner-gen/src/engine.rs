@@ -315,6 +315,7 @@ impl Engine {
                     next_pos: requests[i].prompt_ids.len(),
                 }));
                 self.sample_rows(&logits, first_row, requests, &mut active, max_positions, done)?;
+                self.runner.recycle(logits);
             }
             if active.is_empty() {
                 break;
@@ -330,6 +331,7 @@ impl Engine {
                 slot.next_pos += 1;
             }
             self.sample_rows(&logits, 0, requests, &mut active, max_positions, done)?;
+            self.runner.recycle(logits);
         }
         Ok(())
     }

@@ -1,7 +1,8 @@
 //! Choosing the next token from logits: greedy, temperature, top-k and top-p, in the order
 //! transformers applies them.
 
-use aligner_parallel::fused::infer::{log_sum_exp, row_max, softmax_weights};
+use aligner_parallel::fused::host::fast_exp;
+use aligner_parallel::fused::infer::{log_sum_exp, row_max, scaled_exp_sum};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -51,35 +52,40 @@ pub fn log_prob(logits: &[f32], token: usize) -> f32 {
     logits[token] - log_sum_exp(logits)
 }
 
-/// Plain temperature sampling (no top-k/top-p) in one pass of exponentials: the inverse CDF
-/// of the unnormalised weights, then the log-prob under the model (temperature 1).
+/// Plain temperature sampling (no top-k/top-p) without writing the distribution: the
+/// normaliser, then the inverse CDF walked a block of tokens at a time (block sums first,
+/// then the tokens of the block the draw falls in); the log-prob is under the model
+/// (temperature 1).
 fn sample_unfiltered(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> (usize, f32) {
-    let mut weights = vec![0.0f32; logits.len()];
-    let (max, total) = softmax_weights(&mut weights, logits, 1.0 / temperature);
-    let target = rng.random::<f64>() * total as f64;
-    // Whole blocks first (their sums), then the tokens of the block the target falls in.
     const BLOCK: usize = 256;
+    let inv_t = 1.0 / temperature;
+    let max = row_max(logits);
+    let total = scaled_exp_sum(logits, max, inv_t);
+    let target = rng.random::<f64>() * total as f64;
+    let weight = |l: f32| fast_exp((l - max) * inv_t);
     let mut cumulative = 0.0f64;
     let mut chosen = None;
-    for (b, block) in weights.chunks(BLOCK).enumerate() {
-        let sum: f64 = block.iter().map(|&w| w as f64).sum();
+    for (b, block) in logits.chunks(BLOCK).enumerate() {
+        let sum = scaled_exp_sum(block, max, inv_t) as f64;
         if cumulative + sum <= target {
             cumulative += sum;
             continue;
         }
-        for (i, &w) in block.iter().enumerate() {
-            cumulative += w as f64;
-            if w > 0.0 && target < cumulative {
+        for (i, &l) in block.iter().enumerate() {
+            let w = weight(l);
+            if w > 0.0 {
+                cumulative += w as f64;
                 chosen = Some(b * BLOCK + i);
-                break;
+                if target < cumulative {
+                    break;
+                }
             }
         }
-        if chosen.is_some() {
-            break;
-        }
+        break;
     }
-    // Rounding can leave the target past the last weight: take the last token drawn possible.
-    let chosen = chosen.unwrap_or_else(|| weights.iter().rposition(|&w| w > 0.0).unwrap_or(0));
+    // Rounding can leave the draw past the block's last weight: it takes the last token
+    // reached (or, past every block, the last token that has any weight).
+    let chosen = chosen.unwrap_or_else(|| logits.iter().rposition(|&l| weight(l) > 0.0).unwrap_or(0));
     let logprob = if temperature == 1.0 {
         logits[chosen] - max - total.ln()
     } else {

@@ -27,13 +27,14 @@ struct CacheRows<'a> {
 /// Runs `tokens` through the model: token `t` is at position `rows[t].1` of cache row
 /// `rows[t].0`, whose earlier positions are already in `cache`; tokens come grouped by row, in
 /// increasing row order. Writes every token's keys and values and returns the logits
-/// (`[picked.len(), vocab]`) of the tokens `picked` (increasing).
+/// (`[picked.len(), vocab]`) of the tokens `picked` (increasing), in `logits`' allocation.
 pub(crate) fn forward(
     w: &HostWeights,
     cache: &mut HostCache,
     tokens: &[u32],
     rows: &[(usize, usize)],
     picked: &[usize],
+    mut logits: Vec<f32>,
 ) -> Vec<f32> {
     debug_assert!(rows.windows(2).all(|p| p[0].0 <= p[1].0), "tokens grouped by row");
     debug_assert!(picked.windows(2).all(|p| p[0] < p[1]), "picked tokens in order");
@@ -56,8 +57,19 @@ pub(crate) fn forward(
     let d = w.hidden;
     let mut normed = vec![0.0; last.len()];
     rms_norm_into(&mut normed, &last, &w.norm, w.eps[2 * w.layers.len()]);
-    let mut logits = vec![0.0; picked.len() * w.vocab];
-    matmul(&mut logits, &normed, &w.head, picked.len(), w.vocab, d, false, false, false);
+    // Every entry is overwritten: a recycled buffer needs no clearing.
+    logits.resize(picked.len() * w.vocab, 0.0);
+    matmul(
+        &mut logits,
+        &normed,
+        &w.head,
+        picked.len(),
+        w.vocab,
+        d,
+        false,
+        false,
+        false,
+    );
     logits
 }
 
@@ -131,7 +143,13 @@ fn split_cache<'a>(
 
 /// The decoder layers over one group of tokens; returns the final hidden states (before the
 /// last norm) of the tokens `picked`.
-fn trunk(w: &HostWeights, cache: &mut CacheRows, tokens: &[u32], rows: &[(usize, usize)], picked: &[usize]) -> Vec<f32> {
+fn trunk(
+    w: &HostWeights,
+    cache: &mut CacheRows,
+    tokens: &[u32],
+    rows: &[(usize, usize)],
+    picked: &[usize],
+) -> Vec<f32> {
     let n = tokens.len();
     let d = w.hidden;
     let mut x = Vec::with_capacity(n * d);
@@ -204,7 +222,9 @@ fn layer_forward(
     let (q_width, kv_width) = (w.heads * hd, w.kv_heads * hd);
     let qkv_width = q_width + 2 * kv_width;
     rms_norm_into(&mut s.normed, x, &layer.attn_norm, w.eps[2 * i]);
-    matmul(&mut s.qkv, &s.normed, &layer.qkv, n, qkv_width, d, false, false, false);
+    matmul(
+        &mut s.qkv, &s.normed, &layer.qkv, n, qkv_width, d, false, false, false,
+    );
     add_bias(&mut s.qkv, &layer.qkv_bias);
     rope_rows(&mut s.qkv, qkv_width, 0, w.heads, hd, &s.cos, &s.sin);
     rope_rows(&mut s.qkv, qkv_width, q_width, w.kv_heads, hd, &s.cos, &s.sin);
@@ -218,10 +238,31 @@ fn layer_forward(
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    cached_attention(&mut s.attn, &s.qkv, qkv_width, 0, keys, values, rows, w.heads, layout, scale);
+    cached_attention(
+        &mut s.attn,
+        &s.qkv,
+        qkv_width,
+        0,
+        keys,
+        values,
+        rows,
+        w.heads,
+        layout,
+        scale,
+    );
     project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
     rms_norm_into(&mut s.normed, x, &layer.mlp_norm, w.eps[2 * i + 1]);
-    matmul(&mut s.gate_up, &s.normed, &layer.gate_up, n, 2 * ffn, d, false, false, false);
+    matmul(
+        &mut s.gate_up,
+        &s.normed,
+        &layer.gate_up,
+        n,
+        2 * ffn,
+        d,
+        false,
+        false,
+        false,
+    );
     add_bias(&mut s.gate_up, &layer.gate_up_bias);
     swiglu_into(&mut s.act, &s.gate_up, ffn);
     project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
@@ -238,7 +279,15 @@ fn add_bias(rows: &mut [f32], bias: &Option<Vec<f32>>) {
 }
 
 /// The residual update `x += input · weight + bias` (`input: [n, k]`, `weight: [k, d]`).
-fn project_into(x: &mut [f32], input: &[f32], weight: &[f32], bias: &Option<Vec<f32>>, n: usize, d: usize, k: usize) {
+fn project_into(
+    x: &mut [f32],
+    input: &[f32],
+    weight: &[f32],
+    bias: &Option<Vec<f32>>,
+    n: usize,
+    d: usize,
+    k: usize,
+) {
     add_bias(x, bias);
     matmul(x, input, weight, n, d, k, false, false, true);
 }

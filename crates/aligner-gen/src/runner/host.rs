@@ -252,4 +252,7 @@ impl HostCache {
 pub(crate) struct HostRunner {
     pub(crate) weights: Arc<HostWeights>,
     pub(crate) cache: Option<HostCache>,
+    /// The last logits buffer, handed back after sampling (on a 50k vocabulary a decode
+    /// step's logits are megabytes: allocating them anew faulted in fresh pages every step).
+    pub(crate) spare: Vec<f32>,
 }

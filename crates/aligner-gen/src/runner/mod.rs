@@ -34,6 +34,7 @@ impl Runner {
             Runner::Host(HostRunner {
                 weights: Arc::new(HostWeights::new(model, config)),
                 cache: None,
+                spare: Vec::new(),
             })
         } else {
             Runner::Burn(BurnRunner::new(model.clone(), config.clone(), device))
@@ -55,6 +56,7 @@ impl Runner {
             Runner::Host(h) => Runner::Host(HostRunner {
                 weights: h.weights.clone(),
                 cache: None,
+                spare: Vec::new(),
             }),
         }
     }
@@ -139,7 +141,14 @@ impl Runner {
                     rows.extend((0..prompt.len()).map(|pos| (row, pos)));
                     picked.push(tokens.len() - 1);
                 }
-                forward(&h.weights, cache, &tokens, &rows, &picked)
+                forward(
+                    &h.weights,
+                    cache,
+                    &tokens,
+                    &rows,
+                    &picked,
+                    std::mem::take(&mut h.spare),
+                )
             }
         }
     }
@@ -159,12 +168,26 @@ impl Runner {
                 debug_assert!(positions.iter().zip(&cache.lens).all(|(p, l)| p == l));
                 let rows: Vec<(usize, usize)> = positions.iter().copied().enumerate().collect();
                 let picked: Vec<usize> = (0..tokens.len()).collect();
-                let logits = forward(&h.weights, cache, tokens, &rows, &picked);
+                let logits = forward(
+                    &h.weights,
+                    cache,
+                    tokens,
+                    &rows,
+                    &picked,
+                    std::mem::take(&mut h.spare),
+                );
                 for len in &mut cache.lens {
                     *len += 1;
                 }
                 logits
             }
+        }
+    }
+
+    /// Takes back a logits buffer this runner returned, for the next pass.
+    pub(crate) fn recycle(&mut self, logits: Vec<f32>) {
+        if let Runner::Host(h) = self {
+            h.spare = logits;
         }
     }
 

@@ -125,14 +125,19 @@ pub fn fast_exp(x: f32) -> f32 {
     // Adding and removing 1.5·2²³ rounds to the nearest integer without a libm call.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let rounded = x * LOG2E + ROUND;
+    let n = rounded - ROUND;
+    // The integer `n` is also the low mantissa bits of `rounded`: reading it from the bits
+    // keeps the loop vectorised (`n as i32` is a saturating conversion that LLVM emits one
+    // lane at a time).
+    let n_int = (rounded.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.666_666_7e-1
                     + r * (4.166_579_6e-2 + r * (8.333_452e-3 + r * (1.393_859e-3 + r * 1.987_569e-4))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
     // Below e^-87 the value is a denormal: flush it to zero so masked scores vanish exactly.
     if x <= -87.3 { 0.0 } else { p * scale }
 }
@@ -213,6 +218,63 @@ fn matmul_with(
             b.as_ptr(),
             b_cs,
             b_rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// `out (+)= x · wᵀ` for `x: [rows, d_in]` and a weight stored output-major, `w: [d_out, d_in]`
+/// (a linear layer as inference runs it). The product runs as `outᵀ = w · xᵀ`, so `gemm`'s
+/// long axis is `d_out`: with few rows (decoding) its row panels would otherwise be mostly
+/// padding. Large products use every core.
+pub fn linear_rows(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    d_out: usize,
+    d_in: usize,
+    accumulate: bool,
+) {
+    assert_eq!(out.len(), rows * d_out, "linear output");
+    assert_eq!(x.len(), rows * d_in, "linear input");
+    assert_eq!(w.len(), d_out * d_in, "linear weight");
+    if rows == 0 || d_out == 0 {
+        return;
+    }
+    if d_in == 0 {
+        if !accumulate {
+            out.fill(0.0);
+        }
+        return;
+    }
+    let parallelism = if rows * d_out * d_in >= 1 << 21 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // outᵀ[o, r] lives at out[r·d_out + o]; w[o, k] at w[o·d_in + k]; xᵀ[k, r] at x[r·d_in + k].
+    // SAFETY: the asserts bound every index the strides reach; `out` aliases neither input.
+    unsafe {
+        gemm::gemm(
+            d_out,
+            rows,
+            d_in,
+            out.as_mut_ptr(),
+            d_out as isize,
+            1,
+            accumulate,
+            w.as_ptr(),
+            1,
+            d_in as isize,
+            x.as_ptr(),
+            d_in as isize,
+            1,
             1.0f32,
             1.0f32,
             false,

@@ -98,7 +98,15 @@ impl CacheLayout {
 
     /// Copies the first `len` positions of every head of row `from` in `src` (laid out as
     /// `self`) to row `to` of `dst` (laid out as `other`).
-    pub fn copy_row(&self, src: &[f32], from: usize, other: &CacheLayout, dst: &mut [f32], to: usize, len: usize) {
+    pub fn copy_row(
+        &self,
+        src: &[f32],
+        from: usize,
+        other: &CacheLayout,
+        dst: &mut [f32],
+        to: usize,
+        len: usize,
+    ) {
         for h in 0..self.kv_heads {
             for d in 0..self.dim {
                 let s = self.head(from, h) + d * self.capacity;
@@ -197,7 +205,12 @@ pub const LANES: usize = 16;
 fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let rest: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (xa, xb) in ca.zip(cb) {
         for ((l, &x), &y) in lanes.iter_mut().zip(xa).zip(xb) {
             *l += x * y;
@@ -207,18 +220,26 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
 }
 
 simd_fn!(
-    /// Unnormalised sampling weights `out = e^((x − max)·inv_t)` of logits `x`; returns
-    /// `(max, Σ out)`.
-    pub fn softmax_weights(out: &mut [f32], logits: &[f32], inv_t: f32) -> (f32, f32) = softmax_weights_body
+    /// `Σ e^((x − max)·inv_t)` over a row, without writing it (the normaliser of sampling at
+    /// temperature `1 / inv_t`).
+    pub fn scaled_exp_sum(xs: &[f32], max: f32, inv_t: f32) -> f32 = scaled_exp_sum_body
 );
 
 #[inline(always)]
-fn softmax_weights_body(out: &mut [f32], logits: &[f32], inv_t: f32) -> (f32, f32) {
-    let max = max_of(logits);
-    for (o, &l) in out.iter_mut().zip(logits) {
-        *o = (l - max) * inv_t;
+fn scaled_exp_sum_body(xs: &[f32], max: f32, inv_t: f32) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest: f32 = chunks
+        .remainder()
+        .iter()
+        .map(|&x| fast_exp((x - max) * inv_t))
+        .sum();
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l += fast_exp((x - max) * inv_t);
+        }
     }
-    (max, exp_sum_shifted(out, 0.0))
+    lanes.iter().sum::<f32>() + rest
 }
 
 simd_fn!(
@@ -232,15 +253,7 @@ fn log_sum_exp_body(xs: &[f32]) -> f32 {
     if max == f32::NEG_INFINITY {
         return max;
     }
-    let mut lanes = [0.0f32; LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let rest: f32 = chunks.remainder().iter().map(|&x| fast_exp(x - max)).sum();
-    for chunk in chunks {
-        for (l, &x) in lanes.iter_mut().zip(chunk) {
-            *l += fast_exp(x - max);
-        }
-    }
-    max + (lanes.iter().sum::<f32>() + rest).ln()
+    max + scaled_exp_sum_body(xs, max, 1.0).ln()
 }
 
 simd_fn!(
