@@ -142,6 +142,9 @@ fn spin_moves_the_policy_toward_the_data_and_refreshes_the_reference_per_iterati
     assert!(ok, "{err}");
     let reports = jsonl(&run.join("spin.jsonl"));
     assert_eq!(reports.len(), 2);
+    // One engine generates for both iterations: built for the first, refit for the second.
+    assert!(reports[0]["refit_seconds"].is_null(), "{:?}", reports[0]);
+    assert!(reports[1]["refit_seconds"].as_f64().unwrap() > 0.0);
     let margin = |i: usize| reports[i]["margin"].as_f64().unwrap();
     assert!(
         margin(1).abs() < margin(0).abs(),
@@ -241,6 +244,8 @@ fn rejection_sampling_raises_the_reward_round_over_round() {
         get(1, "eval_reward_after") > get(0, "eval_reward_before") + 1.0,
         "{rounds:?}"
     );
+    // One engine samples every round, refit with the new weights in place.
+    assert!(get(0, "refit_seconds") > 0.0 && get(1, "refit_seconds") > 0.0);
     // The kept samples are the best of each group.
     assert!(get(0, "kept_reward") > get(0, "sample_reward"));
     assert!(run.join("final/model.safetensors").exists());

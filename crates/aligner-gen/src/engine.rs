@@ -159,6 +159,31 @@ impl Engine {
         )
     }
 
+    /// The engine kept in `slot`, holding `model`'s current weights: built on first use,
+    /// refit in place afterwards (cache and buffers kept) — how a method that generates every
+    /// round (SPIN, rejection sampling) keeps one engine. Also returns the refit time (`None`
+    /// when the engine was built).
+    pub fn refit_or_build<'a>(
+        slot: &'a mut Option<Engine>,
+        model: &CausalLm,
+        config: &LlamaConfig,
+        tokenizer: Option<&TextTokenizer>,
+    ) -> Result<(&'a mut Engine, Option<Duration>)> {
+        let refit = match slot {
+            Some(engine) => Some(engine.refit(model)?),
+            None => {
+                *slot = Some(Self::new(
+                    model.clone(),
+                    config.clone(),
+                    tokenizer.cloned(),
+                    EngineOptions::default(),
+                ));
+                None
+            }
+        };
+        Ok((slot.as_mut().expect("just filled"), refit))
+    }
+
     /// Replaces the end-of-sequence ids (empty: never stop at EOS).
     pub fn with_eos_ids(mut self, eos_ids: Vec<u32>) -> Self {
         self.eos_ids = eos_ids;

@@ -14,7 +14,7 @@ use aligner_core::reward::RewardModel;
 use aligner_core::sft::{SftExample, SftObjective, SftRow};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
-use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
+use aligner_gen::{Engine, GenerationRequest, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
 
@@ -94,6 +94,10 @@ pub struct RoundReport {
     pub sample_reward: f64,
     pub kept_reward: f64,
     pub kept: usize,
+    /// Seconds spent handing the round's new weights to the generation engine (one engine
+    /// serves every round, refit in place).
+    #[serde(default)]
+    pub refit_seconds: f64,
 }
 
 /// A rejection-sampling run.
@@ -119,11 +123,12 @@ impl RejectionSampling<'_> {
         };
         let eval = &self.eval_prompts[..eval_limit];
         let mut reports = Vec::new();
-        let mut before = self.mean_reward(&policy, eval, 1, u64::MAX / 2)?.0;
+        let mut engine = None;
+        let mut before = self.mean_reward(&mut engine, &policy, eval, 1, u64::MAX / 2)?.0.0;
         for round in 1..=cfg.rounds {
             let seed = cfg.seed.wrapping_add(round as u64 * 10_000_000);
-            let (sample_reward, samples) =
-                self.mean_reward(&policy, self.train_prompts, cfg.n.max(1), seed)?;
+            let ((sample_reward, samples), refit) =
+                self.mean_reward(&mut engine, &policy, self.train_prompts, cfg.n.max(1), seed)?;
             let mut rows = Vec::new();
             let mut kept_sum = 0.0;
             for (prompt, group) in self.train_prompts.iter().zip(samples.chunks(cfg.n.max(1))) {
@@ -156,7 +161,7 @@ impl RejectionSampling<'_> {
                 };
                 policy = trainer.run(policy, false)?.0.valid();
             }
-            let after = self.mean_reward(&policy, eval, 1, u64::MAX / 2)?.0;
+            let ((after, _), refit_after) = self.mean_reward(&mut engine, &policy, eval, 1, u64::MAX / 2)?;
             let report = RoundReport {
                 round,
                 eval_reward_before: before,
@@ -164,6 +169,7 @@ impl RejectionSampling<'_> {
                 sample_reward,
                 kept_reward: kept_sum / kept.max(1) as f64,
                 kept,
+                refit_seconds: refit + refit_after,
             };
             tracing::info!(?report, "rejection-sampling round");
             let line = format!("{}\n", serde_json::to_string(&report).expect("serialises"));
@@ -175,14 +181,16 @@ impl RejectionSampling<'_> {
         Ok(reports)
     }
 
-    /// `n` samples per prompt (seeds from `seed`) with their rewards; and the mean reward.
+    /// `n` samples per prompt (seeds from `seed`) with their rewards, and the mean reward;
+    /// then the seconds the engine in `engine` took to take `policy`'s weights.
     fn mean_reward(
         &self,
+        engine: &mut Option<Engine>,
         policy: &CausalLm,
         prompts: &[String],
         n: usize,
         seed: u64,
-    ) -> Result<(f64, Vec<(String, f32)>)> {
+    ) -> Result<((f64, Vec<(String, f32)>), f64)> {
         let cfg = &self.config.rs;
         let requests = prompts
             .iter()
@@ -200,12 +208,7 @@ impl RejectionSampling<'_> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut engine = Engine::new(
-            policy.clone(),
-            self.llama.clone(),
-            Some(self.tokenizer.clone()),
-            EngineOptions::default(),
-        );
+        let (engine, refit) = Engine::refit_or_build(engine, policy, self.llama, Some(self.tokenizer))?;
         let outputs = engine.generate(&requests)?;
         let sequences = Sequence::from_generations(&requests, &outputs);
         let rewards = rewards_in_batches(self.reward, &sequences, 32, &self.device)?;
@@ -215,7 +218,8 @@ impl RejectionSampling<'_> {
             .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
             .collect::<Result<Vec<_>, _>>()?;
         let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / rewards.len().max(1) as f64;
-        Ok((mean, texts.into_iter().zip(rewards).collect()))
+        let refit = refit.map_or(0.0, |d| d.as_secs_f64());
+        Ok(((mean, texts.into_iter().zip(rewards).collect()), refit))
     }
 }
 

@@ -15,7 +15,7 @@ use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, T
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
 use aligner_dpo::LossRegistry;
 use aligner_dpo::objective::{DpoExample, DpoObjective, DpoRow, DpoSection, attach_reference, dpo_example};
-use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
+use aligner_gen::{Engine, GenerationRequest, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -102,6 +102,10 @@ pub struct IterationReport {
     /// The same per response token.
     pub margin_per_token: f64,
     pub eval: serde_json::Map<String, Value>,
+    /// Seconds the generation engine took to take this iteration's reference weights (one
+    /// engine serves every iteration, refit in place); `None` where it was built.
+    #[serde(default)]
+    pub refit_seconds: Option<f64>,
 }
 
 /// The pieces a SPIN run works with.
@@ -139,6 +143,7 @@ impl Spin<'_> {
         train_config.epochs = self.config.spin.epochs.max(1);
         let mut reports = Vec::new();
         let mut earlier: Vec<DpoRow> = Vec::new();
+        let mut engine = None;
         for k in 1..=self.config.spin.iterations {
             let dir = self.out_dir.join(format!("iter-{k}"));
             if dir.join("final/config.json").exists() {
@@ -149,14 +154,16 @@ impl Spin<'_> {
             std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
             // The snapshot that answers the prompts and scores the pairs for this iteration.
             let reference = policy.valid();
-            let mut rows = self.self_play_rows(&reference, &train_rows, &dir.join("generations.jsonl"), k)?;
+            let (engine, refit) =
+                Engine::refit_or_build(&mut engine, &reference, self.llama, Some(self.tokenizer))?;
+            let mut rows = self.self_play_rows(engine, &train_rows, &dir.join("generations.jsonl"), k)?;
             let current = rows.clone();
             if self.config.spin.mix_previous {
                 rows.extend(earlier.iter().cloned());
             }
             earlier.extend(current);
             let eval_rows = self.self_play_rows(
-                &reference,
+                engine,
                 &validation_rows,
                 &dir.join("generations_validation.jsonl"),
                 k,
@@ -195,6 +202,7 @@ impl Spin<'_> {
             policy = trained.valid();
             let report = IterationReport {
                 iteration: k,
+                refit_seconds: refit.map(|d| d.as_secs_f64()),
                 margin,
                 margin_per_token,
                 eval: summary.final_eval,
@@ -214,11 +222,12 @@ impl Spin<'_> {
             .ok_or_else(|| CoreError::Invalid(format!("{key} is not set")).into())
     }
 
-    /// Ground truth as chosen, the reference's answer as rejected; answers are written to
-    /// `file` (and read back from it when a resumed run already made them).
+    /// Ground truth as chosen, the answer of `reference` (the engine holding this iteration's
+    /// reference weights) as rejected; answers are written to `file` (and read back from it
+    /// when a resumed run already made them).
     fn self_play_rows(
         &self,
-        reference: &CausalLm,
+        reference: &mut Engine,
         rows: &[PromptResponseRow],
         file: &Path,
         iteration: usize,
@@ -249,13 +258,7 @@ impl Spin<'_> {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let mut engine = Engine::new(
-                    reference.clone(),
-                    self.llama.clone(),
-                    Some(self.tokenizer.clone()),
-                    EngineOptions::default(),
-                );
-                let outputs = engine.generate(&requests)?;
+                let outputs = reference.generate(&requests)?;
                 let answers = requests
                     .iter()
                     .zip(&outputs)
