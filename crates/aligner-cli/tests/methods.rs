@@ -4,7 +4,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{aligner, jsonl, mean_lexicon, metrics, sample_sentiment_with};
+use common::{aligner, jsonl, mean_lexicon, metrics, sample_sentiment, sample_sentiment_with};
 use serde_json::Value;
 
 fn data(name: &str) -> PathBuf {
@@ -161,6 +161,19 @@ fn spin_moves_the_policy_toward_the_data_and_refreshes_the_reference_per_iterati
     assert!(
         first < target && second > first + 0.4,
         "samples {first} -> {second}, data {target}"
+    );
+
+    // The policy keeps what it gained: the second iteration does not swing the held-out
+    // samples back toward the base model's sentiment.
+    let sampled = |model: &Path, name: &str| sample_sentiment(model, &dir.path().join(name));
+    let base = sampled(&common::repo().join("assets/stories260K"), "base.jsonl");
+    let (after_one, after_two) = (
+        sampled(&run.join("iter-1/final"), "iter1.jsonl"),
+        sampled(&run.join("final"), "iter2.jsonl"),
+    );
+    assert!(
+        after_one > base + 0.5 && after_two > base + 0.5 && after_two > after_one - 0.5,
+        "held-out sample sentiment: base {base}, iteration 1 {after_one}, iteration 2 {after_two}"
     );
 
     // Iteration k's cached reference log-probs (chosen, rejected alternating) are those of the

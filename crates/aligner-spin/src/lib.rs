@@ -40,13 +40,23 @@ pub struct SpinSection {
     pub iterations: usize,
     /// Epochs over each iteration's pairs.
     pub epochs: usize,
-    /// β of the DPO loss.
+    /// β of the DPO loss in the first iteration.
     pub beta: f64,
+    /// β from the second iteration on. Once the reference's answers resemble the data, the
+    /// pairs carry little signal and a small β lets the policy swing past the data (measured
+    /// on the shipped task: at β 0.1 the second iteration took the samples' sentiment from
+    /// 2.2 to 1.0–1.6 against the data's 2.2; at 5.0 it stays at 2.15). A larger β keeps those
+    /// steps small.
+    pub beta_later: f64,
     pub max_new_tokens: usize,
     /// Sampling temperature of the reference's answers (0 = greedy).
     pub temperature: f32,
     /// Keep training on earlier iterations' generations too (scored by the new reference).
     pub mix_previous: bool,
+    /// Weight of an NLL term on the ground truth (per token) added to the DPO loss (RPO's
+    /// regulariser): once the reference's answers resemble the data, DPO alone lowers the
+    /// likelihood of both and the policy drifts away from the data it is meant to approach.
+    pub sft_weight: f64,
     pub seed: u64,
 }
 
@@ -56,9 +66,11 @@ impl Default for SpinSection {
             iterations: 2,
             epochs: 1,
             beta: 0.1,
+            beta_later: 5.0,
             max_new_tokens: 48,
             temperature: 1.0,
             mix_previous: false,
+            sft_weight: 1.0,
             seed: 0,
         }
     }
@@ -128,17 +140,6 @@ impl Spin<'_> {
             Some(p) if !p.as_os_str().is_empty() => read_jsonl(p)?,
             _ => Vec::new(),
         };
-        let params = DpoSection {
-            beta: self.config.spin.beta,
-            ..DpoSection::default()
-        }
-        .loss_params();
-        let loss = LossRegistry::with_builtin().build("dpo", &params)?;
-        let objective = DpoObjective {
-            loss,
-            beta: self.config.spin.beta,
-            sft_weight: 0.0,
-        };
         let mut train_config = self.config.train.clone();
         train_config.epochs = self.config.spin.epochs.max(1);
         let mut reports = Vec::new();
@@ -189,7 +190,7 @@ impl Spin<'_> {
             );
             let trainer = Trainer {
                 config: &train_config,
-                objective: &objective,
+                objective: &self.objective(k)?,
                 store: self.store,
                 train: &train,
                 validation: &validation,
@@ -215,6 +216,23 @@ impl Spin<'_> {
         }
         self.store.save(&policy, &self.out_dir.join("final"))?;
         Ok(reports)
+    }
+
+    /// Iteration `k`'s loss: DPO at `spin.beta` (`spin.beta_later` from the second iteration
+    /// on) plus the NLL term of `spin.sft_weight`.
+    fn objective(&self, k: usize) -> Result<DpoObjective> {
+        let spin = &self.config.spin;
+        let beta = if k == 1 { spin.beta } else { spin.beta_later };
+        let params = DpoSection {
+            beta,
+            ..DpoSection::default()
+        }
+        .loss_params();
+        Ok(DpoObjective {
+            loss: LossRegistry::with_builtin().build("dpo", &params)?,
+            beta,
+            sft_weight: spin.sft_weight,
+        })
     }
 
     fn path(&self, p: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
