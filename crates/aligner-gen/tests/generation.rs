@@ -419,3 +419,30 @@ fn host_and_burn_paths_agree() {
     let auto = Engine::for_model(&lm, EngineOptions::default());
     assert_eq!(auto.path(), ForwardPath::Host);
 }
+
+#[test]
+fn prompts_beyond_one_prefill_pass_are_split_between_passes() {
+    let lm = shipped();
+    // 48 prompts of ~100 tokens: more tokens than one host prefill pass takes (4,096).
+    let story =
+        "Once upon a time there was a little girl named Lily. She loved to play in the park with her dog. ";
+    let reqs: Vec<GenerationRequest> = (0..48)
+        .map(|i| GenerationRequest {
+            prompt_ids: lm
+                .tokenizer
+                .encode(&format!("{story}{story}{story}{i}"), true)
+                .unwrap(),
+            params: SamplingParams::greedy(4),
+        })
+        .collect();
+    let total: usize = reqs.iter().map(|r| r.prompt_ids.len()).sum();
+    assert!(total > 4096, "{total} prompt tokens");
+    let batched = engine(&lm, 48, ForwardPath::Host).generate(&reqs).unwrap();
+    let mut alone = engine(&lm, 1, ForwardPath::Host);
+    for (req, out) in reqs.iter().zip(&batched) {
+        assert_same(
+            &alone.generate(std::slice::from_ref(req)).unwrap(),
+            std::slice::from_ref(out),
+        );
+    }
+}

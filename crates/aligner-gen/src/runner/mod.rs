@@ -17,6 +17,9 @@ use self::host::{HostCache, HostRunner, HostWeights};
 use crate::engine::{EngineStats, ForwardPath};
 use crate::error::{GenError, Result};
 
+/// Most tokens the host path prefills in one pass.
+const PREFILL_TOKENS: usize = 4096;
+
 pub(crate) enum Runner {
     Burn(BurnRunner),
     Host(HostRunner),
@@ -133,22 +136,38 @@ impl Runner {
             Runner::Burn(b) => b.prefill(prompts),
             Runner::Host(h) => {
                 let cache = h.cache.as_mut().expect("reserve comes first");
-                let (mut tokens, mut rows, mut picked) = (Vec::new(), Vec::new(), Vec::new());
-                for prompt in prompts {
-                    let row = cache.lens.len();
-                    cache.lens.push(prompt.len());
-                    tokens.extend_from_slice(prompt);
-                    rows.extend((0..prompt.len()).map(|pos| (row, pos)));
-                    picked.push(tokens.len() - 1);
+                let mut logits = Vec::new();
+                // Whole prompts, at most PREFILL_TOKENS per pass (one longer prompt goes
+                // alone): activations grow with the tokens of a pass.
+                let mut rest = prompts;
+                while !rest.is_empty() {
+                    let mut take = 1;
+                    let mut total = rest[0].len();
+                    while take < rest.len() && total + rest[take].len() <= PREFILL_TOKENS {
+                        total += rest[take].len();
+                        take += 1;
+                    }
+                    let (mut tokens, mut rows, mut picked) = (Vec::new(), Vec::new(), Vec::new());
+                    for prompt in &rest[..take] {
+                        let row = cache.lens.len();
+                        cache.lens.push(prompt.len());
+                        tokens.extend_from_slice(prompt);
+                        rows.extend((0..prompt.len()).map(|pos| (row, pos)));
+                        picked.push(tokens.len() - 1);
+                    }
+                    let part = forward(
+                        &h.weights,
+                        cache,
+                        &tokens,
+                        &rows,
+                        &picked,
+                        std::mem::take(&mut h.spare),
+                    );
+                    logits.extend_from_slice(&part);
+                    h.spare = part;
+                    rest = &rest[take..];
                 }
-                forward(
-                    &h.weights,
-                    cache,
-                    &tokens,
-                    &rows,
-                    &picked,
-                    std::mem::take(&mut h.spare),
-                )
+                logits
             }
         }
     }
