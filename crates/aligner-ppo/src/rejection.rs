@@ -124,11 +124,11 @@ impl RejectionSampling<'_> {
         let eval = &self.eval_prompts[..eval_limit];
         let mut reports = Vec::new();
         let mut engine = None;
-        let mut before = self.mean_reward(&mut engine, &policy, eval, 1, u64::MAX / 2)?.0.0;
+        let mut before = self.sample(&mut engine, &policy, eval, 1, u64::MAX / 2)?.mean;
         for round in 1..=cfg.rounds {
             let seed = cfg.seed.wrapping_add(round as u64 * 10_000_000);
-            let ((sample_reward, samples), refit) =
-                self.mean_reward(&mut engine, &policy, self.train_prompts, cfg.n.max(1), seed)?;
+            let sampled = self.sample(&mut engine, &policy, self.train_prompts, cfg.n.max(1), seed)?;
+            let (sample_reward, samples, refit) = (sampled.mean, sampled.samples, sampled.refit_seconds);
             let mut rows = Vec::new();
             let mut kept_sum = 0.0;
             for (prompt, group) in self.train_prompts.iter().zip(samples.chunks(cfg.n.max(1))) {
@@ -161,7 +161,8 @@ impl RejectionSampling<'_> {
                 };
                 policy = trainer.run(policy, false)?.0.valid();
             }
-            let ((after, _), refit_after) = self.mean_reward(&mut engine, &policy, eval, 1, u64::MAX / 2)?;
+            let evaluated = self.sample(&mut engine, &policy, eval, 1, u64::MAX / 2)?;
+            let (after, refit_after) = (evaluated.mean, evaluated.refit_seconds);
             let report = RoundReport {
                 round,
                 eval_reward_before: before,
@@ -181,16 +182,16 @@ impl RejectionSampling<'_> {
         Ok(reports)
     }
 
-    /// `n` samples per prompt (seeds from `seed`) with their rewards, and the mean reward;
-    /// then the seconds the engine in `engine` took to take `policy`'s weights.
-    fn mean_reward(
+    /// `n` samples per prompt (seeds from `seed`) from `policy` through the engine in
+    /// `engine`, with their rewards.
+    fn sample(
         &self,
         engine: &mut Option<Engine>,
         policy: &CausalLm,
         prompts: &[String],
         n: usize,
         seed: u64,
-    ) -> Result<((f64, Vec<(String, f32)>), f64)> {
+    ) -> Result<Sampled> {
         let cfg = &self.config.rs;
         let requests = prompts
             .iter()
@@ -218,9 +219,22 @@ impl RejectionSampling<'_> {
             .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
             .collect::<Result<Vec<_>, _>>()?;
         let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / rewards.len().max(1) as f64;
-        let refit = refit.map_or(0.0, |d| d.as_secs_f64());
-        Ok(((mean, texts.into_iter().zip(rewards).collect()), refit))
+        Ok(Sampled {
+            mean,
+            samples: texts.into_iter().zip(rewards).collect(),
+            refit_seconds: refit.map_or(0.0, |d| d.as_secs_f64()),
+        })
     }
+}
+
+/// What [`RejectionSampling::sample`] drew.
+struct Sampled {
+    /// Mean reward of the samples.
+    mean: f64,
+    /// Each sample's text and reward, prompt by prompt (`n` in a row).
+    samples: Vec<(String, f32)>,
+    /// Seconds the engine took to take the policy's weights (0 when it was built).
+    refit_seconds: f64,
 }
 
 fn append(path: &Path, line: &str) -> Result<()> {

@@ -21,7 +21,7 @@ use crate::error::{GenError, Result};
 const PREFILL_TOKENS: usize = 4096;
 
 pub(crate) enum Runner {
-    Burn(BurnRunner),
+    Burn(Box<BurnRunner>),
     Host(HostRunner),
 }
 
@@ -40,7 +40,7 @@ impl Runner {
                 spare: Vec::new(),
             })
         } else {
-            Runner::Burn(BurnRunner::new(model.clone(), config.clone(), device))
+            Runner::Burn(Box::new(BurnRunner::new(model.clone(), config.clone(), device)))
         }
     }
 
@@ -55,7 +55,7 @@ impl Runner {
     /// The same weights (shared), no cache.
     pub(crate) fn replica(&self) -> Self {
         match self {
-            Runner::Burn(b) => Runner::Burn(b.replica()),
+            Runner::Burn(b) => Runner::Burn(Box::new(b.replica())),
             Runner::Host(h) => Runner::Host(HostRunner {
                 weights: h.weights.clone(),
                 cache: None,
