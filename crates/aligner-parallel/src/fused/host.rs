@@ -228,63 +228,6 @@ fn matmul_with(
     }
 }
 
-/// `out (+)= x · wᵀ` for `x: [rows, d_in]` and a weight stored output-major, `w: [d_out, d_in]`
-/// (a linear layer as inference runs it). The product runs as `outᵀ = w · xᵀ`, so `gemm`'s
-/// long axis is `d_out`: with few rows (decoding) its row panels would otherwise be mostly
-/// padding. Large products use every core.
-pub fn linear_rows(
-    out: &mut [f32],
-    x: &[f32],
-    w: &[f32],
-    rows: usize,
-    d_out: usize,
-    d_in: usize,
-    accumulate: bool,
-) {
-    assert_eq!(out.len(), rows * d_out, "linear output");
-    assert_eq!(x.len(), rows * d_in, "linear input");
-    assert_eq!(w.len(), d_out * d_in, "linear weight");
-    if rows == 0 || d_out == 0 {
-        return;
-    }
-    if d_in == 0 {
-        if !accumulate {
-            out.fill(0.0);
-        }
-        return;
-    }
-    let parallelism = if rows * d_out * d_in >= 1 << 21 {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
-    // outᵀ[o, r] lives at out[r·d_out + o]; w[o, k] at w[o·d_in + k]; xᵀ[k, r] at x[r·d_in + k].
-    // SAFETY: the asserts bound every index the strides reach; `out` aliases neither input.
-    unsafe {
-        gemm::gemm(
-            d_out,
-            rows,
-            d_in,
-            out.as_mut_ptr(),
-            d_out as isize,
-            1,
-            accumulate,
-            w.as_ptr(),
-            1,
-            d_in as isize,
-            x.as_ptr(),
-            d_in as isize,
-            1,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-}
-
 /// Rows of a log-softmax pass kept between forward and backward: each row's `logsumexp`, and
 /// the softmax itself when it fits the memory budget (else the backward recomputes it).
 pub struct SoftmaxRows {
