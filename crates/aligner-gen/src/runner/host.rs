@@ -145,8 +145,8 @@ impl HostWeights {
         }
     }
 
-    /// Overwrites these buffers with `other`'s (same architecture), keeping the allocations.
-    pub(crate) fn copy_from(&mut self, other: &HostWeights) -> Result<()> {
+    /// An error unless `other` has this model's architecture (what a refit may take).
+    pub(crate) fn check_same_shape(&self, other: &HostWeights) -> Result<()> {
         let size = |w: &HostWeights| {
             w.embed.len()
                 + w.head.len()
@@ -159,7 +159,6 @@ impl HostWeights {
         if have != got || self.layers.len() != other.layers.len() {
             return Err(GenError::RefitMismatch { have, got });
         }
-        self.clone_from(other);
         Ok(())
     }
 

@@ -71,13 +71,13 @@ impl Runner {
             Runner::Burn(b) => b.take_weights(model.clone()),
             Runner::Host(h) => {
                 let fresh = HostWeights::new(model, config);
+                h.weights.check_same_shape(&fresh)?;
                 match Arc::get_mut(&mut h.weights) {
-                    Some(own) => own.copy_from(&fresh)?,
-                    None => {
-                        let mut shared = (*h.weights).clone();
-                        shared.copy_from(&fresh)?;
-                        h.weights = Arc::new(shared);
-                    }
+                    // Written over the existing buffers (their allocations kept).
+                    Some(own) => own.clone_from(&fresh),
+                    // Shared with replicas: copying the old weights only to overwrite them
+                    // would be wasted; the new ones take their place.
+                    None => h.weights = Arc::new(fresh),
                 }
             }
         }
@@ -110,7 +110,7 @@ impl Runner {
             Runner::Host(h) => {
                 // Whole vectors of positions for the attention kernel.
                 let span = span.div_ceil(LANES) * LANES;
-                let cache = match h.cache.take() {
+                let mut cache = match h.cache.take() {
                     Some(cache) if cache.capacity() >= span => cache,
                     Some(cache) => {
                         tracing::debug!(from = cache.capacity(), to = span, "growing the KV cache");
@@ -122,11 +122,9 @@ impl Runner {
                         HostCache::new(&h.weights, rows, span)
                     }
                 };
+                cache.lens.clear();
                 h.cache = Some(cache);
             }
-        }
-        if let Runner::Host(HostRunner { cache: Some(c), .. }) = self {
-            c.lens.clear();
         }
     }
 
