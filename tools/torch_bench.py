@@ -1,7 +1,10 @@
 """The PyTorch side of aligner's benchmarks (not run in CI): transformers Llama models equal to
 `aligner bench`'s (shipped stories260K, random ~16M with vocab 50257), batch 8 x 128 tokens.
 
-  python3 tools/torch_bench.py [forward|train|generate]
+  python3 tools/torch_bench.py [forward|train|generate] [ONLY] [BATCH,SIZES]
+
+ONLY keeps the models whose name contains it (as `aligner bench --only`); BATCH,SIZES are generate's
+batch sizes (default 1,8,64).
 
 train = forward + backward + AdamW step on an SFT loss, the inner step of TRL's SFTTrainer
 (TRL adds data collation and logging on top, so TRL itself is slower than this).
@@ -23,9 +26,11 @@ def models():
     yield "random-16M", transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def main(what):
+def main(what, only="", batch_sizes=(1, 8, 64)):
     batch, seq = 8, 128
     for name, model in models():
+        if only not in name:
+            continue
         ids = torch.randint(1, model.config.vocab_size, (batch, seq))
         if what == "forward":
             model.eval()
@@ -55,7 +60,7 @@ def main(what):
         elif what == "generate":
             model.eval()
             prompts = torch.randint(3, model.config.vocab_size, (64, 8))
-            for bs in (1, 8, 64):
+            for bs in batch_sizes:
                 t = time.time()
                 n = 0
                 for i in range(0, 64, bs):
@@ -67,4 +72,6 @@ def main(what):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "train")
+    args = sys.argv[1:] + [None] * 3
+    main(args[0] or "train", args[1] or "",
+         tuple(int(b) for b in args[2].split(",")) if args[2] else (1, 8, 64))

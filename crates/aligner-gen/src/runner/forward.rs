@@ -3,7 +3,7 @@
 //! Sequences are independent until the output projection, so the decoder layers run on
 //! groups of whole sequences in parallel (one group per core), each group on its own rows of
 //! the cache; inside a group every product covers all of its tokens. The output projection
-//! then runs once over every picked token, `gemm` splitting it across cores itself (its
+//! then runs once over every picked token, its column panels split between the cores (its
 //! weights are the largest matrix and are read once rather than once per group).
 
 use aligner_parallel::fused::host::matmul;
@@ -54,22 +54,11 @@ pub(crate) fn forward(
         })
         .collect();
     let last: Vec<f32> = hidden.concat();
-    let d = w.hidden;
     let mut normed = vec![0.0; last.len()];
     rms_norm_into(&mut normed, &last, &w.norm, w.eps[2 * w.layers.len()]);
     // Every entry is overwritten: a recycled buffer needs no clearing.
     logits.resize(picked.len() * w.vocab, 0.0);
-    matmul(
-        &mut logits,
-        &normed,
-        &w.head,
-        picked.len(),
-        w.vocab,
-        d,
-        false,
-        false,
-        false,
-    );
+    w.head.left_product(&mut logits, &normed, picked.len());
     logits
 }
 

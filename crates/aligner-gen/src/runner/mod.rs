@@ -64,21 +64,16 @@ impl Runner {
         }
     }
 
-    /// Takes `model`'s weights (already in inference form). The host path writes them over
-    /// its own buffers when no other engine shares them.
+    /// Takes `model`'s weights (already in inference form). The host path's copies are made
+    /// for this refit, so they replace the old set (moved in, not copied again); replicas that
+    /// shared the old set keep it until they share the new one.
     pub(crate) fn take_weights(&mut self, model: &CausalLm, config: &LlamaConfig) -> Result<()> {
         match self {
             Runner::Burn(b) => b.take_weights(model.clone()),
             Runner::Host(h) => {
                 let fresh = HostWeights::new(model, config);
                 h.weights.check_same_shape(&fresh)?;
-                match Arc::get_mut(&mut h.weights) {
-                    // Written over the existing buffers (their allocations kept).
-                    Some(own) => own.clone_from(&fresh),
-                    // Shared with replicas: copying the old weights only to overwrite them
-                    // would be wasted; the new ones take their place.
-                    None => h.weights = Arc::new(fresh),
-                }
+                h.weights = Arc::new(fresh);
             }
         }
         Ok(())

@@ -13,6 +13,7 @@
 mod autodiff;
 pub mod host;
 pub mod infer;
+pub mod panels;
 
 use std::sync::Arc;
 
