@@ -175,8 +175,8 @@ fn attend_row_body(
     let (dim, cap) = (layout.dim, layout.capacity);
     let groups = heads / layout.kv_heads;
     let n = pos + 1;
-    // Whole vectors of positions when the capacity allows (the engine rounds it up): the
-    // positions past `n` get probability 0, and no loop ends in a scalar remainder.
+    // Scores on whole vectors of positions when the capacity allows (the engine rounds it
+    // up): the positions past `n` get probability 0, and the loops end in no scalar remainder.
     let width = (n.div_ceil(LANES) * LANES).min(cap);
     scores.resize(width, 0.0);
     for (h, (o, qh)) in out.chunks_mut(dim).zip(q.chunks(dim)).enumerate() {
@@ -191,8 +191,10 @@ fn attend_row_body(
         scores[n..].fill(f32::NEG_INFINITY);
         let max = max_of(&scores[..n]);
         let inv = 1.0 / exp_sum_shifted(scores, max);
+        // Values over the row's own positions only: past them the probabilities are 0, but
+        // whatever an earlier occupant left there (a diverged sequence's NaN) would not be.
         for (d, o) in o.iter_mut().enumerate() {
-            *o = dot_lanes(scores, &values[base + d * cap..][..width]) * inv;
+            *o = dot_lanes(&scores[..n], &values[base + d * cap..][..n]) * inv;
         }
     }
 }
