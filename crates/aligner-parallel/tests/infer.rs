@@ -122,9 +122,17 @@ fn row_reductions_match_composed_ops() {
 /// tokens of other cache rows at their own lengths — against softmax(q·Kᵀ·scale)·V composed
 /// from Burn ops over each token's own positions. Everything past a row's length is poisoned
 /// with NaN and infinities (what a diverged earlier occupant could leave): it must not leak.
+/// Head widths with an unrolled path (8, 64) and without (12); capacities of whole vectors
+/// and not.
 #[test]
 fn cached_attention_matches_composed_ops_and_ignores_stale_positions() {
-    let (heads, kv_heads, dim, capacity, cache_rows) = (4, 2, 8, 2 * LANES, 4);
+    for (heads, kv_heads, dim, capacity) in [(4, 2, 8, 2 * LANES), (2, 1, 12, 2 * LANES), (2, 2, 64, 37)] {
+        check_cached_attention(heads, kv_heads, dim, capacity);
+    }
+}
+
+fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: usize) {
+    let cache_rows = 4;
     let layout = CacheLayout {
         kv_heads,
         capacity,
@@ -148,12 +156,14 @@ fn cached_attention_matches_composed_ops_and_ignores_stale_positions() {
     };
     for row in 0..cache_rows {
         for h in 0..kv_heads {
-            for d in 0..dim {
-                let at = layout.head(row, h) + d * capacity;
-                for pos in written(row)..capacity {
-                    keys[at + pos] = if pos % 2 == 0 { f32::NAN } else { f32::INFINITY };
-                    values[at + pos] = if pos % 2 == 0 { f32::INFINITY } else { f32::NAN };
-                }
+            for pos in written(row)..capacity {
+                let (a, b) = if pos % 2 == 0 {
+                    (f32::NAN, f32::INFINITY)
+                } else {
+                    (f32::INFINITY, f32::NAN)
+                };
+                layout.write_key(&mut keys, row, h, pos, &vec![a; dim]);
+                layout.write_value(&mut values, row, h, pos, &vec![b; dim]);
             }
         }
     }
@@ -169,21 +179,25 @@ fn cached_attention_matches_composed_ops_and_ignores_stale_positions() {
     for (t, &(row, pos)) in rows.iter().enumerate() {
         for h in 0..heads {
             let base = layout.head(row, h / (heads / kv_heads));
-            // [dim, n] slices of the cache: the positions this token sees.
-            let seen = |buffer: &[f32]| {
-                let lanes: Vec<f32> = (0..dim)
-                    .flat_map(|d| buffer[base + d * capacity..][..=pos].to_vec())
-                    .collect();
-                tensor(&lanes, [dim, pos + 1])
-            };
+            // The positions this token sees: keys [dim, n], values [n, dim].
+            let lanes: Vec<f32> = (0..dim)
+                .flat_map(|d| keys[base + d * capacity..][..=pos].to_vec())
+                .collect();
+            let k = tensor(&lanes, [dim, pos + 1]);
+            let v = tensor(&values[base..][..(pos + 1) * dim], [pos + 1, dim]);
             let qh = tensor(&q[t * stride + extra + h * dim..][..dim], [1, dim]);
-            let probs = softmax(qh.matmul(seen(&keys)) * scale, 1);
-            want.extend(host(probs.matmul(seen(&values).transpose())));
+            let probs = softmax(qh.matmul(k) * scale, 1);
+            want.extend(host(probs.matmul(v)));
         }
     }
     assert!(
         got.iter().all(|v| v.is_finite()),
-        "stale positions leaked into the output"
+        "dim {dim}: stale positions leaked into the output"
     );
-    assert_close(&got, &want, 1e-5, "cached attention");
+    assert_close(
+        &got,
+        &want,
+        1e-5,
+        &format!("cached attention, dim {dim}, capacity {capacity}"),
+    );
 }

@@ -222,8 +222,8 @@ fn layer_forward(
     for (qkv, &(row, pos)) in s.qkv.chunks(qkv_width).zip(rows) {
         let (k, v) = qkv[q_width..].split_at(kv_width);
         for (h, (kh, vh)) in k.chunks(hd).zip(v.chunks(hd)).enumerate() {
-            layout.write(keys, row, h, pos, kh);
-            layout.write(values, row, h, pos, vh);
+            layout.write_key(keys, row, h, pos, kh);
+            layout.write_value(values, row, h, pos, vh);
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();

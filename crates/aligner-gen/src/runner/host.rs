@@ -188,7 +188,7 @@ impl HostWeights {
     }
 }
 
-/// Keys and values of every layer, `[rows, kv_heads, capacity, head_dim]` each, and how many
+/// Keys and values of every layer (laid out as [`CacheLayout`] says), and how many
 /// positions of each row are written.
 pub(crate) struct HostCache {
     pub(super) keys: Vec<Vec<f32>>,
@@ -232,32 +232,39 @@ impl HostCache {
             },
         };
         let (old, new) = (self.layout, grown.layout);
-        let regrid = |buffers: &[Vec<f32>]| -> Vec<Vec<f32>> {
+        type Copy = fn(&CacheLayout, &[f32], usize, &CacheLayout, &mut [f32], usize, usize);
+        let regrid = |buffers: &[Vec<f32>], copy: Copy| -> Vec<Vec<f32>> {
             buffers
                 .iter()
                 .map(|b| {
                     let mut out = vec![0.0; self.rows * new.kv_heads * capacity * new.dim];
                     for (row, &len) in self.lens.iter().enumerate() {
-                        old.copy_row(b, row, &new, &mut out, row, len);
+                        copy(&old, b, row, &new, &mut out, row, len);
                     }
                     out
                 })
                 .collect()
         };
-        grown.keys = regrid(&self.keys);
-        grown.values = regrid(&self.values);
+        grown.keys = regrid(&self.keys, CacheLayout::copy_keys);
+        grown.values = regrid(&self.values, CacheLayout::copy_values);
         grown
     }
 
     /// Copies row `from`'s written positions over row `to`.
     pub(crate) fn move_row(&mut self, from: usize, to: usize) {
         let (layout, len) = (self.layout, self.lens[from]);
-        for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+        for keys in &mut self.keys {
             for h in 0..layout.kv_heads {
                 for d in 0..layout.dim {
                     let at = |row| layout.head(row, h) + d * layout.capacity;
-                    buffer.copy_within(at(from)..at(from) + len, at(to));
+                    keys.copy_within(at(from)..at(from) + len, at(to));
                 }
+            }
+        }
+        for values in &mut self.values {
+            for h in 0..layout.kv_heads {
+                let at = |row| layout.head(row, h);
+                values.copy_within(at(from)..at(from) + len * layout.dim, at(to));
             }
         }
         self.lens[to] = self.lens[from];

@@ -72,9 +72,13 @@ pub fn rope_rows(
     }
 }
 
-/// Where one layer's keys (or values) lie: `[cache rows, kv_heads, dim, capacity]` — each
-/// head's positions run along the last axis, so the score and output loops of attention run
-/// over positions (many) rather than head dimensions (8 on a small model) and vectorise.
+/// Where one layer's keys and values lie. Both are `[cache rows, kv_heads, …]` blocks of
+/// `dim · capacity` values per head, laid out for the loop that reads them:
+/// - keys `[dim, capacity]`: each dimension's positions in a run, so the scores `q · k` are
+///   computed a vector of positions at a time (over positions, which are many, rather than
+///   head dimensions: 8 on a small model);
+/// - values `[capacity, dim]`: a position's value row in a run, so the output `Σ p · v` adds
+///   whole rows, with no sum across vector lanes at the end.
 #[derive(Debug, Clone, Copy)]
 pub struct CacheLayout {
     pub kv_heads: usize,
@@ -83,22 +87,28 @@ pub struct CacheLayout {
 }
 
 impl CacheLayout {
-    /// Offset of KV head `head` of cache row `row`: its `dim` lanes of `capacity` positions.
+    /// Offset of KV head `head` of cache row `row`: its `dim · capacity` values.
     pub fn head(&self, row: usize, head: usize) -> usize {
         (row * self.kv_heads + head) * self.dim * self.capacity
     }
 
-    /// Writes one position's key (or value) `x` (`dim` values) of `head` in `row`.
-    pub fn write(&self, buffer: &mut [f32], row: usize, head: usize, pos: usize, x: &[f32]) {
+    /// Writes one position's key `x` (`dim` values) of `head` in `row`.
+    pub fn write_key(&self, keys: &mut [f32], row: usize, head: usize, pos: usize, x: &[f32]) {
         let base = self.head(row, head) + pos;
         for (d, &v) in x.iter().enumerate() {
-            buffer[base + d * self.capacity] = v;
+            keys[base + d * self.capacity] = v;
         }
     }
 
-    /// Copies the first `len` positions of every head of row `from` in `src` (laid out as
-    /// `self`) to row `to` of `dst` (laid out as `other`).
-    pub fn copy_row(
+    /// Writes one position's value `x` (`dim` values) of `head` in `row`.
+    pub fn write_value(&self, values: &mut [f32], row: usize, head: usize, pos: usize, x: &[f32]) {
+        let base = self.head(row, head) + pos * self.dim;
+        values[base..base + self.dim].copy_from_slice(x);
+    }
+
+    /// Copies the first `len` positions of every head's keys of row `from` in `src` (laid
+    /// out as `self`) to row `to` of `dst` (laid out as `other`, which may differ in capacity).
+    pub fn copy_keys(
         &self,
         src: &[f32],
         from: usize,
@@ -113,6 +123,22 @@ impl CacheLayout {
                 let t = other.head(to, h) + d * other.capacity;
                 dst[t..t + len].copy_from_slice(&src[s..s + len]);
             }
+        }
+    }
+
+    /// [`CacheLayout::copy_keys`] for values.
+    pub fn copy_values(
+        &self,
+        src: &[f32],
+        from: usize,
+        other: &CacheLayout,
+        dst: &mut [f32],
+        to: usize,
+        len: usize,
+    ) {
+        for h in 0..self.kv_heads {
+            let (s, t) = (self.head(from, h), other.head(to, h));
+            dst[t..t + len * self.dim].copy_from_slice(&src[s..s + len * self.dim]);
         }
     }
 }
@@ -178,48 +204,115 @@ fn attend_row_body(
     // Scores on whole vectors of positions when the capacity allows (the engine rounds it
     // up): the positions past `n` get probability 0, and the loops end in no scalar remainder.
     let width = (n.div_ceil(LANES) * LANES).min(cap);
+    let whole = width / LANES * LANES;
     scores.resize(width, 0.0);
     for (h, (o, qh)) in out.chunks_mut(dim).zip(q.chunks(dim)).enumerate() {
         let base = layout.head(row, h / groups);
-        scores.fill(0.0);
-        for (d, &qd) in qh.iter().enumerate() {
-            let qd = qd * scale;
-            for (s, &k) in scores.iter_mut().zip(&keys[base + d * cap..][..width]) {
-                *s += qd * k;
+        // A vector of positions at a time, summed over the head's dimensions in registers
+        // (a pass over all positions per dimension would load and store the scores each time).
+        // Four vectors side by side where there are: four independent sums in flight.
+        let quads = whole / (4 * LANES) * (4 * LANES);
+        for (c, chunk) in scores[..quads].chunks_exact_mut(4 * LANES).enumerate() {
+            let mut acc = [[0.0f32; LANES]; 4];
+            for (d, &qd) in qh.iter().enumerate() {
+                let at = base + d * cap + c * 4 * LANES;
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    for (a, &k) in acc.iter_mut().zip(vector(&keys[at + j * LANES..])) {
+                        *a += qd * k;
+                    }
+                }
             }
+            for (s, a) in chunk.iter_mut().zip(acc.as_flattened()) {
+                *s = a * scale;
+            }
+        }
+        for (c, chunk) in scores[quads..whole].chunks_exact_mut(LANES).enumerate() {
+            let mut acc = [0.0f32; LANES];
+            for (d, &qd) in qh.iter().enumerate() {
+                let k = vector(&keys[base + d * cap + quads + c * LANES..]);
+                for (a, &k) in acc.iter_mut().zip(k) {
+                    *a += qd * k;
+                }
+            }
+            for (s, a) in chunk.iter_mut().zip(acc) {
+                *s = a * scale;
+            }
+        }
+        for (p, s) in scores.iter_mut().enumerate().skip(whole) {
+            let dot: f32 = qh
+                .iter()
+                .enumerate()
+                .map(|(d, &qd)| qd * keys[base + d * cap + p])
+                .sum();
+            *s = dot * scale;
         }
         scores[n..].fill(f32::NEG_INFINITY);
         let max = max_of(&scores[..n]);
         let inv = 1.0 / exp_sum_shifted(scores, max);
-        // Values over the row's own positions only: past them the probabilities are 0, but
-        // whatever an earlier occupant left there (a diverged sequence's NaN) would not be.
-        for (d, o) in o.iter_mut().enumerate() {
-            *o = dot_lanes(&scores[..n], &values[base + d * cap..][..n]) * inv;
+        // The row's own positions only: past them the probabilities are 0, but whatever an
+        // earlier occupant left there (a diverged sequence's NaN) would not be cancelled.
+        weighted_rows(o, &scores[..n], &values[base..][..n * dim]);
+        for o in o.iter_mut() {
+            *o *= inv;
         }
     }
 }
 
-/// Lanes of the dot product below (independent accumulators, so the loop vectorises); cache
+/// `out = Σ_p weights[p] · rows[p]` for `weights.len()` consecutive rows of `out.len()`
+/// values, with the usual head widths unrolled so that the sums stay in registers.
+#[inline(always)]
+fn weighted_rows(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+    match out.len() {
+        8 => weighted_rows_of::<8>(out, weights, rows),
+        16 => weighted_rows_of::<16>(out, weights, rows),
+        32 => weighted_rows_of::<32>(out, weights, rows),
+        64 => weighted_rows_of::<64>(out, weights, rows),
+        128 => weighted_rows_of::<128>(out, weights, rows),
+        dim => {
+            out.fill(0.0);
+            for (&w, row) in weights.iter().zip(rows.chunks_exact(dim)) {
+                for (o, &v) in out.iter_mut().zip(row) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+}
+
+/// [`weighted_rows`] for rows of `D` values: four rows at a time into four sums (four
+/// independent chains of adds in flight), added up at the end.
+#[inline(always)]
+fn weighted_rows_of<const D: usize>(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+    let mut acc = [[0.0f32; D]; 4];
+    let quads = weights.len() / 4 * 4;
+    for (w, r) in weights[..quads].chunks_exact(4).zip(rows.chunks_exact(4 * D)) {
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let row: &[f32; D] = r[j * D..(j + 1) * D].try_into().expect("D values");
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a += w[j] * v;
+            }
+        }
+    }
+    for (&w, row) in weights[quads..].iter().zip(rows[quads * D..].chunks_exact(D)) {
+        for (a, &v) in acc[0].iter_mut().zip(row) {
+            *a += w * v;
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+    }
+}
+
+/// The first [`LANES`] values of `xs` as a fixed-size vector (which keeps loops over it in
+/// registers).
+#[inline(always)]
+fn vector(xs: &[f32]) -> &[f32; LANES] {
+    xs[..LANES].try_into().expect("LANES values")
+}
+
+/// Lanes of the vector loops here (independent accumulators, so the loops vectorise); cache
 /// capacities that are a multiple of it let attention run on whole vectors.
 pub const LANES: usize = 16;
-
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let rest: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (xa, xb) in ca.zip(cb) {
-        for ((l, &x), &y) in lanes.iter_mut().zip(xa).zip(xb) {
-            *l += x * y;
-        }
-    }
-    lanes.iter().sum::<f32>() + rest
-}
 
 simd_fn!(
     /// `Σ e^((x − max)·inv_t)` over a row, without writing it (the normaliser of sampling at
