@@ -16,6 +16,11 @@
 //! registered as a Burn backend extension for Flex and autodiff-over-Flex. Their loops are
 //! compiled for AVX-512 / AVX2 at run time and their products go through `gemm`'s AVX-512
 //! kernels. `tests/fused.rs` checks values and gradients against the composed ops.
+//!
+//! Inference (aligner-gen's CPU path) has its own kernels in [`fused::infer`] — RMS norm,
+//! SwiGLU, RoPE, and ragged grouped-query attention reading a KV cache in place — and
+//! [`fused::panels::ColumnPanels`], the layout of the output projection; `tests/infer.rs`
+//! checks each against the composed ops, and `examples/` time the two layouts.
 
 pub mod fused;
 mod logprob;
