@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use aligner_core::config::RopeScaling;
 use aligner_core::{CausalLm, LlamaConfig, model::inverse_frequencies};
-use aligner_parallel::fused::infer::CacheLayout;
+use aligner_parallel::fused::infer::{CacheBuffer, CacheLayout};
 use aligner_parallel::fused::panels::{ColumnPanels, DEFAULT_PANEL_WIDTH};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
@@ -195,8 +195,6 @@ pub(crate) struct HostCache {
     pub(super) values: Vec<Vec<f32>>,
     /// Written positions of each running row (rows past its end are free).
     pub(crate) lens: Vec<usize>,
-    pub(super) rows: usize,
-    capacity: usize,
     pub(super) layout: CacheLayout,
 }
 
@@ -208,63 +206,25 @@ impl HostCache {
             keys: (0..weights.layers.len()).map(|_| vec![0.0; size]).collect(),
             values: (0..weights.layers.len()).map(|_| vec![0.0; size]).collect(),
             lens: Vec::with_capacity(rows),
-            rows,
-            capacity,
             layout,
         }
     }
 
     pub(crate) fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// The same cache with room for `capacity` positions per row (written ones kept).
-    pub(crate) fn grown(&self, capacity: usize) -> Self {
-        let mut grown = Self {
-            keys: Vec::new(),
-            values: Vec::new(),
-            lens: self.lens.clone(),
-            rows: self.rows,
-            capacity,
-            layout: CacheLayout {
-                capacity,
-                ..self.layout
-            },
-        };
-        let (old, new) = (self.layout, grown.layout);
-        type Copy = fn(&CacheLayout, &[f32], usize, &CacheLayout, &mut [f32], usize, usize);
-        let regrid = |buffers: &[Vec<f32>], copy: Copy| -> Vec<Vec<f32>> {
-            buffers
-                .iter()
-                .map(|b| {
-                    let mut out = vec![0.0; self.rows * new.kv_heads * capacity * new.dim];
-                    for (row, &len) in self.lens.iter().enumerate() {
-                        copy(&old, b, row, &new, &mut out, row, len);
-                    }
-                    out
-                })
-                .collect()
-        };
-        grown.keys = regrid(&self.keys, CacheLayout::copy_keys);
-        grown.values = regrid(&self.values, CacheLayout::copy_values);
-        grown
+        self.layout.capacity
     }
 
     /// Copies row `from`'s written positions over row `to`.
     pub(crate) fn move_row(&mut self, from: usize, to: usize) {
         let (layout, len) = (self.layout, self.lens[from]);
-        for keys in &mut self.keys {
-            for h in 0..layout.kv_heads {
-                for d in 0..layout.dim {
-                    let at = |row| layout.head(row, h) + d * layout.capacity;
-                    keys.copy_within(at(from)..at(from) + len, at(to));
+        for (buffers, kind) in [
+            (&mut self.keys, CacheBuffer::Keys),
+            (&mut self.values, CacheBuffer::Values),
+        ] {
+            for buffer in buffers.iter_mut() {
+                for ((src, n), (dst, _)) in layout.runs(kind, from, len).zip(layout.runs(kind, to, len)) {
+                    buffer.copy_within(src..src + n, dst);
                 }
-            }
-        }
-        for values in &mut self.values {
-            for h in 0..layout.kv_heads {
-                let at = |row| layout.head(row, h);
-                values.copy_within(at(from)..at(from) + len * layout.dim, at(to));
             }
         }
         self.lens[to] = self.lens[from];

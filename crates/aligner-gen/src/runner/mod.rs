@@ -105,14 +105,14 @@ impl Runner {
             Runner::Host(h) => {
                 // Whole vectors of positions for the attention kernel.
                 let span = span.div_ceil(LANES) * LANES;
+                // No sequence outlives a run, so a cache too short for this one is replaced,
+                // not copied.
                 let mut cache = match h.cache.take() {
                     Some(cache) if cache.capacity() >= span => cache,
-                    Some(cache) => {
-                        tracing::debug!(from = cache.capacity(), to = span, "growing the KV cache");
-                        stats.allocations += 1;
-                        cache.grown(span)
-                    }
-                    None => {
+                    old => {
+                        if let Some(old) = old {
+                            tracing::debug!(from = old.capacity(), to = span, "growing the KV cache");
+                        }
                         stats.allocations += 1;
                         HostCache::new(&h.weights, rows, span)
                     }

@@ -106,41 +106,34 @@ impl CacheLayout {
         values[base..base + self.dim].copy_from_slice(x);
     }
 
-    /// Copies the first `len` positions of every head's keys of row `from` in `src` (laid
-    /// out as `self`) to row `to` of `dst` (laid out as `other`, which may differ in capacity).
-    pub fn copy_keys(
+    /// Where the first `len` positions of row `row` lie in a `buffer` laid out as `self`:
+    /// `(start, length)` runs — for keys one per head and dimension, for values one per head.
+    /// Two layouts differing only in capacity list their runs in the same order with the same
+    /// lengths, so zipping them copies a row from one to the other.
+    pub fn runs(
         &self,
-        src: &[f32],
-        from: usize,
-        other: &CacheLayout,
-        dst: &mut [f32],
-        to: usize,
+        buffer: CacheBuffer,
+        row: usize,
         len: usize,
-    ) {
-        for h in 0..self.kv_heads {
-            for d in 0..self.dim {
-                let s = self.head(from, h) + d * self.capacity;
-                let t = other.head(to, h) + d * other.capacity;
-                dst[t..t + len].copy_from_slice(&src[s..s + len]);
-            }
-        }
+    ) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let per_head = match buffer {
+            CacheBuffer::Keys => self.dim,
+            CacheBuffer::Values => 1,
+        };
+        (0..self.kv_heads).flat_map(move |h| {
+            (0..per_head).map(move |d| match buffer {
+                CacheBuffer::Keys => (self.head(row, h) + d * self.capacity, len),
+                CacheBuffer::Values => (self.head(row, h), len * self.dim),
+            })
+        })
     }
+}
 
-    /// [`CacheLayout::copy_keys`] for values.
-    pub fn copy_values(
-        &self,
-        src: &[f32],
-        from: usize,
-        other: &CacheLayout,
-        dst: &mut [f32],
-        to: usize,
-        len: usize,
-    ) {
-        for h in 0..self.kv_heads {
-            let (s, t) = (self.head(from, h), other.head(to, h));
-            dst[t..t + len * self.dim].copy_from_slice(&src[s..s + len * self.dim]);
-        }
-    }
+/// The two buffers of a layer's cache, which [`CacheLayout`] lays out differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheBuffer {
+    Keys,
+    Values,
 }
 
 /// Grouped-query attention of token rows over a KV cache: token `t` (query `q[t]`, `heads`
