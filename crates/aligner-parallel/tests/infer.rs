@@ -123,16 +123,16 @@ fn row_reductions_match_composed_ops() {
 /// from Burn ops over each token's own positions. Everything past a row's length is poisoned
 /// with NaN and infinities (what a diverged earlier occupant could leave): it must not leak.
 /// Head widths with an unrolled path (8, 64) and without (12); capacities of whole vectors
-/// and not.
+/// and not; rows short of four vectors of positions and one past them (70).
 #[test]
 fn cached_attention_matches_composed_ops_and_ignores_stale_positions() {
-    for (heads, kv_heads, dim, capacity) in [(4, 2, 8, 2 * LANES), (2, 1, 12, 2 * LANES), (2, 2, 64, 37)] {
+    for (heads, kv_heads, dim, capacity) in [(4, 2, 8, 5 * LANES), (2, 1, 12, 5 * LANES), (2, 2, 64, 75)] {
         check_cached_attention(heads, kv_heads, dim, capacity);
     }
 }
 
 fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: usize) {
-    let cache_rows = 4;
+    let cache_rows = 5;
     let layout = CacheLayout {
         kv_heads,
         capacity,
@@ -142,10 +142,10 @@ fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: u
     let mut keys = filled(size, 6);
     let mut values = filled(size, 7);
     // (cache row, position) of each token: a prefill of row 2 (positions 0..5), decodes of
-    // rows 0, 3 and 1 at lengths that end inside and on a vector boundary.
+    // rows 0, 3, 1 and 4 at lengths that end inside and on a vector boundary.
     let rows: Vec<(usize, usize)> = (0..5)
         .map(|p| (2, p))
-        .chain([(0, 20), (3, 15), (1, 31)])
+        .chain([(0, 20), (3, 15), (1, 31), (4, 70)])
         .collect();
     let written = |row: usize| {
         rows.iter()

@@ -198,39 +198,14 @@ fn attend_row_body(
     // up): the positions past `n` get probability 0, and the loops end in no scalar remainder.
     let width = (n.div_ceil(LANES) * LANES).min(cap);
     let whole = width / LANES * LANES;
+    // Four vectors of positions at a time while there are (four independent sums in flight),
+    // then one at a time.
+    let quads = whole / (4 * LANES) * (4 * LANES);
     scores.resize(width, 0.0);
     for (h, (o, qh)) in out.chunks_mut(dim).zip(q.chunks(dim)).enumerate() {
         let base = layout.head(row, h / groups);
-        // A vector of positions at a time, summed over the head's dimensions in registers
-        // (a pass over all positions per dimension would load and store the scores each time).
-        // Four vectors side by side where there are: four independent sums in flight.
-        let quads = whole / (4 * LANES) * (4 * LANES);
-        for (c, chunk) in scores[..quads].chunks_exact_mut(4 * LANES).enumerate() {
-            let mut acc = [[0.0f32; LANES]; 4];
-            for (d, &qd) in qh.iter().enumerate() {
-                let at = base + d * cap + c * 4 * LANES;
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    for (a, &k) in acc.iter_mut().zip(vector(&keys[at + j * LANES..])) {
-                        *a += qd * k;
-                    }
-                }
-            }
-            for (s, a) in chunk.iter_mut().zip(acc.as_flattened()) {
-                *s = a * scale;
-            }
-        }
-        for (c, chunk) in scores[quads..whole].chunks_exact_mut(LANES).enumerate() {
-            let mut acc = [0.0f32; LANES];
-            for (d, &qd) in qh.iter().enumerate() {
-                let k = vector(&keys[base + d * cap + quads + c * LANES..]);
-                for (a, &k) in acc.iter_mut().zip(k) {
-                    *a += qd * k;
-                }
-            }
-            for (s, a) in chunk.iter_mut().zip(acc) {
-                *s = a * scale;
-            }
-        }
+        score_vectors::<4>(&mut scores[..quads], qh, keys, base, cap, scale);
+        score_vectors::<1>(&mut scores[quads..whole], qh, keys, base + quads, cap, scale);
         for (p, s) in scores.iter_mut().enumerate().skip(whole) {
             let dot: f32 = qh
                 .iter()
@@ -247,6 +222,34 @@ fn attend_row_body(
         weighted_rows(o, &scores[..n], &values[base..][..n * dim]);
         for o in o.iter_mut() {
             *o *= inv;
+        }
+    }
+}
+
+/// Scores of the positions `scores` covers (whole groups of `V` vectors), keys of one head
+/// from `at` on: each group summed over the head's dimensions in registers (a pass over all
+/// positions per dimension would load and store the scores each time), then scaled.
+#[inline(always)]
+fn score_vectors<const V: usize>(
+    scores: &mut [f32],
+    q: &[f32],
+    keys: &[f32],
+    at: usize,
+    cap: usize,
+    scale: f32,
+) {
+    for (c, chunk) in scores.chunks_exact_mut(V * LANES).enumerate() {
+        let mut acc = [[0.0f32; LANES]; V];
+        for (d, &qd) in q.iter().enumerate() {
+            let first = at + d * cap + c * V * LANES;
+            for (j, acc) in acc.iter_mut().enumerate() {
+                for (a, &k) in acc.iter_mut().zip(vector(&keys[first + j * LANES..])) {
+                    *a += qd * k;
+                }
+            }
+        }
+        for (s, a) in chunk.iter_mut().zip(acc.as_flattened()) {
+            *s = a * scale;
         }
     }
 }
