@@ -129,7 +129,8 @@ impl Runner {
             Runner::Burn(b) => b.prefill(prompts),
             Runner::Host(h) => {
                 let cache = h.cache.as_mut().expect("reserve comes first");
-                let mut logits = Vec::new();
+                // The first pass's buffer holds the result; later passes append to it.
+                let mut logits: Option<Vec<f32>> = None;
                 // Whole prompts, at most PREFILL_TOKENS per pass (one longer prompt goes
                 // alone): activations grow with the tokens of a pass.
                 let mut rest = prompts;
@@ -156,11 +157,16 @@ impl Runner {
                         &picked,
                         std::mem::take(&mut h.spare),
                     );
-                    logits.extend_from_slice(&part);
-                    h.spare = part;
+                    match &mut logits {
+                        None => logits = Some(part),
+                        Some(all) => {
+                            all.extend_from_slice(&part);
+                            h.spare = part;
+                        }
+                    }
                     rest = &rest[take..];
                 }
-                logits
+                logits.unwrap_or_default()
             }
         }
     }
