@@ -120,14 +120,12 @@ pub fn balanced(rows: &[AttributeRow], balance: &BalanceSection) -> Vec<Attribut
             }
         }
     }
-    let most = |name: &str| {
-        counts
-            .iter()
-            .filter(|((n, _), _)| *n == name)
-            .map(|(_, &c)| c)
-            .max()
-            .unwrap_or(1)
-    };
+    // The count of each attribute's most common value.
+    let mut most: HashMap<&str, usize> = HashMap::new();
+    for (&(name, _), &count) in &counts {
+        let m = most.entry(name).or_default();
+        *m = (*m).max(count);
+    }
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
         let copies = balance
@@ -135,7 +133,7 @@ pub fn balanced(rows: &[AttributeRow], balance: &BalanceSection) -> Vec<Attribut
             .iter()
             .filter_map(|name| {
                 let v = value(row, name)?;
-                Some((most(name) as f64 / counts[&(name.as_str(), v)] as f64).round() as usize)
+                Some((most[name.as_str()] as f64 / counts[&(name.as_str(), v)] as f64).round() as usize)
             })
             .max()
             .unwrap_or(1)
