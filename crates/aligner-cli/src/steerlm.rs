@@ -1,20 +1,21 @@
 //! `aligner steerlm attributes|annotate|sft`: the three steps of SteerLM.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use aligner_core::adapter::RewardLoraStore;
-use aligner_core::data::read_jsonl;
+use aligner_core::data::{Prompt, PromptRow, read_jsonl};
 use aligner_core::reward::{RewardModel, labels_of};
 use aligner_core::rm::RewardModelStore;
 use aligner_core::sft::{SftExample, SftObjective};
 use aligner_core::train::ModelStore;
 use aligner_core::{Device, LlamaConfig, LoadedModel, TextTokenizer};
-use aligner_steerlm::attribute_model::{attribute_examples, load_attribute_rows, predict, row_ids};
-use aligner_steerlm::conditioning::bucket;
+use aligner_gen::{Engine, EngineOptions};
+use aligner_steerlm::attribute_model::{attribute_examples, load_attribute_rows};
 use aligner_steerlm::{
-    AttributeObjective, AttributeRow, BalanceSection, SteerConfig, balanced, conditioned_rows,
+    AttributeObjective, AttributeRow, BalanceSection, Conditioning, SETTINGS_FILE, SteerConfig, balanced,
+    conditioned_rows,
 };
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use serde_json::json;
 
@@ -28,6 +29,9 @@ pub enum SteerCommand {
     Annotate(AnnotateArgs),
     /// Step 3: attribute-conditioned SFT.
     Sft(TrainArgs),
+    /// Step 4: the conditioned model samples over a grid of settings, the attribute model
+    /// labels the samples, and conditioned SFT continues on them.
+    Bootstrap(TrainArgs),
 }
 
 #[derive(Args)]
@@ -49,11 +53,17 @@ pub fn run(cmd: SteerCommand, device: &Device) -> Result<()> {
         SteerCommand::Attributes(args) => attributes(args, device),
         SteerCommand::Annotate(args) => annotate(args, device),
         SteerCommand::Sft(args) => sft(args, device),
+        SteerCommand::Bootstrap(args) => bootstrap(args, device),
     }
 }
 
 fn attributes(args: TrainArgs, device: &Device) -> Result<()> {
-    let (config, out) = prepare_with(&args, "steerlm-attributes", &SteerConfig::for_step(3, 2e-3))?;
+    // Oversampling positivity's rare values (160 of the 2,500 rows are below 2) makes a better
+    // labeller on the held-out split, measured: bucket accuracy 0.61 → 0.74, MAE 0.48 → 0.40
+    // (verbosity oversampled as well: 0.69 / 0.44, and verbosity itself got worse).
+    let mut defaults = SteerConfig::for_step(3, 2e-3);
+    defaults.balance.attributes = vec!["positivity".into()];
+    let (config, out) = prepare_with(&args, "steerlm-attributes", &defaults)?;
     let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
     let names = config.steerlm.attributes.clone();
     let dir = model_dir(&config.model)?;
@@ -62,13 +72,13 @@ fn attributes(args: TrainArgs, device: &Device) -> Result<()> {
     let mut model = RewardModel::load(&dir, &llama, names.len(), device)
         .with_context(|| format!("loading model {}", dir.display()))?;
     let max_len = config.data.max_seq_len;
-    let examples = |path| -> Result<_> {
-        let rows = load_attribute_rows(path, &names)?;
+    let examples = |path, balance: &BalanceSection| -> Result<_> {
+        let rows = balanced(&load_attribute_rows(path, &names)?, balance);
         Ok(attribute_examples(&rows, &names, &tokenizer, max_len)?)
     };
-    let train = examples(&train_path)?;
+    let train = examples(&train_path, &config.balance)?;
     let validation = match &val_path {
-        Some(p) => examples(p)?,
+        Some(p) => examples(p, &BalanceSection::default())?,
         None => Vec::new(),
     };
     let store: Box<dyn ModelStore<RewardModel>> = match lora_spec(&config.model) {
@@ -104,38 +114,71 @@ fn attributes(args: TrainArgs, device: &Device) -> Result<()> {
 }
 
 fn annotate(args: AnnotateArgs, device: &Device) -> Result<()> {
-    let llama = LlamaConfig::from_file(&args.model.join("config.json"))
-        .with_context(|| format!("reading {}", args.model.join("config.json").display()))?;
-    let names = labels_of(&llama);
-    let tokenizer = TextTokenizer::from_dir(&args.model)?;
-    let model = RewardModel::load(&args.model, &llama, names.len(), device)
-        .with_context(|| format!("loading attribute model {}", args.model.display()))?;
+    let labeller = AttributeModel::load(&args.model, device)?;
     let rows: Vec<AttributeRow> = read_jsonl(&args.data)?;
-    let ids = rows
+    let out: Vec<serde_json::Value> = labeller
+        .annotate(&rows, args.batch_size)?
         .iter()
-        .map(|r| row_ids(r, &tokenizer, llama.max_position_embeddings))
-        .collect::<Result<Vec<_>, _>>()?;
-    let bar = crate::progress(
-        rows.len() as u64,
-        "{bar:30} {pos}/{len} rows annotated [{elapsed} < {eta}]",
-    );
-    let predictions = predict(&model, &ids, args.batch_size, &|n| bar.inc(n as u64))?;
-    bar.finish_and_clear();
-    let out: Vec<serde_json::Value> = rows
-        .iter()
-        .zip(&predictions)
-        .map(|(row, pred)| {
-            let attributes: serde_json::Map<String, serde_json::Value> = names
-                .iter()
-                .zip(pred)
-                .map(|(n, &v)| (n.clone(), json!(bucket(v as f64))))
-                .collect();
-            json!({"prompt": row.prompt, "response": row.response, "attributes": attributes})
-        })
+        .map(attribute_json)
         .collect();
     crate::write_jsonl(Some(&args.out), &out)?;
-    tracing::info!(rows = out.len(), attributes = ?names, out = %args.out.display(), "annotated");
+    tracing::info!(rows = out.len(), attributes = ?labeller.names, out = %args.out.display(), "annotated");
     Ok(())
+}
+
+/// A trained attribute model folder: the model, its attribute names (outputs in order) and
+/// its tokenizer.
+struct AttributeModel {
+    model: RewardModel,
+    names: Vec<String>,
+    tokenizer: TextTokenizer,
+    max_len: usize,
+}
+
+impl AttributeModel {
+    fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let llama = LlamaConfig::from_file(&dir.join("config.json"))
+            .with_context(|| format!("reading {}", dir.join("config.json").display()))?;
+        let names = labels_of(&llama);
+        let tokenizer = TextTokenizer::from_dir(dir)?;
+        let model = RewardModel::load(dir, &llama, names.len(), device)
+            .with_context(|| format!("loading attribute model {}", dir.display()))?;
+        Ok(Self {
+            model,
+            names,
+            tokenizer,
+            max_len: llama.max_position_embeddings,
+        })
+    }
+
+    /// `rows` labelled with every attribute, with a progress bar.
+    fn annotate(&self, rows: &[AttributeRow], batch_size: usize) -> Result<Vec<AttributeRow>> {
+        let bar = crate::progress(
+            rows.len() as u64,
+            "{bar:30} {pos}/{len} rows annotated [{elapsed} < {eta}]",
+        );
+        let annotated = aligner_steerlm::attribute_model::annotate(
+            &self.model,
+            &self.names,
+            rows,
+            &self.tokenizer,
+            self.max_len,
+            batch_size,
+            &|n| bar.inc(n as u64),
+        )?;
+        bar.finish_and_clear();
+        Ok(annotated)
+    }
+}
+
+/// An annotated row as the attribute data format writes it (integer values).
+fn attribute_json(row: &AttributeRow) -> serde_json::Value {
+    let attributes: serde_json::Map<String, serde_json::Value> = row
+        .attributes
+        .iter()
+        .map(|(n, v)| (n.clone(), json!(v.map(|v| v as u8))))
+        .collect();
+    json!({"prompt": row.prompt, "response": row.response, "attributes": attributes})
 }
 
 fn sft(args: TrainArgs, device: &Device) -> Result<()> {
@@ -149,33 +192,43 @@ fn sft(args: TrainArgs, device: &Device) -> Result<()> {
     let mut defaults = SteerConfig::for_step(6, 3e-3);
     defaults.balance.attributes = ["positivity", "verbosity"].map(String::from).to_vec();
     let (config, out) = prepare_with(&args, "steerlm-sft", &defaults)?;
-    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
-    let names = &config.steerlm.attributes;
-    let dir = model_dir(&config.model)?;
-    let lm =
-        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let (train_path, _) = trainer_parts(&config.data, &config.train)?;
+    let rows = load_attribute_rows(&train_path, &config.steerlm.attributes)?;
+    let policy = model_dir(&config.model)?;
+    conditioned_sft(&args, &config, &out, &policy, &config.steerlm, rows, device)
+}
+
+/// Conditioned SFT of the model in `policy` on `rows` (balanced as configured), validated on
+/// `data.validation`; the conditioning is saved with the final model.
+fn conditioned_sft(
+    args: &TrainArgs,
+    config: &SteerConfig,
+    out: &Path,
+    policy: &Path,
+    conditioning: &Conditioning,
+    rows: Vec<AttributeRow>,
+    device: &Device,
+) -> Result<()> {
+    let (_, val_path) = trainer_parts(&config.data, &config.train)?;
+    let lm = LoadedModel::from_dir(policy, device)
+        .with_context(|| format!("loading model {}", policy.display()))?;
     let max_len = config.data.max_seq_len;
-    let examples = |path, balance: &BalanceSection| -> Result<Vec<SftExample>> {
-        let rows = balanced(&load_attribute_rows(path, names)?, balance);
-        conditioned_rows(&rows, &config.steerlm, &lm.tokenizer)?
+    let examples = |rows: &[AttributeRow]| -> Result<Vec<SftExample>> {
+        conditioned_rows(rows, conditioning, &lm.tokenizer)?
             .iter()
             .map(|row| Ok(SftExample::from_row(row, &lm.tokenizer, max_len)?))
             .collect()
     };
     // Oversampling reweights training only; validation keeps the data's own distribution.
-    let train = examples(&train_path, &config.balance)?;
+    let train = examples(&balanced(&rows, &config.balance))?;
     let validation = match &val_path {
-        Some(p) => examples(p, &BalanceSection::default())?,
+        Some(p) => examples(&load_attribute_rows(p, &conditioning.attributes)?)?,
         None => Vec::new(),
     };
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &dir, device);
-    tracing::info!(train = train.len(), validation = validation.len(), template = %config.steerlm.template, "SteerLM conditioned SFT");
-    let run = Run {
-        args: &args,
-        out: &out,
-        device,
-    };
+    let store = policy_store(&mut model, &config.model, &lm.config, policy, device);
+    tracing::info!(train = train.len(), validation = validation.len(), template = %conditioning.template, "SteerLM conditioned SFT");
+    let run = Run { args, out, device };
     run.fit(
         &config.train,
         &SftObjective,
@@ -185,6 +238,116 @@ fn sft(args: TrainArgs, device: &Device) -> Result<()> {
         model,
     )?;
     // Generation applies the same template and order.
-    config.steerlm.save(&out.join("final"))?;
+    conditioning.save(&out.join("final"))?;
     Ok(())
+}
+
+/// Step 4: the conditioned model samples over `bootstrap.grid`, the attribute model labels the
+/// samples, and conditioned SFT continues from the model on them (and on `data.train`). With
+/// no `model.path` / `bootstrap.attribute_model`, the earlier steps run first with their
+/// defaults, into `<run>/sft` and `<run>/attributes`. The labelled samples are kept as
+/// `<run>/bootstrap.jsonl`; a resumed run trains on those, not on new ones.
+fn bootstrap(args: TrainArgs, device: &Device) -> Result<()> {
+    let mut defaults = SteerConfig::for_step(2, 1e-3);
+    defaults.balance.attributes = ["positivity", "verbosity"].map(String::from).to_vec();
+    let (config, out) = prepare_with(&args, "steerlm-bootstrap", &defaults)?;
+    let (train_path, _) = trainer_parts(&config.data, &config.train)?;
+    let section = &config.bootstrap;
+    let policy = match &config.model.path {
+        Some(path) => path.clone(),
+        None => earlier_step(&out, "sft", device, sft)?,
+    };
+    let conditioning = Conditioning::load(&policy)?;
+    let samples_path = out.join("bootstrap.jsonl");
+    let samples: Vec<AttributeRow> = if samples_path.exists() {
+        read_jsonl(&samples_path)?
+    } else {
+        let attribute_dir = match &section.attribute_model {
+            Some(path) => path.clone(),
+            None => earlier_step(&out, "attributes", device, attributes)?,
+        };
+        let settings = aligner_steerlm::bootstrap::settings(&section.grid, &conditioning)?;
+        let prompts: Vec<Prompt> = read_jsonl::<PromptRow>(&section.prompts)?
+            .into_iter()
+            .map(|r| r.prompt)
+            .collect();
+        let lm = LoadedModel::from_dir(&policy, device)
+            .with_context(|| format!("loading model {}", policy.display()))?;
+        let mut engine = Engine::for_model(&lm, EngineOptions::default());
+        let bar = crate::progress(
+            (prompts.len() * settings.len()) as u64,
+            "{bar:30} {pos}/{len} bootstrap samples [{elapsed} < {eta}]",
+        );
+        let unlabelled = aligner_steerlm::bootstrap::sample(
+            &mut engine,
+            &lm.tokenizer,
+            &conditioning,
+            &prompts,
+            &settings,
+            section,
+            &|| bar.inc(1),
+        )?;
+        bar.finish_and_clear();
+        let labeller = AttributeModel::load(&attribute_dir, device)?;
+        let missing: Vec<&String> = conditioning
+            .attributes
+            .iter()
+            .filter(|n| !labeller.names.contains(n))
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "attribute model {} does not predict {missing:?} (it predicts {:?})",
+                attribute_dir.display(),
+                labeller.names
+            );
+        }
+        let labelled = labeller.annotate(&unlabelled, 32)?;
+        let rows: Vec<serde_json::Value> = labelled.iter().map(attribute_json).collect();
+        crate::write_jsonl(Some(&samples_path), &rows)?;
+        labelled
+    };
+    for (name, counts) in aligner_steerlm::bootstrap::value_counts(&samples) {
+        tracing::info!(attribute = %name, values_0_to_4 = ?counts, "bootstrap samples as labelled");
+    }
+    let mut rows = match section.keep_data {
+        true => load_attribute_rows(&train_path, &conditioning.attributes)?,
+        false => Vec::new(),
+    };
+    rows.extend(samples.into_iter().map(|mut row| {
+        // Only what the model is conditioned on.
+        row.attributes
+            .retain(|name, _| conditioning.attributes.contains(name));
+        row
+    }));
+    conditioned_sft(&args, &config, &out, &policy, &conditioning, rows, device)
+}
+
+/// The final model of an earlier step run with its defaults into `<out>/<step>`, trained now
+/// unless a finished one is there (a resumed run).
+fn earlier_step(
+    out: &Path,
+    step: &str,
+    device: &Device,
+    run: fn(TrainArgs, &Device) -> Result<()>,
+) -> Result<PathBuf> {
+    let dir = out.join(step);
+    let final_dir = dir.join("final");
+    // The file a step writes last into its final model.
+    let last_written = if step == "sft" {
+        SETTINGS_FILE
+    } else {
+        "config.json"
+    };
+    if !final_dir.join(last_written).exists() {
+        tracing::info!(run = %dir.display(), "training the {step} step with its defaults first");
+        let args = TrainArgs {
+            config: None,
+            sets: Vec::new(),
+            out: Some(dir),
+            resume: None,
+            stop_after: None,
+        };
+        run(args, device)?;
+    }
+    Ok(final_dir)
 }

@@ -105,6 +105,66 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
         verbose > terse + 1.0,
         "words at verbosity 0: {terse}, at 1: {verbose}"
     );
+
+    // Step 4, bootstrapping: the conditioned model samples over the grid (5 positivity × 3
+    // verbosity values per train prompt), the attribute model labels the samples, and SFT
+    // continues on them. The values the human data barely has are learned from the samples
+    // that turn out to have them: positivity 0 now samples below 1 (after `sft` alone the two
+    // come out alike), and the whole scale rises in order.
+    let boot = dir.path().join("bootstrap");
+    let (ok, err) = aligner(&[
+        "steerlm",
+        "bootstrap",
+        "--set",
+        &format!("model.path={}", model.display()),
+        "--set",
+        &format!("bootstrap.attribute_model={}", attr.join("final").display()),
+        "--out",
+        boot.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let samples = jsonl(&boot.join("bootstrap.jsonl"));
+    assert_eq!(samples.len(), jsonl(&data("train.prompts.jsonl")).len() * 15);
+    let negative = samples
+        .iter()
+        .filter(|r| r["attributes"]["positivity"].as_u64().unwrap() == 0)
+        .count();
+    assert!(negative > 18, "{negative} samples labelled positivity 0");
+    let bootstrapped = boot.join("final");
+    assert!(bootstrapped.join("steerlm.json").exists());
+    let lexicon = |positivity: u8| -> f64 {
+        let attributes = format!("verbosity:0,dialogue:0,positivity:{positivity}");
+        (1..=3)
+            .map(|seed| {
+                let out = dir.path().join(format!("boot-{positivity}-{seed}.jsonl"));
+                let seed = seed.to_string();
+                let (ok, err) = aligner(&[
+                    "generate",
+                    "--model",
+                    bootstrapped.to_str().unwrap(),
+                    "--prompts",
+                    data("test.prompts.jsonl").to_str().unwrap(),
+                    "--max-new-tokens",
+                    "48",
+                    "--seed",
+                    &seed,
+                    "--attributes",
+                    &attributes,
+                    "--out",
+                    out.to_str().unwrap(),
+                ]);
+                assert!(ok, "{err}");
+                mean_lexicon(&out)
+            })
+            .sum::<f64>()
+            / 3.0
+    };
+    let scores: Vec<f64> = (0..=4).map(lexicon).collect();
+    assert!(
+        scores.windows(2).all(|w| w[1] > w[0] + 0.1),
+        "bootstrapped lexicon by positivity 0..4: {scores:?}"
+    );
+
     let out = dir.path().join("steered.jsonl");
     let generate = |attributes: &str| {
         aligner(&[

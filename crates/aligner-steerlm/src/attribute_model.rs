@@ -189,3 +189,33 @@ pub fn predict(
     }
     Ok(out)
 }
+
+/// `rows` labelled by an attribute model: each of `names` (the model's outputs, in order)
+/// predicted, rounded and clamped to 0..4; earlier attributes are replaced.
+pub fn annotate(
+    model: &RewardModel,
+    names: &[String],
+    rows: &[AttributeRow],
+    tokenizer: &TextTokenizer,
+    max_len: usize,
+    batch: usize,
+    progress: &dyn Fn(usize),
+) -> Result<Vec<AttributeRow>> {
+    let ids = rows
+        .iter()
+        .map(|r| row_ids(r, tokenizer, max_len))
+        .collect::<Result<Vec<_>>>()?;
+    let predictions = predict(model, &ids, batch, progress)?;
+    Ok(rows
+        .iter()
+        .zip(predictions)
+        .map(|(row, pred)| AttributeRow {
+            attributes: names
+                .iter()
+                .zip(pred)
+                .map(|(n, v)| (n.clone(), Some(bucket(v as f64) as f64)))
+                .collect(),
+            ..row.clone()
+        })
+        .collect())
+}

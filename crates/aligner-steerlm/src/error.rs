@@ -7,6 +7,8 @@ pub enum SteerError {
     #[error("attributes: {0}")]
     BadConditioning(String),
     #[error(transparent)]
+    Generation(#[from] aligner_gen::GenError),
+    #[error(transparent)]
     Core(#[from] aligner_core::CoreError),
 }
 

@@ -9,13 +9,17 @@
 //! 3. **sft** — attribute-conditioned SFT: the conditioning string `name:value,...` in a fixed
 //!    order is placed between prompt and response by a template ([`Conditioning`]), the loss is
 //!    on the response only, and the template is saved with the model (`steerlm.json`) so that
-//!    `aligner generate --attributes positivity:4` steers it at inference.
+//!    `aligner generate --attributes positivity:4` steers it at inference;
+//! 4. **bootstrap** — the conditioned model samples over a grid of settings, the attribute model
+//!    labels the samples, and conditioned SFT runs again on them ([`bootstrap`]).
 
 pub mod attribute_model;
+pub mod bootstrap;
 pub mod conditioning;
 mod error;
 
 pub use attribute_model::{AttributeExample, AttributeObjective, AttributeRow};
+pub use bootstrap::BootstrapSection;
 pub use conditioning::{Conditioning, SETTINGS_FILE};
 pub use error::{Result, SteerError};
 
@@ -54,8 +58,10 @@ pub struct SteerConfig {
     pub data: DataSection,
     pub train: TrainSection,
     pub steerlm: Conditioning,
-    /// Conditioned SFT only: oversampling of rare attribute values.
+    /// Oversampling of rare attribute values in the training split.
     pub balance: BalanceSection,
+    /// `bootstrap` only: what the conditioned model samples.
+    pub bootstrap: BootstrapSection,
 }
 
 impl Default for SteerConfig {
@@ -75,11 +81,12 @@ impl SteerConfig {
             train,
             steerlm: Conditioning::default(),
             balance: BalanceSection::default(),
+            bootstrap: BootstrapSection::default(),
         }
     }
 }
 
-/// Oversampling of rare attribute values in conditioned SFT (`[balance]`).
+/// Oversampling of rare attribute values (`[balance]`), training split only.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BalanceSection {
