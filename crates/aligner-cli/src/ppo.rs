@@ -32,14 +32,7 @@ fn reward_model_dir(section: &RewardModelSection, out: &Path, device: &Device) -
     let final_dir = run.join("final");
     if !final_dir.join("config.json").exists() {
         tracing::info!(run = %run.display(), "no reward_model.path: training one on the shipped preference pairs");
-        let args = TrainArgs {
-            config: None,
-            sets: Vec::new(),
-            out: Some(run),
-            resume: None,
-            stop_after: None,
-        };
-        crate::train::rm(args, device)?;
+        crate::train::rm(TrainArgs::defaults_into(run), device)?;
     }
     Ok(final_dir)
 }

@@ -340,14 +340,7 @@ fn earlier_step(
     };
     if !final_dir.join(last_written).exists() {
         tracing::info!(run = %dir.display(), "training the {step} step with its defaults first");
-        let args = TrainArgs {
-            config: None,
-            sets: Vec::new(),
-            out: Some(dir),
-            resume: None,
-            stop_after: None,
-        };
-        run(args, device)?;
+        run(TrainArgs::defaults_into(dir), device)?;
     }
     Ok(final_dir)
 }

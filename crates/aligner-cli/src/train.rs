@@ -38,6 +38,19 @@ pub struct TrainArgs {
     pub(crate) stop_after: Option<usize>,
 }
 
+impl TrainArgs {
+    /// A command's embedded default run into `out` (a step another command runs first).
+    pub(crate) fn defaults_into(out: PathBuf) -> Self {
+        Self {
+            config: None,
+            sets: Vec::new(),
+            out: Some(out),
+            resume: None,
+            stop_after: None,
+        }
+    }
+}
+
 /// The resolved configuration and run folder of a command.
 pub(crate) fn prepare<T: Serialize + DeserializeOwned + Default>(
     args: &TrainArgs,
