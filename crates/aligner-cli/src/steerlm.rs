@@ -192,24 +192,34 @@ fn sft(args: TrainArgs, device: &Device) -> Result<()> {
     let mut defaults = SteerConfig::for_step(6, 3e-3);
     defaults.balance.attributes = ["positivity", "verbosity"].map(String::from).to_vec();
     let (config, out) = prepare_with(&args, "steerlm-sft", &defaults)?;
-    let (train_path, _) = trainer_parts(&config.data, &config.train)?;
+    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
     let rows = load_attribute_rows(&train_path, &config.steerlm.attributes)?;
     let policy = model_dir(&config.model)?;
-    conditioned_sft(&args, &config, &out, &policy, &config.steerlm, rows, device)
+    let data = ConditionedData {
+        train: rows,
+        validation: val_path,
+    };
+    conditioned_sft(&args, &config, &out, &policy, &config.steerlm, data, device)
 }
 
-/// Conditioned SFT of the model in `policy` on `rows` (balanced as configured), validated on
-/// `data.validation`; the conditioning is saved with the final model.
+/// What conditioned SFT trains on: rows (balanced as configured before training) and the
+/// validation file, if any.
+struct ConditionedData {
+    train: Vec<AttributeRow>,
+    validation: Option<PathBuf>,
+}
+
+/// Conditioned SFT of the model in `policy` on `data`; the conditioning is saved with the
+/// final model.
 fn conditioned_sft(
     args: &TrainArgs,
     config: &SteerConfig,
     out: &Path,
     policy: &Path,
     conditioning: &Conditioning,
-    rows: Vec<AttributeRow>,
+    data: ConditionedData,
     device: &Device,
 ) -> Result<()> {
-    let (_, val_path) = trainer_parts(&config.data, &config.train)?;
     let lm = LoadedModel::from_dir(policy, device)
         .with_context(|| format!("loading model {}", policy.display()))?;
     let max_len = config.data.max_seq_len;
@@ -220,8 +230,8 @@ fn conditioned_sft(
             .collect()
     };
     // Oversampling reweights training only; validation keeps the data's own distribution.
-    let train = examples(&balanced(&rows, &config.balance))?;
-    let validation = match &val_path {
+    let train = examples(&balanced(&data.train, &config.balance))?;
+    let validation = match &data.validation {
         Some(p) => examples(&load_attribute_rows(p, &conditioning.attributes)?)?,
         None => Vec::new(),
     };
@@ -251,11 +261,11 @@ fn bootstrap(args: TrainArgs, device: &Device) -> Result<()> {
     let mut defaults = SteerConfig::for_step(2, 1e-3);
     defaults.balance.attributes = ["positivity", "verbosity"].map(String::from).to_vec();
     let (config, out) = prepare_with(&args, "steerlm-bootstrap", &defaults)?;
-    let (train_path, _) = trainer_parts(&config.data, &config.train)?;
+    let (train_path, val_path) = trainer_parts(&config.data, &config.train)?;
     let section = &config.bootstrap;
     let policy = match &config.model.path {
         Some(path) => path.clone(),
-        None => earlier_step(&out, "sft", device, sft)?,
+        None => earlier_step(&out, "sft", SETTINGS_FILE, device, sft)?,
     };
     let conditioning = Conditioning::load(&policy)?;
     let samples_path = out.join("bootstrap.jsonl");
@@ -264,8 +274,22 @@ fn bootstrap(args: TrainArgs, device: &Device) -> Result<()> {
     } else {
         let attribute_dir = match &section.attribute_model {
             Some(path) => path.clone(),
-            None => earlier_step(&out, "attributes", device, attributes)?,
+            None => earlier_step(&out, "attributes", "config.json", device, attributes)?,
         };
+        // Checked before sampling: a labeller that cannot label would waste the samples.
+        let labeller = AttributeModel::load(&attribute_dir, device)?;
+        let missing: Vec<&String> = conditioning
+            .attributes
+            .iter()
+            .filter(|n| !labeller.names.contains(n))
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "attribute model {} does not predict {missing:?} (it predicts {:?})",
+                attribute_dir.display(),
+                labeller.names
+            );
+        }
         let settings = aligner_steerlm::bootstrap::settings(&section.grid, &conditioning)?;
         let prompts: Vec<Prompt> = read_jsonl::<PromptRow>(&section.prompts)?
             .into_iter()
@@ -288,19 +312,6 @@ fn bootstrap(args: TrainArgs, device: &Device) -> Result<()> {
             &|| bar.inc(1),
         )?;
         bar.finish_and_clear();
-        let labeller = AttributeModel::load(&attribute_dir, device)?;
-        let missing: Vec<&String> = conditioning
-            .attributes
-            .iter()
-            .filter(|n| !labeller.names.contains(n))
-            .collect();
-        if !missing.is_empty() {
-            bail!(
-                "attribute model {} does not predict {missing:?} (it predicts {:?})",
-                attribute_dir.display(),
-                labeller.names
-            );
-        }
         let labelled = labeller.annotate(&unlabelled, 32)?;
         let rows: Vec<serde_json::Value> = labelled.iter().map(attribute_json).collect();
         crate::write_jsonl(Some(&samples_path), &rows)?;
@@ -319,25 +330,25 @@ fn bootstrap(args: TrainArgs, device: &Device) -> Result<()> {
             .retain(|name, _| conditioning.attributes.contains(name));
         row
     }));
-    conditioned_sft(&args, &config, &out, &policy, &conditioning, rows, device)
+    let data = ConditionedData {
+        train: rows,
+        validation: val_path,
+    };
+    conditioned_sft(&args, &config, &out, &policy, &conditioning, data, device)
 }
 
 /// The final model of an earlier step run with its defaults into `<out>/<step>`, trained now
-/// unless a finished one is there (a resumed run).
+/// unless a finished one is there (a resumed run): one with `last_written`, the file the step
+/// writes last into its final model.
 fn earlier_step(
     out: &Path,
     step: &str,
+    last_written: &str,
     device: &Device,
     run: fn(TrainArgs, &Device) -> Result<()>,
 ) -> Result<PathBuf> {
     let dir = out.join(step);
     let final_dir = dir.join("final");
-    // The file a step writes last into its final model.
-    let last_written = if step == "sft" {
-        SETTINGS_FILE
-    } else {
-        "config.json"
-    };
     if !final_dir.join(last_written).exists() {
         tracing::info!(run = %dir.display(), "training the {step} step with its defaults first");
         run(TrainArgs::defaults_into(dir), device)?;

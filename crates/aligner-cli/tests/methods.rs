@@ -4,7 +4,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{aligner, jsonl, mean_lexicon, metrics, sample_sentiment, sample_sentiment_with};
+use common::{
+    aligner, jsonl, mean_lexicon, metrics, sample_sentiment, sample_sentiment_seeded, sample_sentiment_with,
+};
 use serde_json::Value;
 
 fn data(name: &str) -> PathBuf {
@@ -137,24 +139,7 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
         (1..=3)
             .map(|seed| {
                 let out = dir.path().join(format!("boot-{positivity}-{seed}.jsonl"));
-                let seed = seed.to_string();
-                let (ok, err) = aligner(&[
-                    "generate",
-                    "--model",
-                    bootstrapped.to_str().unwrap(),
-                    "--prompts",
-                    data("test.prompts.jsonl").to_str().unwrap(),
-                    "--max-new-tokens",
-                    "48",
-                    "--seed",
-                    &seed,
-                    "--attributes",
-                    &attributes,
-                    "--out",
-                    out.to_str().unwrap(),
-                ]);
-                assert!(ok, "{err}");
-                mean_lexicon(&out)
+                sample_sentiment_seeded(&bootstrapped, &out, seed, &["--attributes", &attributes])
             })
             .sum::<f64>()
             / 3.0

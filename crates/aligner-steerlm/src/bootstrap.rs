@@ -16,7 +16,7 @@ use aligner_gen::{Engine, GenerationRequest, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use crate::attribute_model::AttributeRow;
-use crate::conditioning::{Conditioning, MAX_VALUE};
+use crate::conditioning::{Conditioning, MAX_VALUE, bucket};
 use crate::error::{Result, SteerError};
 
 /// `[bootstrap]`: what `aligner steerlm bootstrap` samples and how.
@@ -148,8 +148,7 @@ pub fn value_counts(rows: &[AttributeRow]) -> BTreeMap<String, [usize; MAX_VALUE
     for row in rows {
         for (name, value) in &row.attributes {
             if let Some(v) = value {
-                let slot = (v.round().clamp(0.0, MAX_VALUE as f64)) as usize;
-                counts.entry(name.clone()).or_default()[slot] += 1;
+                counts.entry(name.clone()).or_default()[bucket(*v) as usize] += 1;
             }
         }
     }

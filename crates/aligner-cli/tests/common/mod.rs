@@ -71,6 +71,12 @@ pub fn sample_sentiment(model: &Path, out: &Path) -> f64 {
 
 /// [`sample_sentiment`] with more `aligner generate` arguments (e.g. `--attributes`).
 pub fn sample_sentiment_with(model: &Path, out: &Path, extra: &[&str]) -> f64 {
+    sample_sentiment_seeded(model, out, 1, extra)
+}
+
+/// [`sample_sentiment_with`] drawing with `seed`.
+pub fn sample_sentiment_seeded(model: &Path, out: &Path, seed: u64, extra: &[&str]) -> f64 {
+    let seed = seed.to_string();
     let prompts = repo().join("assets/tinystories_sentiment/test.prompts.jsonl");
     let mut args = vec![
         "generate",
@@ -83,7 +89,7 @@ pub fn sample_sentiment_with(model: &Path, out: &Path, extra: &[&str]) -> f64 {
         "--temperature",
         "1",
         "--seed",
-        "1",
+        &seed,
         "--batch-size",
         "32",
         "--out",
