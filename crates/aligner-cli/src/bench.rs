@@ -161,6 +161,7 @@ fn generate(
                     max_new_tokens: new_tokens,
                     ..SamplingParams::default()
                 },
+                guidance: None,
             })
             .collect();
         for &batch in batch_sizes {

@@ -134,25 +134,36 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
     assert!(negative > 18, "{negative} samples labelled positivity 0");
     let bootstrapped = boot.join("final");
     assert!(bootstrapped.join("steerlm.json").exists());
-    let lexicon = |positivity: u8| -> f64 {
+    let lexicon = |positivity: u8, guidance: &[&str]| -> f64 {
         let attributes = format!("verbosity:0,dialogue:0,positivity:{positivity}");
         (1..=3)
             .map(|seed| {
                 let out = dir.path().join(format!("boot-{positivity}-{seed}.jsonl"));
-                sample_sentiment_seeded(&bootstrapped, &out, seed, &["--attributes", &attributes])
+                let mut extra = vec!["--attributes", &attributes];
+                extra.extend_from_slice(guidance);
+                sample_sentiment_seeded(&bootstrapped, &out, seed, &extra)
             })
             .sum::<f64>()
             / 3.0
     };
-    let scores: Vec<f64> = (0..=4).map(lexicon).collect();
+    let scores: Vec<f64> = (0..=4).map(|p| lexicon(p, &[])).collect();
     assert!(
         scores.windows(2).all(|w| w[1] > w[0] + 0.1),
         "bootstrapped lexicon by positivity 0..4: {scores:?}"
     );
+    // Classifier-free guidance away from positivity 2 pushes both ends further out.
+    let guidance = ["--guidance-scale", "2", "--negative-attributes", "positivity:2"];
+    let (low, high) = (lexicon(0, &guidance), lexicon(4, &guidance));
+    assert!(
+        low < scores[0] && high > scores[4] + 0.5,
+        "guided lexicon at positivity 0: {low} (unguided {}), at 4: {high} (unguided {})",
+        scores[0],
+        scores[4]
+    );
 
     let out = dir.path().join("steered.jsonl");
-    let generate = |attributes: &str| {
-        aligner(&[
+    let generate = |attributes: &str, extra: &[&str]| {
+        let mut args = vec![
             "generate",
             "--model",
             model.to_str().unwrap(),
@@ -164,15 +175,20 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
             "8",
             "--out",
             out.to_str().unwrap(),
-        ])
+        ];
+        args.extend_from_slice(extra);
+        aligner(&args)
     };
-    let (ok, err) = generate("humour:2");
+    let (ok, err) = generate("humour:2", &[]);
     assert!(
         !ok && err.contains("humour") && err.contains("positivity"),
         "{err}"
     );
-    let (ok, err) = generate("positivity:9");
+    let (ok, err) = generate("positivity:9", &[]);
     assert!(!ok && err.contains("above 4"), "{err}");
+    // Guidance needs the values to steer away from.
+    let (ok, err) = generate("positivity:4", &["--guidance-scale", "2"]);
+    assert!(!ok && err.contains("--negative-attributes"), "{err}");
     // A model without SteerLM settings cannot be steered.
     let (ok, err) = aligner(&["generate", "--prompt", "Once", "--attributes", "positivity:4"]);
     assert!(!ok && err.contains("steerlm.json"), "{err}");
@@ -276,12 +292,40 @@ fn spin_moves_the_policy_toward_the_data_and_refreshes_the_reference_per_iterati
     let close =
         |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-2);
     assert!(close(&score(Path::new(""), 1), &cached(1)));
+    // Iteration 2 trains on its own answers and, mixed in after them (`spin.mix_previous`),
+    // iteration 1's, scored again by the new reference.
+    let own = jsonl(&run.join("iter-2/generations.jsonl")).len();
+    let second = cached(2);
+    assert_eq!(second.len(), 2 * own);
     let refreshed = score(&run.join("iter-1/final"), 2);
-    assert!(close(&refreshed, &cached(2)));
+    assert!(close(&refreshed, &second[..own]));
     assert!(
-        !close(&score(Path::new(""), 2), &cached(2)),
+        !close(&score(Path::new(""), 2), &second[..own]),
         "iteration 2 does not score with the base"
     );
+
+    // Interrupted after iteration 1, a resumed run builds iteration 2 from the same pairs:
+    // its own answers again, and iteration 1's read back from its folder.
+    let reference_file = run.join("iter-2/reference_train.jsonl");
+    let first_run = std::fs::read_to_string(&reference_file).unwrap();
+    std::fs::remove_dir_all(run.join("iter-2")).unwrap();
+    std::fs::remove_dir_all(run.join("final")).unwrap();
+    let report_file = run.join("spin.jsonl");
+    let first_report = std::fs::read_to_string(&report_file).unwrap();
+    std::fs::write(
+        &report_file,
+        format!("{}\n", first_report.lines().next().unwrap()),
+    )
+    .unwrap();
+    let (ok, err) = aligner(&["spin", "--resume", run.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let numbers = |text: &str| -> Vec<f64> { text.lines().map(|l| l.parse().unwrap()).collect() };
+    let resumed = numbers(&std::fs::read_to_string(&reference_file).unwrap());
+    assert!(
+        close(&resumed, &numbers(&first_run)),
+        "resumed iteration 2 trains on other pairs"
+    );
+    assert_eq!(jsonl(&report_file).len(), 2);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{GenError, Result};
 use crate::runner::Runner;
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{SamplingParams, guided_logits, log_prob, sample};
 
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,6 +37,30 @@ pub enum StopReason {
 pub struct GenerationRequest {
     pub prompt_ids: Vec<u32>,
     pub params: SamplingParams,
+    /// Classifier-free guidance against a negative prompt (two cache rows per request).
+    pub guidance: Option<Guidance>,
+}
+
+impl GenerationRequest {
+    /// A request without guidance.
+    pub fn new(prompt_ids: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            prompt_ids,
+            params,
+            guidance: None,
+        }
+    }
+}
+
+/// Classifier-free guidance of one request ([`crate::sampling::guided_logits`]): the negative
+/// prompt runs in a cache row of its own, fed the tokens the request samples, and each token
+/// is drawn from `scale · (log p(·|prompt) − log p(·|negative)) + log p(·|negative)`. SteerLM
+/// uses it to strengthen the asked attributes (the negative prompt: the same prompt without
+/// them, or with other values).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guidance {
+    pub negative_prompt_ids: Vec<u32>,
+    pub scale: f32,
 }
 
 /// What one request produced.
@@ -116,6 +140,28 @@ struct Slot {
     out: Generation,
     /// Position (RoPE index) the last sampled token takes when it is fed back.
     next_pos: usize,
+    /// The row of the other half of a guided request (kept up to date as rows move).
+    partner: Option<usize>,
+    /// This row runs a guided request's negative prompt: it takes its partner's tokens and
+    /// reports nothing.
+    negative: bool,
+}
+
+impl Slot {
+    fn new(request: usize, params: &SamplingParams, prompt_len: usize) -> Self {
+        Self {
+            request,
+            rng: ChaCha8Rng::seed_from_u64(params.seed),
+            out: Generation {
+                token_ids: Vec::new(),
+                token_logprobs: Vec::new(),
+                stop_reason: StopReason::MaxTokens,
+            },
+            next_pos: prompt_len,
+            partner: None,
+            negative: false,
+        }
+    }
 }
 
 impl Engine {
@@ -295,13 +341,29 @@ impl Engine {
             let i = queue.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             (i < requests.len()).then_some(i)
         };
-        let prompt_width = requests.iter().map(|r| r.prompt_ids.len()).max().unwrap_or(0);
+        let prompt_width = requests
+            .iter()
+            .flat_map(|r| {
+                std::iter::once(&r.prompt_ids).chain(r.guidance.as_ref().map(|g| &g.negative_prompt_ids))
+            })
+            .map(|ids| ids.len())
+            .max()
+            .unwrap_or(0);
         let longest = requests
             .iter()
             .map(|r| r.params.max_new_tokens)
             .max()
             .unwrap_or(0);
         let slots = self.slots();
+        // A guided request takes two rows, admitted together.
+        let rows_per_request = if requests.iter().any(|r| r.guidance.is_some()) {
+            2
+        } else {
+            1
+        };
+        if rows_per_request > slots {
+            return Err(GenError::GuidanceNeedsTwoSlots);
+        }
         self.runner
             .reserve(slots, prompt_width, prompt_width + longest, &mut self.stats);
         let max_positions = self.model.model.rope.max_positions();
@@ -310,9 +372,13 @@ impl Engine {
         loop {
             while !exhausted && active.len() < slots {
                 let mut new = Vec::new();
-                while active.len() + new.len() < slots {
+                let mut new_rows = 0;
+                while active.len() + new_rows + rows_per_request <= slots {
                     match next() {
-                        Some(i) => new.push(i),
+                        Some(i) => {
+                            new.push(i);
+                            new_rows += 1 + usize::from(requests[i].guidance.is_some());
+                        }
                         None => {
                             exhausted = true;
                             break;
@@ -327,18 +393,22 @@ impl Engine {
                 if first_row > 0 {
                     self.stats.admitted_mid_batch += new.len();
                 }
-                let prompts: Vec<&[u32]> = new.iter().map(|&i| requests[i].prompt_ids.as_slice()).collect();
+                let mut prompts: Vec<&[u32]> = Vec::with_capacity(new_rows);
+                for &i in &new {
+                    let request = &requests[i];
+                    let row = active.len();
+                    prompts.push(&request.prompt_ids);
+                    active.push(Slot::new(i, &request.params, request.prompt_ids.len()));
+                    if let Some(guidance) = &request.guidance {
+                        prompts.push(&guidance.negative_prompt_ids);
+                        active[row].partner = Some(row + 1);
+                        let mut negative = Slot::new(i, &request.params, guidance.negative_prompt_ids.len());
+                        negative.partner = Some(row);
+                        negative.negative = true;
+                        active.push(negative);
+                    }
+                }
                 let logits = self.runner.prefill(&prompts);
-                active.extend(new.iter().map(|&i| Slot {
-                    request: i,
-                    rng: ChaCha8Rng::seed_from_u64(requests[i].params.seed),
-                    out: Generation {
-                        token_ids: Vec::new(),
-                        token_logprobs: Vec::new(),
-                        stop_reason: StopReason::MaxTokens,
-                    },
-                    next_pos: requests[i].prompt_ids.len(),
-                }));
                 self.sample_rows(&logits, first_row, requests, &mut active, max_positions, done)?;
                 self.runner.recycle(logits);
             }
@@ -375,38 +445,76 @@ impl Engine {
     ) -> Result<()> {
         use rayon::prelude::*;
         let vocab = self.config.vocab_size;
-        // Rows sample in parallel, each from its own stream.
-        let draws: Vec<(usize, f32)> = active[first_row..]
+        let row_logits = |row: usize| &logits[(row - first_row) * vocab..(row - first_row + 1) * vocab];
+        // Rows sample in parallel, each from its own stream; a guided request's row draws from
+        // the guided distribution (its negative row, admitted with it, draws nothing).
+        let draws: Vec<Option<(usize, f32)>> = active[first_row..]
             .par_iter_mut()
-            .zip(logits.par_chunks(vocab))
-            .map(|(slot, row_logits)| sample(row_logits, &requests[slot.request].params, &mut slot.rng))
+            .enumerate()
+            .map(|(j, slot)| {
+                let own = row_logits(first_row + j);
+                let request = &requests[slot.request];
+                match (slot.negative, slot.partner, &request.guidance) {
+                    (true, _, _) => None,
+                    (false, Some(partner), Some(guidance)) => {
+                        let guided = guided_logits(own, row_logits(partner), guidance.scale);
+                        let (token, _) = sample(&guided, &request.params, &mut slot.rng);
+                        Some((token, log_prob(own, token)))
+                    }
+                    _ => Some(sample(own, &request.params, &mut slot.rng)),
+                }
+            })
             .collect();
+        for (j, draw) in draws.iter().enumerate() {
+            let row = first_row + j;
+            let (token, logprob) = match draw {
+                Some(d) => *d,
+                None => {
+                    let partner = active[row].partner.expect("a negative row has its request's row");
+                    (draws[partner - first_row].expect("a request's row draws").0, 0.0)
+                }
+            };
+            active[row].out.token_ids.push(token as u32);
+            active[row].out.token_logprobs.push(logprob);
+        }
         let mut finished = Vec::new();
-        for ((j, slot), (token, logprob)) in active[first_row..].iter_mut().enumerate().zip(draws) {
+        for row in first_row..active.len() {
+            let slot = &active[row];
+            if slot.negative {
+                continue;
+            }
             let request = &requests[slot.request];
-            slot.out.token_ids.push(token as u32);
-            slot.out.token_logprobs.push(logprob);
-            let stop = if self.eos_ids.contains(&(token as u32)) {
+            let token = *slot.out.token_ids.last().expect("just sampled");
+            let context_full = std::iter::once(row)
+                .chain(slot.partner)
+                .any(|r| active[r].next_pos >= max_positions);
+            let stop = if self.eos_ids.contains(&token) {
                 Some(StopReason::Eos)
             } else if self.hit_stop_string(&request.prompt_ids, &slot.out.token_ids, &request.params)? {
                 Some(StopReason::StopString)
             } else if slot.out.token_ids.len() >= request.params.max_new_tokens {
                 Some(StopReason::MaxTokens)
-            } else if slot.next_pos >= max_positions {
+            } else if context_full {
                 Some(StopReason::ContextFull)
             } else {
                 None
             };
             if let Some(reason) = stop {
-                slot.out.stop_reason = reason;
-                finished.push(first_row + j);
+                finished.extend(std::iter::once(row).chain(slot.partner));
+                active[row].out.stop_reason = reason;
             }
         }
+        finished.sort_unstable();
         // Highest row first: the last row fills each gap, and it is never a finished one.
         for &row in finished.iter().rev() {
             self.runner.remove_row(row);
             let slot = active.swap_remove(row);
-            done(slot.request, slot.out);
+            if let Some(partner) = active.get(row).and_then(|moved| moved.partner) {
+                active[partner].partner = Some(row);
+            }
+            if !slot.negative {
+                done(slot.request, slot.out);
+            }
         }
         Ok(())
     }
@@ -446,14 +554,17 @@ pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
 /// Rejects requests no engine can run.
 pub(crate) fn validate(requests: &[GenerationRequest], max_positions: usize) -> Result<()> {
     for (i, r) in requests.iter().enumerate() {
-        if r.prompt_ids.is_empty() {
-            return Err(GenError::EmptyPrompt(i));
-        }
-        if r.prompt_ids.len() >= max_positions {
-            return Err(GenError::PromptTooLong {
-                tokens: r.prompt_ids.len(),
-                max: max_positions,
-            });
+        let negative = r.guidance.as_ref().map(|g| &g.negative_prompt_ids);
+        for ids in std::iter::once(&r.prompt_ids).chain(negative) {
+            if ids.is_empty() {
+                return Err(GenError::EmptyPrompt(i));
+            }
+            if ids.len() >= max_positions {
+                return Err(GenError::PromptTooLong {
+                    tokens: ids.len(),
+                    max: max_positions,
+                });
+            }
         }
     }
     Ok(())

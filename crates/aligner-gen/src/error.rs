@@ -13,6 +13,8 @@ pub enum GenError {
     RefitMismatch { have: usize, got: usize },
     #[error("engines on different forward paths (Burn and host) cannot share weights")]
     MixedForwardPaths,
+    #[error("a guided request needs two cache rows (slots / --batch-size of at least 2)")]
+    GuidanceNeedsTwoSlots,
     #[error("generation worker {0} panicked")]
     WorkerPanicked(usize),
     #[error(transparent)]

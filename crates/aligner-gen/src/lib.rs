@@ -5,6 +5,8 @@
 //! prompts are prefilled in batches and decoded a token a step, and a finished sequence's row
 //! goes to the next queued prompt at once (continuous batching). Each request samples from its
 //! own seeded random stream, so its output does not depend on the rest of the batch.
+//! A request may carry classifier-free guidance ([`Guidance`]): its negative prompt runs in a
+//! second cache row, fed the tokens the request samples from the guided distribution.
 //! [`Engine::refit`] takes a training model's current weights in place (LoRA merged on the
 //! fly); a [`WorkerPool`] runs several engines from one queue.
 //!
@@ -20,7 +22,7 @@
 //! use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
 //! let lm = LoadedModel::from_dir(&aligner_core::default_model_dir().unwrap(), &Device::flex()).unwrap();
 //! let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
-//! let request = GenerationRequest { prompt_ids, params: SamplingParams::greedy(32) };
+//! let request = GenerationRequest::new(prompt_ids, SamplingParams::greedy(32));
 //! let mut engine = Engine::for_model(&lm, EngineOptions::default());
 //! let out = engine.generate(&[request]).unwrap();
 //! println!("{}", lm.tokenizer.decode(&out[0].token_ids, true).unwrap());
@@ -33,7 +35,7 @@ mod runner;
 pub mod sampling;
 
 pub use engine::{
-    Engine, EngineOptions, EngineStats, ForwardPath, Generation, GenerationRequest, StopReason,
+    Engine, EngineOptions, EngineStats, ForwardPath, Generation, GenerationRequest, Guidance, StopReason,
 };
 pub use error::{GenError, Result};
 pub use pool::{PoolReport, WorkerPool, WorkerReport};

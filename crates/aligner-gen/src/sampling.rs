@@ -1,5 +1,5 @@
-//! Choosing the next token from logits: greedy, temperature, top-k and top-p, in the order
-//! transformers applies them.
+//! Choosing the next token from logits: classifier-free guidance, then greedy, temperature,
+//! top-k and top-p, in the order transformers applies them.
 
 use aligner_parallel::fused::host::fast_exp;
 use aligner_parallel::fused::infer::{log_sum_exp, row_max, scaled_exp_sum};
@@ -50,6 +50,28 @@ impl SamplingParams {
 /// `log softmax(logits)[token]`.
 pub fn log_prob(logits: &[f32], token: usize) -> f32 {
     logits[token] - log_sum_exp(logits)
+}
+
+/// Classifier-free guidance (Sanchez et al., 2023; transformers' `guidance_scale`): the
+/// next-token log-probs under the prompt, pushed away from those under a negative prompt,
+/// `scale · (log p(·|prompt) − log p(·|negative)) + log p(·|negative)`. Scale 1 is the
+/// prompt's own distribution, 0 the negative's; above 1 it strengthens whatever the two
+/// prompts differ in. Sampling (temperature, top-k, top-p) then applies to the result.
+pub fn guided_logits(conditioned: &[f32], negative: &[f32], scale: f32) -> Vec<f32> {
+    let (c, n) = (log_sum_exp(conditioned), log_sum_exp(negative));
+    conditioned
+        .iter()
+        .zip(negative)
+        .map(|(&x, &y)| {
+            let (x, y) = (x - c, y - n);
+            // A token the negative prompt rules out stays as the prompt has it (∞ − ∞).
+            if y == f32::NEG_INFINITY {
+                x
+            } else {
+                scale * (x - y) + y
+            }
+        })
+        .collect()
 }
 
 /// Plain temperature sampling (no top-k/top-p) without writing the distribution: the
@@ -246,6 +268,36 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let (token, lp) = sample(&logits, &params, &mut rng);
         assert_eq!(lp, log_prob(&logits, token));
+    }
+
+    #[test]
+    fn guidance_scales_the_log_prob_difference() {
+        // log p(·|prompt) = ln [0.5, 0.25, 0.25], log p(·|negative) = ln [0.25, 0.25, 0.5].
+        let conditioned = [2.0f32.ln(), 0.0, 0.0];
+        let negative = [0.0f32, 0.0, 2.0f32.ln()];
+        let ln = |p: f64| p.ln();
+        let expect = |scale: f64| {
+            [
+                scale * (ln(0.5) - ln(0.25)) + ln(0.25),
+                ln(0.25),
+                scale * (ln(0.25) - ln(0.5)) + ln(0.5),
+            ]
+        };
+        for scale in [0.0f32, 1.0, 2.0] {
+            let got = guided_logits(&conditioned, &negative, scale);
+            for (g, e) in got.iter().zip(expect(scale as f64)) {
+                assert!((*g as f64 - e).abs() < 1e-6, "scale {scale}: {got:?}");
+            }
+        }
+        // Scale 2: probabilities ∝ [1, 1/4, 1/8]: the first token gains on the third.
+        let p: Vec<f64> = filtered_probs(
+            &guided_logits(&conditioned, &negative, 2.0),
+            &SamplingParams::default(),
+        );
+        assert!(
+            (p[0] - 8.0 / 11.0).abs() < 1e-6 && (p[2] - 1.0 / 11.0).abs() < 1e-6,
+            "{p:?}"
+        );
     }
 
     #[test]

@@ -72,6 +72,7 @@ fn requests(lm: &LoadedModel, params: &SamplingParams) -> Vec<GenerationRequest>
                 seed: 100 + i as u64,
                 ..params.clone()
             },
+            guidance: None,
         })
         .collect()
 }
@@ -88,6 +89,7 @@ fn greedy_tokens_equal_transformers() {
             .map(|c| GenerationRequest {
                 prompt_ids: lm.tokenizer.encode(c["prompt"].as_str().unwrap(), true).unwrap(),
                 params: SamplingParams::greedy(c["max_new_tokens"].as_u64().unwrap() as usize),
+                guidance: None,
             })
             .collect();
         // The reference stops only at max_new_tokens.
@@ -156,6 +158,7 @@ fn seeds_make_samples_repeatable_and_different() {
                     seed,
                     ..params.clone()
                 },
+                guidance: None,
             };
             generator.generate(&[req]).unwrap().remove(0).token_ids
         };
@@ -206,6 +209,7 @@ fn stops_at_eos_and_at_stop_strings() {
                 stop_strings: stop,
                 ..SamplingParams::greedy(200)
             },
+            guidance: None,
         };
         let out = generator.generate(&[req(vec![])]).unwrap().remove(0);
         assert!(out.token_ids.len() < 200 || out.stop_reason == StopReason::MaxTokens);
@@ -239,6 +243,7 @@ fn many_requests(lm: &LoadedModel, n: usize, params: &SamplingParams) -> Vec<Gen
                 max_new_tokens: 8 + (i * 13) % 40,
                 ..params.clone()
             },
+            guidance: None,
         })
         .collect()
 }
@@ -448,6 +453,7 @@ fn host_and_burn_paths_agree_on_other_shapes() {
                     seed: 50 + i as u64,
                     ..params.clone()
                 },
+                guidance: None,
             })
             .collect();
         let host = build(ForwardPath::Host).generate(&reqs).unwrap();
@@ -473,6 +479,7 @@ fn prompts_beyond_one_prefill_pass_are_split_between_passes() {
                 .encode(&format!("{story}{story}{story}{i}"), true)
                 .unwrap(),
             params: SamplingParams::greedy(4),
+            guidance: None,
         })
         .collect();
     let total: usize = reqs.iter().map(|r| r.prompt_ids.len()).sum();

@@ -206,6 +206,7 @@ impl RejectionSampling<'_> {
                         max_new_tokens: cfg.max_new_tokens,
                         ..SamplingParams::default()
                     },
+                    guidance: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -311,6 +311,7 @@ impl PpoRunner<'_> {
                     max_new_tokens: cfg.max_new_tokens,
                     stop_strings: Vec::new(),
                 },
+                guidance: None,
             })
             .collect()
     }

@@ -51,7 +51,11 @@ pub struct SpinSection {
     pub max_new_tokens: usize,
     /// Sampling temperature of the reference's answers (0 = greedy).
     pub temperature: f32,
-    /// Keep training on earlier iterations' generations too (scored by the new reference).
+    /// Keep training on earlier iterations' generations too (scored by the new reference), as
+    /// the paper does. Measured on the shipped task (lexicon of samples, 3 seeds, after
+    /// iteration 1: 2.20 on the held-out prompts, 1.18 on 24 written ones): iteration 2 alone
+    /// gives 2.15 / 0.69 — it learns the train prompts' pairs and loses on other prompts; mixed
+    /// with iteration 1's pairs, 2.41 / 1.44.
     pub mix_previous: bool,
     /// Weight of an NLL term on the ground truth (per token) added to the DPO loss (RPO's
     /// regulariser): once the reference's answers resemble the data, DPO alone lowers the
@@ -69,7 +73,7 @@ impl Default for SpinSection {
             beta_later: 5.0,
             max_new_tokens: 48,
             temperature: 1.0,
-            mix_previous: false,
+            mix_previous: true,
             sft_weight: 1.0,
             seed: 0,
         }
@@ -150,6 +154,15 @@ impl Spin<'_> {
             if dir.join("final/config.json").exists() {
                 policy = self.store.load(&dir.join("final"), &self.device)?;
                 tracing::info!(iteration = k, "already done; continuing from its final model");
+                // A resumed run mixes in the answers the finished iteration saved.
+                let file = dir.join("generations.jsonl");
+                let saved = saved_answers(&file, train_rows.len()).ok_or_else(|| {
+                    CoreError::Invalid(format!(
+                        "{}: iteration {k} is done but its answers are missing or incomplete",
+                        file.display()
+                    ))
+                })?;
+                earlier.extend(pairs(&train_rows, saved));
                 continue;
             }
             std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
@@ -159,6 +172,7 @@ impl Spin<'_> {
                 Engine::refit_or_build(&mut engine, &reference, self.llama, Some(self.tokenizer))?;
             let mut rows = self.self_play_rows(engine, &train_rows, &dir.join("generations.jsonl"), k)?;
             let current = rows.clone();
+            let current_len = current.len();
             if self.config.spin.mix_previous {
                 rows.extend(earlier.iter().cloned());
             }
@@ -180,7 +194,9 @@ impl Spin<'_> {
                 &dir.join("reference_validation.jsonl"),
                 batch,
             )?;
-            let (margin, margin_per_token) = margins(&train);
+            // The margin of this iteration's own generations (the mixed-in earlier ones were
+            // the earlier references' answers).
+            let (margin, margin_per_token) = margins(&train[..current_len]);
             tracing::info!(
                 iteration = k,
                 margin,
@@ -254,9 +270,9 @@ impl Spin<'_> {
             .iter()
             .map(|r| r.prompt.render(self.tokenizer))
             .collect::<Result<_, _>>()?;
-        let answers: Vec<String> = match read_jsonl::<PromptResponseRow>(file) {
-            Ok(saved) if saved.len() == rows.len() => saved.into_iter().map(|r| r.response).collect(),
-            _ => {
+        let answers: Vec<String> = match saved_answers(file, rows.len()) {
+            Some(saved) => saved,
+            None => {
                 let requests = prompts
                     .iter()
                     .enumerate()
@@ -273,6 +289,7 @@ impl Spin<'_> {
                                 max_new_tokens: self.config.spin.max_new_tokens,
                                 ..SamplingParams::default()
                             },
+                            guidance: None,
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -291,17 +308,7 @@ impl Spin<'_> {
                 answers
             }
         };
-        Ok(rows
-            .iter()
-            .zip(answers)
-            .map(|(r, answer)| DpoRow {
-                prompt: r.prompt.clone(),
-                chosen: r.response.clone(),
-                rejected: answer,
-                chosen_reward: None,
-                rejected_reward: None,
-            })
-            .collect())
+        Ok(pairs(rows, answers))
     }
 
     fn examples(&self, rows: &[DpoRow], max_len: usize) -> Result<Vec<DpoExample>> {
@@ -310,6 +317,28 @@ impl Spin<'_> {
             .map(|r| dpo_example(r, self.tokenizer, max_len))
             .collect::<Result<Vec<_>, _>>()?)
     }
+}
+
+/// The answers an iteration saved in `file`, when it holds one for each of `expected` prompts.
+fn saved_answers(file: &Path, expected: usize) -> Option<Vec<String>> {
+    match read_jsonl::<PromptResponseRow>(file) {
+        Ok(saved) if saved.len() == expected => Some(saved.into_iter().map(|r| r.response).collect()),
+        _ => None,
+    }
+}
+
+/// SPIN's pairs: the ground truth chosen over the reference's answer.
+fn pairs(rows: &[PromptResponseRow], answers: Vec<String>) -> Vec<DpoRow> {
+    rows.iter()
+        .zip(answers)
+        .map(|(r, answer)| DpoRow {
+            prompt: r.prompt.clone(),
+            chosen: r.response.clone(),
+            rejected: answer,
+            chosen_reward: None,
+            rejected_reward: None,
+        })
+        .collect()
 }
 
 /// Mean reference margin of chosen over rejected: per sequence and per response token.

@@ -123,6 +123,7 @@ pub fn sample(
                     max_new_tokens: section.max_new_tokens,
                     ..SamplingParams::default()
                 },
+                guidance: None,
             });
         }
     }
