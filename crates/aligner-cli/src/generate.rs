@@ -113,13 +113,14 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     if args.negative_attributes.is_some() && !guided {
         bail!("--negative-attributes only serves --guidance-scale (give one other than 1)");
     }
-    let parse = |text: &Option<String>| -> Result<_> {
+    let parse = |text: &Option<String>, flag: &str| -> Result<_> {
         Ok(match (&conditioning, text) {
-            (Some(c), Some(text)) => Some(c.parse(text)?),
+            (Some(c), Some(text)) => Some(c.parse(text).with_context(|| flag.to_string())?),
             _ => None,
         })
     };
-    let (given, given_negative) = (parse(&args.attributes)?, parse(&args.negative_attributes)?);
+    let given = parse(&args.attributes, "--attributes")?;
+    let given_negative = parse(&args.negative_attributes, "--negative-attributes")?;
     // Each prompt as steered and, when guided, its negative form: the steered values with the
     // negative ones in their place. (Against the prompt without attributes — never seen in
     // conditioned training — the samples garble: token log-prob -1.73 against -1.10.)
@@ -138,10 +139,13 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         negatives.push(match guided {
             false => None,
             true => {
+                let Some(values) = values else {
+                    bail!("prompt {}: --guidance-scale needs its attributes", line + 1);
+                };
                 let Some(negative) = row.negative_attributes.as_ref().or(given_negative.as_ref()) else {
                     bail!("prompt {}: --guidance-scale needs --negative-attributes (or \"negative_attributes\" on the line)", line + 1);
                 };
-                let mut values = values.cloned().unwrap_or_default();
+                let mut values = values.clone();
                 values.extend(negative.iter().map(|(k, v)| (k.clone(), *v)));
                 Some(steer(&text, Some(&values))?)
             }

@@ -16,7 +16,10 @@ fn data(name: &str) -> PathBuf {
 #[test]
 fn steerlm_attribute_model_annotation_and_conditioned_sft() {
     let dir = tempfile::tempdir().unwrap();
-    let attr = dir.path().join("attributes");
+    // The attribute and conditioned models are trained (with their defaults) where a
+    // bootstrap run with no config looks for its earlier steps, so step 4 below runs with none.
+    let boot = dir.path().join("bootstrap");
+    let attr = boot.join("attributes");
     let (ok, err) = aligner(&["steerlm", "attributes", "--out", attr.to_str().unwrap()]);
     assert!(ok, "{err}");
     let rows = metrics(&attr);
@@ -67,7 +70,7 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
 
     // Conditioned SFT (the default run) steers: the lexicon score of the samples rises with the
     // asked positivity. It saves its template; generation applies it.
-    let sft = dir.path().join("sft");
+    let sft = boot.join("sft");
     let (ok, err) = aligner(&["steerlm", "sft", "--out", sft.to_str().unwrap()]);
     assert!(ok, "{err}");
     let nll = metrics(&sft);
@@ -112,19 +115,14 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
     // verbosity values per train prompt), the attribute model labels the samples, and SFT
     // continues on them. The values the human data barely has are learned from the samples
     // that turn out to have them: positivity 0 now samples below 1 (after `sft` alone the two
-    // come out alike), and the whole scale rises in order.
-    let boot = dir.path().join("bootstrap");
-    let (ok, err) = aligner(&[
-        "steerlm",
-        "bootstrap",
-        "--set",
-        &format!("model.path={}", model.display()),
-        "--set",
-        &format!("bootstrap.attribute_model={}", attr.join("final").display()),
-        "--out",
-        boot.to_str().unwrap(),
-    ]);
+    // come out alike), and the whole scale rises in order. No config: the run takes the
+    // finished `sft` and `attributes` runs in its folder as its model and labeller.
+    let (ok, err) = aligner(&["steerlm", "bootstrap", "--out", boot.to_str().unwrap()]);
     assert!(ok, "{err}");
+    assert!(
+        err.contains("bootstrap samples as labelled") && !err.contains("with its defaults first"),
+        "{err}"
+    );
     let samples = jsonl(&boot.join("bootstrap.jsonl"));
     assert_eq!(samples.len(), jsonl(&data("train.prompts.jsonl")).len() * 15);
     let negative = samples

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use aligner_core::TextTokenizer;
 use aligner_core::data::Prompt;
-use aligner_gen::{Engine, GenerationRequest, SamplingParams};
+use aligner_gen::{Engine, GenerationRequest, Guidance, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use crate::attribute_model::AttributeRow;
@@ -37,6 +37,12 @@ pub struct BootstrapSection {
     pub seed: u64,
     /// Train on `data.train` as well as on the labelled samples.
     pub keep_data: bool,
+    /// Classifier-free guidance while sampling (1 = off): each setting is pushed away from
+    /// itself with `negative`'s values in place, which spreads the samples further toward
+    /// the grid's ends.
+    pub guidance_scale: f32,
+    /// The values guidance steers away from, e.g. `positivity = 2`.
+    pub negative: BTreeMap<String, u8>,
 }
 
 impl Default for BootstrapSection {
@@ -57,6 +63,8 @@ impl Default for BootstrapSection {
             temperature: 1.0,
             seed: 0,
             keep_data: true,
+            guidance_scale: 1.0,
+            negative: BTreeMap::new(),
         }
     }
 }
@@ -69,20 +77,10 @@ pub fn settings(
 ) -> Result<Vec<BTreeMap<String, f64>>> {
     let mut out = vec![BTreeMap::new()];
     for (name, values) in grid {
-        if !conditioning.attributes.contains(name) {
-            return Err(SteerError::UnknownAttribute {
-                name: format!("bootstrap.grid.{name}"),
-                known: conditioning.attributes.join(", "),
-            });
-        }
+        check_values(name, values, "bootstrap.grid", conditioning)?;
         if values.is_empty() {
             return Err(SteerError::BadConditioning(format!(
                 "bootstrap.grid.{name} lists no values"
-            )));
-        }
-        if let Some(v) = values.iter().find(|&&v| v > MAX_VALUE) {
-            return Err(SteerError::BadConditioning(format!(
-                "bootstrap.grid.{name}: {v} is above {MAX_VALUE}"
             )));
         }
         out = out
@@ -99,6 +97,51 @@ pub fn settings(
     Ok(out)
 }
 
+/// A name the model is not conditioned on or a value above 4 under `key` is an error naming it.
+fn check_values(name: &str, values: &[u8], key: &str, conditioning: &Conditioning) -> Result<()> {
+    if !conditioning.attributes.iter().any(|a| a == name) {
+        return Err(SteerError::UnknownAttribute {
+            name: format!("{key}.{name}"),
+            known: conditioning.attributes.join(", "),
+        });
+    }
+    if let Some(v) = values.iter().find(|&&v| v > MAX_VALUE) {
+        return Err(SteerError::BadConditioning(format!(
+            "{key}.{name}: {v} is above {MAX_VALUE}"
+        )));
+    }
+    Ok(())
+}
+
+/// The values sampling is guided away from (`bootstrap.negative`), or `None` without
+/// guidance; a guidance scale without them, an unknown name or a value above 4 is an error
+/// naming the key.
+pub fn guidance_negative(
+    section: &BootstrapSection,
+    conditioning: &Conditioning,
+) -> Result<Option<BTreeMap<String, f64>>> {
+    if section.guidance_scale == 1.0 {
+        return Ok(None);
+    }
+    if !section.guidance_scale.is_finite() || section.guidance_scale < 0.0 {
+        return Err(SteerError::BadConditioning(format!(
+            "bootstrap.guidance_scale must be at least 0, not {}",
+            section.guidance_scale
+        )));
+    }
+    if section.negative.is_empty() {
+        return Err(SteerError::BadConditioning(
+            "bootstrap.guidance_scale needs bootstrap.negative (the values to steer away from)".into(),
+        ));
+    }
+    let mut negative = BTreeMap::new();
+    for (name, &v) in &section.negative {
+        check_values(name, &[v], "bootstrap.negative", conditioning)?;
+        negative.insert(name.clone(), v as f64);
+    }
+    Ok(Some(negative))
+}
+
 /// One response per prompt and setting (prompt-major), each prompt conditioned on its setting
 /// by the model's own template. The rows carry the plain prompt and no attributes yet: the
 /// attribute model labels them.
@@ -111,10 +154,22 @@ pub fn sample(
     section: &BootstrapSection,
     progress: &dyn Fn(),
 ) -> Result<Vec<AttributeRow>> {
+    let negative = guidance_negative(section, conditioning)?;
     let mut requests = Vec::with_capacity(prompts.len() * settings.len());
     for prompt in prompts {
         let text = prompt.render(tokenizer)?;
         for setting in settings {
+            let guidance = match &negative {
+                Some(negative) => {
+                    let mut away = setting.clone();
+                    away.extend(negative.iter().map(|(k, v)| (k.clone(), *v)));
+                    Some(Guidance {
+                        negative_prompt_ids: tokenizer.encode(&conditioning.apply(&text, &away)?, true)?,
+                        scale: section.guidance_scale,
+                    })
+                }
+                None => None,
+            };
             requests.push(GenerationRequest {
                 prompt_ids: tokenizer.encode(&conditioning.apply(&text, setting)?, true)?,
                 params: SamplingParams {
@@ -123,7 +178,7 @@ pub fn sample(
                     max_new_tokens: section.max_new_tokens,
                     ..SamplingParams::default()
                 },
-                guidance: None,
+                guidance,
             });
         }
     }
@@ -182,6 +237,90 @@ mod tests {
             settings(&BTreeMap::new(), &conditioning).unwrap(),
             vec![BTreeMap::new()]
         );
+    }
+
+    #[test]
+    fn guidance_takes_checked_negative_values() {
+        let conditioning = Conditioning::default();
+        let mut section = BootstrapSection::default();
+        assert_eq!(guidance_negative(&section, &conditioning).unwrap(), None);
+        section.guidance_scale = 2.0;
+        let err = guidance_negative(&section, &conditioning)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bootstrap.negative"), "{err}");
+        section.negative = [("positivity".to_string(), 2)].into_iter().collect();
+        let negative = guidance_negative(&section, &conditioning).unwrap().unwrap();
+        assert_eq!(negative, [("positivity".to_string(), 2.0)].into_iter().collect());
+        section.negative = [("humour".to_string(), 2)].into_iter().collect();
+        let err = guidance_negative(&section, &conditioning)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bootstrap.negative.humour"), "{err}");
+        section.negative = [("positivity".to_string(), 5)].into_iter().collect();
+        let err = guidance_negative(&section, &conditioning)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bootstrap.negative.positivity: 5"), "{err}");
+    }
+
+    /// On the shipped model, greedily: at scale 0 each setting samples as the setting with the
+    /// negative values in place does unguided (the negative prompt is the setting overlaid
+    /// with them, same seed per request), and a scale above 1 changes the samples.
+    #[test]
+    fn guided_sampling_steers_each_setting_away_from_its_negative() {
+        use aligner_core::{Device, LoadedModel};
+        use aligner_gen::{EngineOptions, ForwardPath};
+
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/stories260K");
+        let lm = LoadedModel::from_dir(&dir, &Device::flex()).unwrap();
+        let mut engine = Engine::for_model(
+            &lm,
+            EngineOptions {
+                slots: 4,
+                cache_len: None,
+                path: ForwardPath::Host,
+            },
+        );
+        let conditioning = Conditioning::default();
+        let prompts = ["Once upon a time, a cat", "Tom found a box"].map(|p| Prompt::Text(p.into()));
+        let at = |values: &[u8]| -> Vec<BTreeMap<String, f64>> {
+            values
+                .iter()
+                .map(|&v| [("positivity".to_string(), v as f64)].into())
+                .collect()
+        };
+        let mut section = BootstrapSection {
+            temperature: 0.0,
+            max_new_tokens: 12,
+            negative: [("positivity".to_string(), 2)].into(),
+            ..BootstrapSection::default()
+        };
+        let mut run = |settings: &[BTreeMap<String, f64>], section: &BootstrapSection| -> Vec<String> {
+            sample(
+                &mut engine,
+                &lm.tokenizer,
+                &conditioning,
+                &prompts,
+                settings,
+                section,
+                &|| {},
+            )
+            .unwrap()
+            .into_iter()
+            .map(|row| row.response)
+            .collect()
+        };
+        let plain = run(&at(&[0, 4]), &section);
+        let at_negative = run(&at(&[2, 2]), &section);
+        assert_ne!(
+            plain, at_negative,
+            "the conditioning string changes greedy samples"
+        );
+        section.guidance_scale = 0.0;
+        assert_eq!(run(&at(&[0, 4]), &section), at_negative);
+        section.guidance_scale = 3.0;
+        assert_ne!(run(&at(&[0, 4]), &section), plain);
     }
 
     #[test]
