@@ -9,6 +9,7 @@ use aligner_core::data::{Prompt, read_jsonl};
 use aligner_core::{Device, LoadedModel};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, Guidance, SamplingParams, WorkerPool};
 use aligner_steerlm::Conditioning;
+use aligner_steerlm::conditioning::negative_values;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
@@ -121,9 +122,8 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     };
     let given = parse(&args.attributes, "--attributes")?;
     let given_negative = parse(&args.negative_attributes, "--negative-attributes")?;
-    // Each prompt as steered and, when guided, its negative form: the steered values with the
-    // negative ones in their place. (Against the prompt without attributes — never seen in
-    // conditioned training — the samples garble: token log-prob -1.73 against -1.10.)
+    // Each prompt as steered and, when guided, its negative form (`negative_values`; against
+    // the prompt without attributes the samples garble: token log-prob -1.73 against -1.10).
     let steer = |text: &str, values: Option<&BTreeMap<String, f64>>| -> Result<String> {
         Ok(match (&conditioning, values) {
             (Some(c), Some(values)) => c.apply(text, values)?,
@@ -145,9 +145,7 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
                 let Some(negative) = row.negative_attributes.as_ref().or(given_negative.as_ref()) else {
                     bail!("prompt {}: --guidance-scale needs --negative-attributes (or \"negative_attributes\" on the line)", line + 1);
                 };
-                let mut values = values.clone();
-                values.extend(negative.iter().map(|(k, v)| (k.clone(), *v)));
-                Some(steer(&text, Some(&values))?)
+                Some(steer(&text, Some(&negative_values(values, negative)))?)
             }
         });
     }

@@ -16,7 +16,7 @@ use aligner_gen::{Engine, GenerationRequest, Guidance, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use crate::attribute_model::AttributeRow;
-use crate::conditioning::{Conditioning, MAX_VALUE, bucket};
+use crate::conditioning::{Conditioning, MAX_VALUE, bucket, negative_values};
 use crate::error::{Result, SteerError};
 
 /// `[bootstrap]`: what `aligner steerlm bootstrap` samples and how.
@@ -161,8 +161,7 @@ pub fn sample(
         for setting in settings {
             let guidance = match &negative {
                 Some(negative) => {
-                    let mut away = setting.clone();
-                    away.extend(negative.iter().map(|(k, v)| (k.clone(), *v)));
+                    let away = negative_values(setting, negative);
                     Some(Guidance {
                         negative_prompt_ids: tokenizer.encode(&conditioning.apply(&text, &away)?, true)?,
                         scale: section.guidance_scale,

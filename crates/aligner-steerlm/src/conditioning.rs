@@ -115,6 +115,18 @@ impl Conditioning {
     }
 }
 
+/// The values of classifier-free guidance's negative prompt: the steered values with the
+/// negative ones in their place (others kept: against a prompt without attributes, which
+/// conditioned training never shows, the samples garble).
+pub fn negative_values(
+    steered: &BTreeMap<String, f64>,
+    negative: &BTreeMap<String, f64>,
+) -> BTreeMap<String, f64> {
+    let mut values = steered.clone();
+    values.extend(negative.iter().map(|(k, v)| (k.clone(), *v)));
+    values
+}
+
 /// An attribute prediction as a bucket: rounded and clamped to 0..=4.
 pub fn bucket(value: f64) -> u8 {
     value.round().clamp(0.0, MAX_VALUE as f64) as u8
@@ -162,6 +174,15 @@ mod tests {
             "verbosity:2,positivity:4"
         );
         assert!(c.parse("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn negative_values_replace_the_steered_ones_and_keep_the_rest() {
+        let steered = values(&[("verbosity", 1.0), ("positivity", 4.0)]);
+        assert_eq!(
+            negative_values(&steered, &values(&[("positivity", 2.0), ("dialogue", 0.0)])),
+            values(&[("verbosity", 1.0), ("positivity", 2.0), ("dialogue", 0.0)])
+        );
     }
 
     #[test]
