@@ -554,6 +554,11 @@ pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
 /// Rejects requests no engine can run.
 pub(crate) fn validate(requests: &[GenerationRequest], max_positions: usize) -> Result<()> {
     for (i, r) in requests.iter().enumerate() {
+        if let Some(scale) = r.guidance.as_ref().map(|g| g.scale)
+            && !(scale.is_finite() && scale >= 0.0)
+        {
+            return Err(GenError::BadGuidanceScale { request: i, scale });
+        }
         let negative = r.guidance.as_ref().map(|g| &g.negative_prompt_ids);
         for ids in std::iter::once(&r.prompt_ids).chain(negative) {
             if ids.is_empty() {

@@ -174,7 +174,7 @@ fn guided_and_plain_requests_together_get_what_they_get_alone() {
 }
 
 #[test]
-fn guidance_needs_two_rows_and_a_negative_prompt() {
+fn guidance_needs_two_rows_a_negative_prompt_and_a_usable_scale() {
     let lm = shipped();
     let request = guided(&lm, "Lily", "Tom", 2.0, SamplingParams::greedy(4));
     let err = engine(&lm, 1, ForwardPath::Host).generate(std::slice::from_ref(&request));
@@ -188,4 +188,13 @@ fn guidance_needs_two_rows_and_a_negative_prompt() {
     };
     let err = engine(&lm, 2, ForwardPath::Host).generate(&[empty]);
     assert!(matches!(err, Err(GenError::EmptyPrompt(0))), "{err:?}");
+    for scale in [-1.0, f32::NAN, f32::INFINITY] {
+        let plain = GenerationRequest::new(encode(&lm, "Tom"), SamplingParams::greedy(4));
+        let bad = guided(&lm, "Lily", "Tom", scale, SamplingParams::greedy(4));
+        let err = engine(&lm, 4, ForwardPath::Host).generate(&[plain, bad]);
+        assert!(
+            matches!(err, Err(GenError::BadGuidanceScale { request: 1, .. })),
+            "{err:?}"
+        );
+    }
 }
