@@ -1,0 +1,282 @@
+//! `aligner bench`: speed tables on the shipped model and a random ~16M-parameter Llama.
+
+use std::time::Instant;
+
+use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, model::parameter_count};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
+use anyhow::Result;
+use burn::tensor::{Distribution, Int, Tensor};
+use clap::Subcommand;
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchCommand,
+    /// Only the models whose name contains this (`stories260K`, `random-16M`).
+    #[arg(long, global = true, default_value = "")]
+    only: String,
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Forward-pass tokens/s (batch × seq tokens per pass).
+    Forward {
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Timed passes after one warm-up pass.
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+    },
+    /// SFT training tokens/s (forward + backward + AdamW step) at batch × seq tokens per step.
+    Train {
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Timed steps after one warm-up step.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
+    /// DPO step time (policy forward + backward + AdamW on chosen and rejected; reference
+    /// log-probs are cached before training, so they cost nothing per step).
+    Dpo {
+        /// Preference pairs per step.
+        #[arg(long, default_value_t = 8)]
+        pairs: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
+    /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
+    Generate {
+        #[arg(long, default_value_t = 64)]
+        prompts: usize,
+        #[arg(long, default_value_t = 128)]
+        new_tokens: usize,
+        /// Engine slots (sequences decoded together).
+        #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+        batch_sizes: Vec<usize>,
+        /// Engine workers sharing the queue.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+    },
+}
+
+/// The ~16M-parameter Llama of the benchmarks: hidden 256, 4 layers, 4 heads, 2 KV heads,
+/// FFN 688, GPT-2's vocabulary of 50257, tied embeddings.
+pub fn random_16m_config() -> LlamaConfig {
+    let mut config = LlamaConfig::llama(50257, 256, 4, 4, 2, 688);
+    config.tie_word_embeddings = Some(true);
+    config
+}
+
+/// The benchmark models whose name contains `only`; the others are not built.
+fn models(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
+    let mut out = Vec::new();
+    if "stories260K".contains(only) {
+        let shipped = LoadedModel::from_dir(&aligner_core::default_model_dir()?, device)?;
+        out.push(("stories260K".to_string(), shipped.config, shipped.model));
+    }
+    if "random-16M".contains(only) {
+        let config = random_16m_config();
+        device.seed(0);
+        let random = CausalLm::new(&config, device);
+        out.push(("random-16M".to_string(), config, random));
+    }
+    Ok(out)
+}
+
+pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
+    let only = args.only.as_str();
+    match args.what {
+        BenchCommand::Forward { batch, seq, iters } => forward(device, only, batch, seq, iters),
+        BenchCommand::Train { batch, seq, steps } => train(device, only, batch, seq, steps),
+        BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
+        BenchCommand::Generate {
+            prompts,
+            new_tokens,
+            batch_sizes,
+            workers,
+        } => generate(device, only, prompts, new_tokens, &batch_sizes, workers),
+    }
+}
+
+fn forward(device: &Device, only: &str, batch: usize, seq: usize, iters: usize) -> Result<()> {
+    println!("| model | params | batch × seq | ms / forward | tokens/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, config, model) in models(device, only)? {
+        let tokens = Tensor::<2, Int>::random(
+            [batch, seq],
+            Distribution::Uniform(0.0, config.vocab_size as f64),
+            device,
+        );
+        let pass = || -> Result<()> {
+            model
+                .forward(tokens.clone())
+                .into_data()
+                .try_to_vec::<f32>()
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            Ok(())
+        };
+        pass()?;
+        let start = Instant::now();
+        for _ in 0..iters.max(1) {
+            pass()?;
+        }
+        let per = start.elapsed().as_secs_f64() / iters.max(1) as f64;
+        println!(
+            "| {name} | {} | {batch} × {seq} | {:.1} | {:.0} |",
+            parameter_count(&model),
+            per * 1e3,
+            (batch * seq) as f64 / per
+        );
+    }
+    Ok(())
+}
+
+fn generate(
+    device: &Device,
+    only: &str,
+    prompts: usize,
+    new_tokens: usize,
+    batch_sizes: &[usize],
+    workers: usize,
+) -> Result<()> {
+    println!(
+        "| model | batch | workers | prompts × new tokens | seconds | tokens/s | ms / step (per-token latency) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (name, config, model) in models(device, only)? {
+        // Fixed 8-token prompts of arbitrary ids; EOS is ignored so every sequence runs to length.
+        let requests: Vec<GenerationRequest> = (0..prompts)
+            .map(|i| GenerationRequest {
+                prompt_ids: (0..8)
+                    .map(|t| 1 + ((i * 31 + t * 17) % (config.vocab_size - 1)) as u32)
+                    .collect(),
+                params: SamplingParams {
+                    seed: i as u64,
+                    max_new_tokens: new_tokens,
+                    ..SamplingParams::default()
+                },
+                guidance: None,
+            })
+            .collect();
+        for &batch in batch_sizes {
+            let options = EngineOptions {
+                slots: batch.max(1),
+                cache_len: None,
+                ..EngineOptions::default()
+            };
+            let engine = Engine::new(model.clone(), config.clone(), None, options).with_eos_ids(vec![]);
+            let mut pool = WorkerPool::new(engine, workers.max(1));
+            let (_, report) = pool.generate(&requests, &|_| {})?;
+            let secs = report.seconds;
+            // Decode steps each sequence waited through: its tokens, in rounds of `batch` rows.
+            let steps = prompts.div_ceil(batch.max(1) * workers.max(1)) * new_tokens;
+            println!(
+                "| {name} | {batch} | {workers} | {prompts} × {new_tokens} | {secs:.2} | {:.0} | {:.2} |",
+                report.tokens() as f64 / secs,
+                secs / steps as f64 * 1e3
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Seconds per optimiser step (forward, backward, AdamW) of `objective` on `batch`, after one
+/// warm-up step, for `model` moved to an autodiff device.
+fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
+    model: CausalLm,
+    device: &Device,
+    objective: &O,
+    batch: &[&O::Example],
+    steps: usize,
+) -> Result<f64> {
+    use burn::module::Module;
+    use burn::optim::{AdamWConfig, GradientsParams};
+
+    let mut model = model.fork(&device.clone().autodiff()).train();
+    let mut optim = AdamWConfig::new().init();
+    let mut step = |model: CausalLm| -> Result<CausalLm> {
+        let out = objective.step(&model, batch)?;
+        let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+        Ok(optim.step(1e-4, model, grads))
+    };
+    model = step(model)?;
+    let start = Instant::now();
+    for _ in 0..steps.max(1) {
+        model = step(model)?;
+    }
+    Ok(start.elapsed().as_secs_f64() / steps.max(1) as f64)
+}
+
+/// `len` token ids of a fixed pseudo-random pattern for `salt`.
+fn synthetic_ids(salt: usize, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|t| 1 + ((salt * 131 + t * 37) % (vocab - 1)) as u32)
+        .collect()
+}
+
+fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) -> Result<()> {
+    use aligner_core::sft::{SftExample, SftObjective};
+
+    println!("| model | params | batch × seq | ms / step | tokens/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, config, model) in models(device, only)? {
+        let examples: Vec<SftExample> = (0..batch)
+            .map(|b| SftExample {
+                ids: synthetic_ids(b, seq, config.vocab_size),
+                trained: (0..seq).map(|t| t > 0).collect(),
+                starts: vec![0],
+            })
+            .collect();
+        let refs: Vec<&SftExample> = examples.iter().collect();
+        let params = parameter_count(&model);
+        let per = seconds_per_step(model, device, &SftObjective, &refs, steps)?;
+        println!(
+            "| {name} | {params} | {batch} × {seq} | {:.1} | {:.0} |",
+            per * 1e3,
+            (batch * seq) as f64 / per
+        );
+    }
+    Ok(())
+}
+
+fn dpo(device: &Device, only: &str, pairs: usize, seq: usize, steps: usize) -> Result<()> {
+    use aligner_core::score::ScoredSequence;
+    use aligner_dpo::LossSpec;
+    use aligner_dpo::objective::{DpoExample, DpoObjective};
+
+    println!("| model | params | pairs × seq | ms / step | pairs/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, config, model) in models(device, only)? {
+        let seq_of = |salt: usize| ScoredSequence {
+            ids: synthetic_ids(salt, seq, config.vocab_size),
+            prompt_len: seq / 4,
+        };
+        let examples: Vec<DpoExample> = (0..pairs)
+            .map(|i| DpoExample {
+                chosen: seq_of(2 * i),
+                rejected: seq_of(2 * i + 1),
+                reference: Some((-100.0, -100.0)),
+                rewards: None,
+            })
+            .collect();
+        let refs: Vec<&DpoExample> = examples.iter().collect();
+        let objective = DpoObjective {
+            loss: crate::registry::registry().build("dpo", &LossSpec::default())?,
+            sft_weight: 0.0,
+        };
+        let params = parameter_count(&model);
+        let per = seconds_per_step(model, device, &objective, &refs, steps)?;
+        println!(
+            "| {name} | {params} | {pairs} × {seq} | {:.1} | {:.1} |",
+            per * 1e3,
+            pairs as f64 / per
+        );
+    }
+    Ok(())
+}

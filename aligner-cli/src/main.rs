@@ -1,0 +1,136 @@
+//! `aligner`: the command line of the aligner toolkit.
+
+mod bench;
+mod convert;
+mod generate;
+mod ppo;
+mod registry;
+mod score;
+mod serve;
+mod steerlm;
+mod train;
+
+use anyhow::{Result, bail};
+use burn::tensor::Device;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "aligner",
+    version,
+    about = "Align language models with human preferences"
+)]
+struct Cli {
+    /// Compute device: `cpu`, or `cuda` / `cuda:N` in builds with the `cuda` feature.
+    #[arg(long, global = true, default_value = "cpu")]
+    device: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Supervised fine-tuning (loss on response tokens).
+    Sft(train::TrainArgs),
+    /// Train a reward model on preference pairs (Bradley–Terry).
+    Rm(train::TrainArgs),
+    /// Direct preference optimisation and its variants (`dpo.loss`).
+    Dpo(train::TrainArgs),
+    /// KTO on unpaired desirable/undesirable completions.
+    #[cfg(feature = "kto")]
+    Kto(train::TrainArgs),
+    /// RLHF with PPO: actor, reference, critic and reward model.
+    Ppo(train::TrainArgs),
+    /// SteerLM: attribute model, annotation, attribute-conditioned SFT.
+    #[command(subcommand)]
+    Steerlm(steerlm::SteerCommand),
+    /// Self-play fine-tuning (SPIN) iterations.
+    Spin(train::TrainArgs),
+    /// Rejection sampling (best-of-n) rounds.
+    Rs(train::TrainArgs),
+    /// Serve a PPO role over gRPC.
+    #[command(subcommand)]
+    Serve(serve::ServeCommand),
+    /// Generate responses to prompts.
+    Generate(generate::GenerateArgs),
+    /// Sequence log-probs of responses given prompts.
+    Score(score::ScoreArgs),
+    /// Convert checkpoints from other formats into Hugging Face folders.
+    #[command(subcommand)]
+    Convert(convert::ConvertCommand),
+    /// Benchmarks that print a table.
+    Bench(bench::BenchArgs),
+}
+
+fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" | "flex" => Ok(Device::flex()),
+        #[cfg(feature = "cuda")]
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
+            let index: usize = cuda
+                .strip_prefix("cuda:")
+                .map(str::parse)
+                .transpose()?
+                .unwrap_or(0);
+            Ok(Device::cuda(index))
+        }
+        other => bail!(
+            "unknown device {other:?} (this build has: cpu{})",
+            if cfg!(feature = "cuda") { ", cuda" } else { "" }
+        ),
+    }
+}
+
+/// mimalloc keeps freed pages for reuse: a training step allocates and frees the same large
+/// buffers (logits, gradients, optimizer moments) every time, which glibc hands back to the
+/// kernel and faults in again.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let device = device(&cli.device)?;
+    match cli.command {
+        Command::Sft(args) => train::sft(args, &device),
+        Command::Rm(args) => train::rm(args, &device),
+        Command::Dpo(args) => train::dpo(args, &device),
+        #[cfg(feature = "kto")]
+        Command::Kto(args) => train::kto(args, &device),
+        Command::Ppo(args) => ppo::ppo(args, &device),
+        Command::Serve(cmd) => serve::run(cmd, &device),
+        Command::Spin(args) => ppo::spin(args, &device),
+        Command::Rs(args) => ppo::rs(args, &device),
+        Command::Steerlm(cmd) => steerlm::run(cmd, &device),
+        Command::Generate(args) => generate::run(args, &device),
+        Command::Score(args) => score::run(args, &device),
+        Command::Convert(cmd) => convert::run(cmd, &device),
+        Command::Bench(cmd) => bench::run(cmd, &device),
+    }
+}
+
+/// The model folder to use: the given one or the shipped default.
+fn model_dir(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+    Ok(match given {
+        Some(dir) => dir,
+        None => aligner_core::default_model_dir()?,
+    })
+}
+
+/// Writes JSON lines to `out` (through a temporary file and a rename) or to stdout.
+fn write_jsonl(out: Option<&std::path::Path>, rows: &[serde_json::Value]) -> Result<()> {
+    match out {
+        Some(path) => aligner_core::data::write_jsonl(path, rows)?,
+        None => {
+            for row in rows {
+                println!("{}", serde_json::to_string(row)?);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,110 @@
+//! `aligner score`.
+
+use std::path::PathBuf;
+
+use aligner_core::data::{PromptResponseRow, read_jsonl};
+use aligner_core::score::{ScoredSequence, response_logprobs};
+use aligner_core::{Device, LoadedModel};
+use anyhow::{Context, Result};
+use clap::Args;
+use serde_json::json;
+
+#[derive(Args)]
+pub struct ScoreArgs {
+    /// HF model folder (default: the shipped stories260K).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// JSON Lines of {"prompt", "response"}.
+    #[arg(long)]
+    data: PathBuf,
+    /// JSON Lines output (stdout otherwise): {"logprob", "n_tokens"} per input line.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+}
+
+pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
+    let dir = crate::model_dir(args.model.clone())?;
+    let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json"))?;
+    let is_classifier = config
+        .architectures
+        .iter()
+        .flatten()
+        .any(|a| a.ends_with("ForSequenceClassification"));
+    if is_classifier {
+        return score_rewards(&args, &dir, &config, device);
+    }
+    let lm =
+        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
+    let seqs: Vec<ScoredSequence> = rows
+        .iter()
+        .map(|r| ScoredSequence::encode(&lm.tokenizer, &r.prompt.render(&lm.tokenizer)?, &r.response))
+        .collect::<Result<_, _>>()?;
+    let bar = aligner_core::run::progress_bar(
+        seqs.len() as u64,
+        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
+    );
+    let mut out = Vec::with_capacity(seqs.len());
+    for chunk in seqs.chunks(args.batch_size.max(1)) {
+        for (seq, lp) in chunk
+            .iter()
+            .zip(response_logprobs(&lm.model, chunk, chunk.len())?)
+        {
+            out.push(json!({"logprob": lp.total(), "n_tokens": seq.n_response_tokens()}));
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    crate::write_jsonl(args.out.as_deref(), &out)
+}
+
+/// Rewards (one output) or attributes (several) of a sequence-classifier folder.
+fn score_rewards(
+    args: &ScoreArgs,
+    dir: &std::path::Path,
+    config: &aligner_core::LlamaConfig,
+    device: &Device,
+) -> Result<()> {
+    let labels = aligner_core::reward::labels_of(config);
+    let outputs = labels.len().max(1);
+    let model = aligner_core::reward::RewardModel::load(dir, config, outputs, device)
+        .with_context(|| format!("loading reward model {}", dir.display()))?;
+    let tokenizer = aligner_core::TextTokenizer::from_dir(dir)?;
+    let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
+    let mut out = Vec::with_capacity(rows.len());
+    let bar = aligner_core::run::progress_bar(
+        rows.len() as u64,
+        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
+    );
+    for chunk in rows.chunks(args.batch_size.max(1)) {
+        let ids: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|r| tokenizer.encode(&format!("{}{}", r.prompt.render(&tokenizer)?, r.response), true))
+            .collect::<Result<_, _>>()?;
+        let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+        let tokens = aligner_core::score::pad_right(&refs, 0, device);
+        let values: Vec<f32> = model
+            .forward(tokens, &lengths)
+            .into_data()
+            .try_to_vec()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        for row in values.chunks(outputs) {
+            out.push(if outputs == 1 {
+                json!({"reward": row[0]})
+            } else {
+                let attrs: serde_json::Map<String, serde_json::Value> = labels
+                    .iter()
+                    .zip(row)
+                    .map(|(l, v)| (l.clone(), json!(v)))
+                    .collect();
+                json!({"attributes": attrs})
+            });
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    crate::write_jsonl(args.out.as_deref(), &out)
+}

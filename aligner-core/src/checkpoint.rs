@@ -1,0 +1,388 @@
+//! Hugging Face checkpoint folders in and out: `config.json`, `model.safetensors` (or shards
+//! listed in `model.safetensors.index.json`) and the tokenizer files beside them.
+//!
+//! Tensor names are HF's (`model.layers.N.self_attn.q_proj.weight`, ...). Linear weights are
+//! `[out, in]` on disk and `[in, out]` in Burn; the conversion is a transpose both ways, so a
+//! save/load round trip is bit-identical. F32, F16 and BF16 files load (into f32); saves are F32.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::tensor::{Device, Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+
+use crate::config::LlamaConfig;
+use crate::error::{CoreError, Result};
+use crate::model::{CausalLm, LlamaModel, named_param};
+
+/// Files copied along with the weights when a model folder is saved.
+pub const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+];
+
+/// One tensor-holding part of a model, under its HF name prefix.
+pub enum Slot<'a> {
+    Linear(&'a mut Linear),
+    Norm(&'a mut RmsNorm),
+    Embedding(&'a mut Embedding),
+}
+
+/// The parts of a decoder trunk with their HF name prefixes, in file order.
+pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
+    let mut out = vec![(
+        "model.embed_tokens".to_string(),
+        Slot::Embedding(&mut model.embed_tokens),
+    )];
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        let p = format!("model.layers.{i}");
+        let attn = &mut layer.self_attn;
+        let mlp = &mut layer.mlp;
+        out.push((
+            format!("{p}.input_layernorm"),
+            Slot::Norm(&mut layer.input_layernorm),
+        ));
+        out.push((
+            format!("{p}.self_attn.q_proj"),
+            Slot::Linear(&mut attn.q_proj.base),
+        ));
+        out.push((
+            format!("{p}.self_attn.k_proj"),
+            Slot::Linear(&mut attn.k_proj.base),
+        ));
+        out.push((
+            format!("{p}.self_attn.v_proj"),
+            Slot::Linear(&mut attn.v_proj.base),
+        ));
+        out.push((
+            format!("{p}.self_attn.o_proj"),
+            Slot::Linear(&mut attn.o_proj.base),
+        ));
+        out.push((
+            format!("{p}.post_attention_layernorm"),
+            Slot::Norm(&mut layer.post_attention_layernorm),
+        ));
+        out.push((
+            format!("{p}.mlp.gate_proj"),
+            Slot::Linear(&mut mlp.gate_proj.base),
+        ));
+        out.push((format!("{p}.mlp.up_proj"), Slot::Linear(&mut mlp.up_proj.base)));
+        out.push((
+            format!("{p}.mlp.down_proj"),
+            Slot::Linear(&mut mlp.down_proj.base),
+        ));
+    }
+    out.push(("model.norm".to_string(), Slot::Norm(&mut model.norm)));
+    out
+}
+
+/// Every part of a causal LM: the trunk, then `lm_head` when untied.
+fn slots(model: &mut CausalLm) -> Vec<(String, Slot<'_>)> {
+    let mut out = trunk_slots(&mut model.model);
+    if let Some(head) = model.lm_head.as_mut() {
+        out.push(("lm_head".to_string(), Slot::Linear(head)));
+    }
+    out
+}
+
+/// The safetensors files of a folder, read into memory, and which file holds each tensor.
+struct TensorFiles {
+    dir: PathBuf,
+    files: Vec<(PathBuf, Vec<u8>)>,
+    index: HashMap<String, usize>,
+}
+
+impl TensorFiles {
+    fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let names: Vec<String> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| CoreError::io(&index_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|source| CoreError::Json {
+                path: index_path.clone(),
+                source,
+            })?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| CoreError::Config {
+                    path: index_path.clone(),
+                    message: "no \"weight_map\" object".into(),
+                })?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
+            shards.sort();
+            shards.dedup();
+            shards
+        } else {
+            vec!["model.safetensors".to_string()]
+        };
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for name in names {
+            let path = dir.join(&name);
+            let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+            let parsed = SafeTensors::deserialize(&bytes).map_err(|e| CoreError::Safetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+            for tensor in parsed.names() {
+                index.insert(tensor.to_string(), files.len());
+            }
+            files.push((path, bytes));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+        })
+    }
+
+    fn names(&self) -> HashSet<&str> {
+        self.index.keys().map(String::as_str).collect()
+    }
+
+    /// The tensor `name` as f32, checked against `expected` (HF layout).
+    fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        let file = *self.index.get(name).ok_or_else(|| CoreError::MissingTensor {
+            name: name.to_string(),
+            dir: self.dir.clone(),
+        })?;
+        let (path, bytes) = &self.files[file];
+        let parsed = SafeTensors::deserialize(bytes).map_err(|e| CoreError::Safetensors {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let view = parsed.tensor(name).map_err(|e| CoreError::Safetensors {
+            path: path.clone(),
+            message: format!("tensor {name:?}: {e}"),
+        })?;
+        if view.shape() != expected {
+            return Err(CoreError::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        decode_f32(name, view.dtype(), view.data())
+    }
+}
+
+fn decode_f32(name: &str, dtype: Dtype, data: &[u8]) -> Result<Vec<f32>> {
+    let pairs = || data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]));
+    Ok(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F16 => pairs().map(|b| half::f16::from_bits(b).to_f32()).collect(),
+        Dtype::BF16 => pairs().map(|b| half::bf16::from_bits(b).to_f32()).collect(),
+        other => {
+            return Err(CoreError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+            });
+        }
+    })
+}
+
+fn tensor_1d(name: &str, values: Vec<f32>, device: &Device) -> Param<Tensor<1>> {
+    let n = values.len();
+    named_param(name, Tensor::from_data(TensorData::new(values, [n]), device))
+}
+
+fn tensor_2d(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Tensor<2> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Loads the weights of a HF folder into a model built for `config`.
+pub fn load_causal_lm(dir: &Path, config: &LlamaConfig, device: &Device) -> Result<CausalLm> {
+    let mut model = CausalLm::new(config, device);
+    load_slots(dir, config, slots(&mut model), device)?;
+    Ok(model)
+}
+
+/// Fills `slots` from the safetensors of `dir`; tensors the slots do not use are logged.
+pub fn load_slots(
+    dir: &Path,
+    config: &LlamaConfig,
+    slots: Vec<(String, Slot<'_>)>,
+    device: &Device,
+) -> Result<()> {
+    let files = TensorFiles::open(dir)?;
+    let mut used = HashSet::new();
+    for (prefix, slot) in slots {
+        match slot {
+            Slot::Linear(linear) => {
+                let [d_in, d_out] = linear.weight.dims();
+                let name = format!("{prefix}.weight");
+                let hf = files.read(&name, &[d_out, d_in])?;
+                linear.weight = named_param(&name, tensor_2d(hf, [d_out, d_in], device).transpose());
+                used.insert(name);
+                if linear.bias.is_some() {
+                    let name = format!("{prefix}.bias");
+                    linear.bias = Some(tensor_1d(&name, files.read(&name, &[d_out])?, device));
+                    used.insert(name);
+                }
+            }
+            Slot::Norm(norm) => {
+                let name = format!("{prefix}.weight");
+                let [d] = norm.gamma.dims();
+                norm.gamma = tensor_1d(&name, files.read(&name, &[d])?, device);
+                used.insert(name);
+            }
+            Slot::Embedding(embedding) => {
+                let name = format!("{prefix}.weight");
+                let shape = embedding.weight.dims();
+                embedding.weight = named_param(&name, tensor_2d(files.read(&name, &shape)?, shape, device));
+                used.insert(name);
+            }
+        }
+    }
+    let unused: Vec<&str> = files
+        .names()
+        .into_iter()
+        .filter(|n| !used.contains(*n) && !is_ignorable(n, config))
+        .collect();
+    if !unused.is_empty() {
+        tracing::warn!(dir = %dir.display(), tensors = ?unused, "checkpoint tensors not used by the model");
+    }
+    Ok(())
+}
+
+/// Tensors some checkpoints carry that carry no information for us.
+fn is_ignorable(name: &str, config: &LlamaConfig) -> bool {
+    name.ends_with("rotary_emb.inv_freq") || (config.tied_embeddings() && name == "lm_head.weight")
+}
+
+/// The model's tensors under HF names and layout, as `(name, shape, f32 values)`.
+pub fn hf_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut model = model.clone();
+    slot_tensors(slots(&mut model))
+}
+
+/// The tensors of `slots` under HF names and layout.
+pub fn slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut out = Vec::new();
+    let values = |t: TensorData| t.try_to_vec::<f32>().expect("model tensors are f32");
+    for (prefix, slot) in slots {
+        match slot {
+            Slot::Linear(linear) => {
+                let w = linear.weight.val().transpose();
+                out.push((
+                    format!("{prefix}.weight"),
+                    w.dims().to_vec(),
+                    values(w.into_data()),
+                ));
+                if let Some(bias) = &linear.bias {
+                    let b = bias.val();
+                    out.push((format!("{prefix}.bias"), b.dims().to_vec(), values(b.into_data())));
+                }
+            }
+            Slot::Norm(norm) => {
+                let g = norm.gamma.val();
+                out.push((
+                    format!("{prefix}.weight"),
+                    g.dims().to_vec(),
+                    values(g.into_data()),
+                ));
+            }
+            Slot::Embedding(embedding) => {
+                let w = embedding.weight.val();
+                out.push((
+                    format!("{prefix}.weight"),
+                    w.dims().to_vec(),
+                    values(w.into_data()),
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Writes `tensors` as one F32 safetensors file, via a temporary name and a rename.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<()> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, shape, values)| {
+            let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name.clone(), shape.clone(), raw)
+        })
+        .collect();
+    let mut views = BTreeMap::new();
+    for (name, shape, raw) in &bytes {
+        let view = TensorView::new(Dtype::F32, shape.clone(), raw).map_err(|e| CoreError::Safetensors {
+            path: path.to_path_buf(),
+            message: format!("tensor {name:?}: {e}"),
+        })?;
+        views.insert(name.clone(), view);
+    }
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let data = safetensors::serialize(views, Some(metadata)).map_err(|e| CoreError::Safetensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    write_atomic(path, &data)
+}
+
+/// Writes `data` to `path` through a temporary file in the same folder and a rename, so a
+/// reader never sees a half-written file.
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    std::fs::write(&tmp, data).map_err(|e| CoreError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| CoreError::io(path, e))
+}
+
+/// Saves `model` as a HF folder: `config.json`, `model.safetensors`, and the tokenizer files
+/// of `tokenizer_from` when given.
+pub fn save_causal_lm(
+    model: &CausalLm,
+    config: &LlamaConfig,
+    dir: &Path,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+    let mut config = config.clone();
+    if config.architectures.is_none() {
+        config.architectures = Some(vec![default_architecture(&config.model_type).into()]);
+    }
+    config.extra.insert("torch_dtype".into(), "float32".into());
+    write_safetensors(&dir.join("model.safetensors"), &hf_tensors(model))?;
+    write_atomic(&dir.join("config.json"), config.to_json_string().as_bytes())?;
+    if let Some(src) = tokenizer_from {
+        copy_tokenizer_files(src, dir)?;
+    }
+    Ok(())
+}
+
+/// Copies the tokenizer and generation files that exist in `src` to `dst`.
+pub fn copy_tokenizer_files(src: &Path, dst: &Path) -> Result<()> {
+    if src == dst {
+        return Ok(());
+    }
+    for name in TOKENIZER_FILES {
+        let from = src.join(name);
+        if from.exists() {
+            let data = std::fs::read(&from).map_err(|e| CoreError::io(&from, e))?;
+            write_atomic(&dst.join(name), &data)?;
+        }
+    }
+    Ok(())
+}
+
+fn default_architecture(model_type: &str) -> &'static str {
+    match model_type {
+        "qwen2" => "Qwen2ForCausalLM",
+        "mistral" => "MistralForCausalLM",
+        _ => "LlamaForCausalLM",
+    }
+}

@@ -1,0 +1,145 @@
+//! JSON Lines data files: every line parsed up front, a bad line reported with file and line
+//! number, so a run never starts on half-parsed data.
+
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+pub use crate::error::DataError;
+use crate::error::{CoreError, Result};
+use crate::tokenizer::{ChatMessage, TextTokenizer};
+
+/// Reads every non-blank line of `path` as a `T`.
+pub fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
+    Ok(read_jsonl_numbered(path)?
+        .into_iter()
+        .map(|(_, row)| row)
+        .collect())
+}
+
+/// [`read_jsonl`] with each row's line number in the file (from 1; blank lines count).
+pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
+    let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row = serde_json::from_str(line).map_err(|e| DataError {
+            path: path.to_path_buf(),
+            line: i + 1,
+            message: e.to_string(),
+        })?;
+        rows.push((i + 1, row));
+    }
+    Ok(rows)
+}
+
+/// Every row of a JSON Lines file turned into a training example by `example`; a line that
+/// does not parse or cannot be used is an error naming the file and the line.
+pub fn load_examples<T: DeserializeOwned, E>(
+    path: &Path,
+    mut example: impl FnMut(&T) -> Result<E>,
+) -> Result<Vec<E>> {
+    read_jsonl_numbered::<T>(path)?
+        .iter()
+        .map(|(line, row)| {
+            example(row).map_err(|e| {
+                CoreError::Data(DataError {
+                    path: path.to_path_buf(),
+                    line: *line,
+                    message: e.to_string(),
+                })
+            })
+        })
+        .collect()
+}
+
+/// Writes `rows` as JSON Lines to `path` through a temporary file and a rename.
+pub fn write_jsonl<T: Serialize>(path: &Path, rows: &[T]) -> Result<()> {
+    let mut text = String::new();
+    for row in rows {
+        let line = serde_json::to_string(row).map_err(|e| CoreError::Json {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        text.push_str(&line);
+        text.push('\n');
+    }
+    crate::checkpoint::write_atomic(path, text.as_bytes())
+}
+
+/// Appends one JSON line to `path` (a run's per-round or per-iteration record).
+pub fn append_jsonl<T: Serialize>(path: &Path, row: &T) -> Result<()> {
+    use std::io::Write;
+    let line = serde_json::to_string(row).map_err(|e| CoreError::Json {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| CoreError::io(path, e))?;
+    writeln!(file, "{line}").map_err(|e| CoreError::io(path, e))
+}
+
+/// A prompt given as text or as chat messages (rendered with the model's chat template).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Messages(Vec<ChatMessage>),
+}
+
+impl Prompt {
+    /// The prompt text the model sees; messages end with the generation prompt.
+    pub fn render(&self, tokenizer: &TextTokenizer) -> Result<String> {
+        match self {
+            Prompt::Text(text) => Ok(text.clone()),
+            Prompt::Messages(messages) => tokenizer.apply_chat_template(messages, true),
+        }
+    }
+}
+
+/// `{"prompt": ...}` — prompts for generation (other keys are ignored).
+#[derive(Debug, Clone, Deserialize)]
+pub struct PromptRow {
+    pub prompt: Prompt,
+}
+
+/// `{"prompt": ..., "response": str}` — SFT data and `aligner score` input.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PromptResponseRow {
+    pub prompt: Prompt,
+    pub response: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_lines_name_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        std::fs::write(
+            &path,
+            "{\"prompt\": \"a\", \"response\": \"b\"}\n\n{\"prompt\": \"a\"}\n",
+        )
+        .unwrap();
+        let err = read_jsonl::<PromptResponseRow>(&path).unwrap_err().to_string();
+        assert!(err.contains("d.jsonl:3"), "{err}");
+        assert!(err.contains("response"), "{err}");
+    }
+
+    #[test]
+    fn prompts_may_be_text_or_messages() {
+        let text: PromptRow = serde_json::from_str(r#"{"prompt": "hi", "extra": 1}"#).unwrap();
+        assert_eq!(text.prompt, Prompt::Text("hi".into()));
+        let chat: PromptRow =
+            serde_json::from_str(r#"{"prompt": [{"role": "user", "content": "hi"}]}"#).unwrap();
+        assert!(matches!(chat.prompt, Prompt::Messages(m) if m.len() == 1));
+    }
+}

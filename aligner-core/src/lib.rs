@@ -1,0 +1,124 @@
+//! # aligner-core
+//!
+//! The model and (soon) the trainer of aligner: a Llama-family decoder on Burn that loads and
+//! saves Hugging Face checkpoints and matches transformers numerically, its tokenizer and chat
+//! templates, and sequence log-probabilities.
+//!
+//! ```no_run
+//! use aligner_core::{Device, LoadedModel};
+//! let device = Device::flex();
+//! let lm = LoadedModel::from_dir(&aligner_core::default_model_dir().unwrap(), &device).unwrap();
+//! let ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
+//! println!("{} tokens, {} parameters", ids.len(), lm.parameter_count());
+//! ```
+
+pub mod adapter;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod llama2c;
+pub mod model;
+pub mod reward;
+pub mod rm;
+pub mod run;
+pub mod score;
+pub mod sft;
+pub mod start;
+pub mod store;
+pub mod tokenizer;
+pub mod train;
+
+use std::path::{Path, PathBuf};
+
+pub use burn::tensor::Device;
+pub use config::LlamaConfig;
+pub use error::{CoreError, Result};
+pub use model::CausalLm;
+pub use tokenizer::{ChatMessage, TextTokenizer};
+
+/// Files of the shipped default model (stories260K), embedded in every binary.
+const EMBEDDED_MODEL: &[(&str, &[u8])] = &[
+    (
+        "config.json",
+        include_bytes!("../../assets/stories260K/config.json"),
+    ),
+    (
+        "generation_config.json",
+        include_bytes!("../../assets/stories260K/generation_config.json"),
+    ),
+    (
+        "model.safetensors",
+        include_bytes!("../../assets/stories260K/model.safetensors"),
+    ),
+    (
+        "special_tokens_map.json",
+        include_bytes!("../../assets/stories260K/special_tokens_map.json"),
+    ),
+    (
+        "tokenizer.json",
+        include_bytes!("../../assets/stories260K/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../../assets/stories260K/tokenizer_config.json"),
+    ),
+];
+
+/// The folder of the shipped default model: the repository's `assets/stories260K` when it is
+/// there, else the embedded copy written once to a folder under the system's temp dir.
+pub fn default_model_dir() -> Result<PathBuf> {
+    let in_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/stories260K");
+    if in_repo.join("model.safetensors").exists() {
+        return Ok(in_repo);
+    }
+    let dir = std::env::temp_dir().join(concat!("aligner-stories260K-", env!("CARGO_PKG_VERSION")));
+    std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+    for (name, bytes) in EMBEDDED_MODEL {
+        let path = dir.join(name);
+        let fresh = std::fs::read(&path).map(|b| b == *bytes).unwrap_or(false);
+        if !fresh {
+            checkpoint::write_atomic(&path, bytes)?;
+        }
+    }
+    Ok(dir)
+}
+
+/// The shipped sample data (`assets/tinystories_sentiment`) of the embedded defaults.
+pub fn default_data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment")
+}
+
+/// A model folder loaded into memory: configuration, weights and tokenizer.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub dir: PathBuf,
+    pub config: LlamaConfig,
+    pub model: CausalLm,
+    pub tokenizer: TextTokenizer,
+}
+
+impl LoadedModel {
+    /// Loads `config.json`, the safetensors weights and `tokenizer.json` of `dir`.
+    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        let model = checkpoint::load_causal_lm(dir, &config, device)?;
+        let tokenizer = TextTokenizer::from_dir(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            model,
+            tokenizer,
+        })
+    }
+
+    /// Saves the model as a HF folder (tokenizer files copied from the source folder).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        checkpoint::save_causal_lm(&self.model, &self.config, dir, Some(&self.dir))
+    }
+
+    /// Number of parameters.
+    pub fn parameter_count(&self) -> usize {
+        model::parameter_count(&self.model)
+    }
+}

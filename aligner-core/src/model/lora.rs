@@ -1,0 +1,119 @@
+//! LoRA: a frozen linear layer plus a trainable low-rank update,
+//! `y = x·W + b + (α/r)·dropout(x)·A·B`, computed through the rank-`r` path so the frozen
+//! weight is never rebuilt or copied while training.
+
+use burn::module::{Module, Param};
+use burn::nn::{Dropout, DropoutConfig, Linear};
+use burn::tensor::{Device, Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::named_param;
+
+/// The trainable factors of one adapted layer: `a: [in, r]`, `b: [r, out]` (Burn layout; PEFT's
+/// `lora_A.weight` is `aᵀ`, `lora_B.weight` is `bᵀ`).
+#[derive(Module, Debug)]
+pub struct LoraAdapter {
+    pub a: Param<Tensor<2>>,
+    pub b: Param<Tensor<2>>,
+    pub dropout: Dropout,
+    /// `alpha / rank`.
+    pub scale: f64,
+}
+
+impl LoraAdapter {
+    /// PEFT's initialisation: `A` Kaiming-uniform, `B` zero, so the adapted layer starts equal
+    /// to the base. `name` (the layer's HF prefix) makes the parameter ids stable.
+    pub fn new(
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+        rank: usize,
+        alpha: f64,
+        dropout: f64,
+        device: &Device,
+    ) -> Self {
+        // kaiming_uniform_(a=√5) on a [r, in] weight: bound = 1/√in. Drawn from a stream seeded
+        // by the layer's name, so runs (and their resumes) start from the same adapters.
+        let bound = 1.0 / (d_in as f32).sqrt();
+        let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let values: Vec<f32> = (0..d_in * rank)
+            .map(|_| rng.random_range(-bound..bound))
+            .collect();
+        let a = Tensor::<2>::from_data(TensorData::new(values, [d_in, rank]), device);
+        Self {
+            a: named_param(&format!("{name}.lora_A.weight"), a),
+            b: named_param(
+                &format!("{name}.lora_B.weight"),
+                Tensor::zeros([rank, d_out], device),
+            ),
+            dropout: DropoutConfig::new(dropout).init(),
+            scale: alpha / rank as f64,
+        }
+    }
+
+    /// The low-rank update `scale · A·B`, `[in, out]`.
+    pub fn delta(&self) -> Tensor<2> {
+        self.a.val().matmul(self.b.val()).mul_scalar(self.scale)
+    }
+}
+
+/// A linear layer that may carry a LoRA adapter.
+#[derive(Module, Debug)]
+pub struct LoraLinear {
+    pub base: Linear,
+    pub lora: Option<LoraAdapter>,
+    /// When false the adapter is skipped: the layer computes the frozen base (a LoRA policy's
+    /// reference model, with no second copy of the weights).
+    pub adapter_enabled: bool,
+}
+
+impl From<Linear> for LoraLinear {
+    fn from(base: Linear) -> Self {
+        Self {
+            base,
+            lora: None,
+            adapter_enabled: true,
+        }
+    }
+}
+
+impl LoraLinear {
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let y = self.base.forward(x.clone());
+        match &self.lora {
+            Some(lora) if self.adapter_enabled => {
+                let [b, s, d] = x.dims();
+                let low = lora
+                    .dropout
+                    .forward(x)
+                    .reshape([b * s, d])
+                    .matmul(lora.a.val())
+                    .matmul(lora.b.val());
+                let [_, out] = low.dims();
+                y + low.reshape([b, s, out]).mul_scalar(lora.scale)
+            }
+            _ => y,
+        }
+    }
+
+    /// Freezes the base weights and attaches a fresh adapter.
+    pub fn attach(&mut self, name: &str, rank: usize, alpha: f64, dropout: f64, device: &Device) {
+        let [d_in, d_out] = self.base.weight.dims();
+        self.lora = Some(LoraAdapter::new(name, d_in, d_out, rank, alpha, dropout, device));
+    }
+
+    /// The layer as it computes now, as a plain layer: the base with the adapter folded in
+    /// (`W + scale·A·B`) when it is enabled.
+    pub fn merged(&self) -> Linear {
+        let mut base = self.base.clone();
+        if let (Some(lora), true) = (&self.lora, self.adapter_enabled) {
+            let w = base.weight.val() + lora.delta();
+            base.weight = base.weight.map(|_| w);
+        }
+        base
+    }
+}

@@ -1,0 +1,307 @@
+//! The Llama-family decoder: a trunk that maps tokens to hidden states, and heads on top.
+//!
+//! The trunk ([`LlamaModel`]) is shared by every head: the language-model head of
+//! [`CausalLm`] now, scalar value/reward and multi-attribute regression heads later. Weights
+//! live in Burn's layout (`Linear` weights are `[in, out]`); checkpoint I/O converts to and
+//! from Hugging Face's `[out, in]` exactly (a transpose).
+
+mod attention;
+mod cache;
+mod layer;
+mod lora;
+mod rope;
+
+use burn::module::{Module, Param, ParamId};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+pub use attention::Attention;
+pub use cache::{KvCache, LayerCache};
+pub use layer::{DecoderLayer, Mlp};
+pub use lora::{LoraAdapter, LoraLinear};
+pub use rope::{Rope, RotaryAngles, inverse_frequencies};
+
+use crate::config::LlamaConfig;
+use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
+
+/// Token embeddings, decoder layers and the final norm: tokens → hidden states.
+#[derive(Module, Debug)]
+pub struct LlamaModel {
+    pub embed_tokens: Embedding,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    pub rope: Rope,
+}
+
+impl LlamaModel {
+    /// A randomly initialised trunk (weights are replaced when loading a checkpoint).
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        Self {
+            embed_tokens: EmbeddingConfig::new(config.vocab_size, config.hidden_size).init(device),
+            layers: (0..config.num_hidden_layers)
+                .map(|_| DecoderLayer::new(config, device))
+                .collect(),
+            norm: layer::rms_norm(config.hidden_size, config.rms_norm_eps, device),
+            rope: Rope::new(config, device),
+        }
+    }
+
+    /// Final hidden states `[batch, seq, hidden]` of `tokens: [batch, seq]` at `positions`.
+    ///
+    /// With a cache, `tokens` continue the cached sequence and their keys/values are appended.
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, Bool>>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Tensor<3> {
+        let mut x = self.embed_tokens.forward(tokens);
+        let angles = self.rope.angles(positions);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            x = layer.forward(x, &angles, mask, layer_cache);
+        }
+        layer::norm(&self.norm, x)
+    }
+}
+
+/// A decoder with a language-model head (`LlamaForCausalLM`).
+#[derive(Module, Debug)]
+pub struct CausalLm {
+    pub model: LlamaModel,
+    /// `None` when the output embeddings are tied to the input embeddings.
+    pub lm_head: Option<Linear>,
+}
+
+impl CausalLm {
+    /// A randomly initialised model for `config`.
+    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+        let lm_head = (!config.tied_embeddings()).then(|| {
+            LinearConfig::new(config.hidden_size, config.vocab_size)
+                .with_bias(false)
+                .init(device)
+        });
+        Self {
+            model: LlamaModel::new(config, device),
+            lm_head,
+        }
+    }
+
+    /// The output projection `[hidden, vocab]` (the transposed embeddings when tied).
+    pub fn output_weight(&self) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.model.embed_tokens.weight.val().transpose(),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` of hidden states.
+    pub fn logits_from_hidden(&self, hidden: Tensor<3>) -> Tensor<3> {
+        // One [batch·seq, hidden] × [hidden, vocab] product: a single large GEMM is much
+        // faster on CPU than a broadcast batched matmul.
+        let [b, s, d] = hidden.dims();
+        let weight = self.output_weight();
+        let vocab = weight.dims()[1];
+        hidden.reshape([b * s, d]).matmul(weight).reshape([b, s, vocab])
+    }
+
+    /// Logits of right-padded (or unpadded) `tokens: [batch, seq]` at positions `0..seq`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let positions = default_positions(&tokens);
+        let hidden = self.model.forward(tokens, &positions, None, None);
+        self.logits_from_hidden(hidden)
+    }
+
+    /// Per-token log-probabilities `[batch, seq - 1]`: entry `t` is `log p(tokens[t+1] | ..=t)`.
+    ///
+    /// Computed from hidden states in chunks, so `[batch, seq, vocab]` logits never exist at
+    /// once. Differentiable. Positions after a sequence's end (right padding) are computed but
+    /// meaningless; callers mask them.
+    pub fn token_logprobs(&self, tokens: Tensor<2, Int>) -> Tensor<2> {
+        let positions = default_positions(&tokens);
+        self.token_logprobs_with(tokens, &positions, None)
+    }
+
+    /// [`CausalLm::token_logprobs`] with explicit positions and attention mask (`true` =
+    /// hidden), e.g. for packed rows holding several sequences.
+    pub fn token_logprobs_with(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, Bool>>,
+    ) -> Tensor<2> {
+        let [batch, seq] = tokens.dims();
+        let hidden = self.model.forward(tokens.clone(), positions, mask, None);
+        let [_, _, d] = hidden.dims();
+        let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
+        let targets = tokens.narrow(1, 1, seq - 1);
+        token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
+    }
+}
+
+/// LoRA settings: rank, `alpha`, dropout on the adapter input, and the projection names
+/// (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`) to adapt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<String>,
+}
+
+/// The seven projections of every layer with their HF prefixes.
+pub fn projections(model: &mut LlamaModel) -> Vec<(String, &mut LoraLinear)> {
+    let mut out = Vec::new();
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        let p = format!("model.layers.{i}");
+        let attn = &mut layer.self_attn;
+        out.push((format!("{p}.self_attn.q_proj"), &mut attn.q_proj));
+        out.push((format!("{p}.self_attn.k_proj"), &mut attn.k_proj));
+        out.push((format!("{p}.self_attn.v_proj"), &mut attn.v_proj));
+        out.push((format!("{p}.self_attn.o_proj"), &mut attn.o_proj));
+        let mlp = &mut layer.mlp;
+        out.push((format!("{p}.mlp.gate_proj"), &mut mlp.gate_proj));
+        out.push((format!("{p}.mlp.up_proj"), &mut mlp.up_proj));
+        out.push((format!("{p}.mlp.down_proj"), &mut mlp.down_proj));
+    }
+    out
+}
+
+impl LlamaModel {
+    /// Freezes every weight of the trunk and attaches adapters to the targeted projections.
+    /// Returns the number of adapted layers.
+    pub fn attach_lora(&mut self, spec: &LoraSpec, device: &Device) -> usize {
+        *self = self.clone().no_grad();
+        let mut adapted = 0;
+        for (name, layer) in projections(self) {
+            let short = name.rsplit('.').next().unwrap_or_default();
+            if spec.targets.iter().any(|t| t == short) {
+                layer.attach(&name, spec.rank, spec.alpha, spec.dropout, device);
+                adapted += 1;
+            }
+        }
+        adapted
+    }
+
+    /// Switches every adapter on or off (off = the frozen base model).
+    pub fn set_adapters_enabled(&mut self, enabled: bool) {
+        for (_, layer) in projections(self) {
+            layer.adapter_enabled = enabled;
+        }
+    }
+
+    /// A copy with every adapter folded into its base weight.
+    pub fn merged(&self) -> Self {
+        let mut out = self.clone();
+        for (_, layer) in projections(&mut out) {
+            *layer = LoraLinear::from(layer.merged());
+        }
+        out
+    }
+}
+
+impl CausalLm {
+    /// Freezes the whole model (embeddings, norms, head included) and attaches adapters.
+    pub fn attach_lora(&mut self, spec: &LoraSpec, device: &Device) -> usize {
+        if let Some(head) = self.lm_head.take() {
+            self.lm_head = Some(head.no_grad());
+        }
+        self.model.attach_lora(spec, device)
+    }
+
+    /// A copy with adapters folded in.
+    pub fn merged(&self) -> Self {
+        Self {
+            model: self.model.merged(),
+            lm_head: self.lm_head.clone(),
+        }
+    }
+}
+
+/// Positions `0..seq` for every row of `tokens: [batch, seq]`.
+pub fn default_positions(tokens: &Tensor<2, Int>) -> Tensor<2, Int> {
+    let [batch, seq] = tokens.dims();
+    Tensor::<1, Int>::arange(0..seq as i64, &tokens.device())
+        .unsqueeze_dim::<2>(0)
+        .expand([batch, seq])
+}
+
+/// Positions and attention mask for left-padded rows.
+///
+/// `valid[b][t]` says whether key `t` of row `b` is a real token. Positions count real tokens
+/// only (HF's `cumsum(mask) - 1`, pads at 0). The mask (`true` = hidden) is
+/// `[batch, 1, queries, keys]` for the last `queries` of `keys` positions: padding keys and
+/// future keys are hidden.
+pub fn left_padded_layout(
+    valid: &[Vec<bool>],
+    queries: usize,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<4, Bool>) {
+    let batch = valid.len();
+    let keys = valid.first().map_or(0, Vec::len);
+    let mut positions = Vec::with_capacity(batch * queries);
+    let mut mask = Vec::with_capacity(batch * queries * keys);
+    for row in valid {
+        let mut pos = Vec::with_capacity(keys);
+        let mut count = 0i64;
+        for &v in row {
+            pos.push(if v { count } else { 0 });
+            count += v as i64;
+        }
+        positions.extend_from_slice(&pos[keys - queries..]);
+        for q in keys - queries..keys {
+            // A padding query keeps its own key, so no row is fully masked (which would
+            // give NaN in some kernels and poison the cache through its values).
+            mask.extend((0..keys).map(|k| k > q || (!row[k] && k != q)));
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(positions, [batch, queries]), device),
+        Tensor::from_data(TensorData::new(mask, [batch, 1, queries, keys]), device),
+    )
+}
+
+/// Positions and block-diagonal causal mask for rows packing several sequences: `segments[b][t]`
+/// is the sequence index of token `t` of row `b` (`None` for padding). Positions restart at 0
+/// for each sequence; a token sees only earlier tokens of its own sequence (padding sees itself).
+pub fn packed_layout(segments: &[Vec<Option<usize>>], device: &Device) -> (Tensor<2, Int>, Tensor<4, Bool>) {
+    let batch = segments.len();
+    let len = segments.first().map_or(0, Vec::len);
+    let mut positions = Vec::with_capacity(batch * len);
+    let mut mask = Vec::with_capacity(batch * len * len);
+    for row in segments {
+        let mut pos = 0i64;
+        for t in 0..len {
+            pos = if t > 0 && row[t].is_some() && row[t] == row[t - 1] {
+                pos + 1
+            } else {
+                0
+            };
+            positions.push(pos);
+        }
+        for q in 0..len {
+            mask.extend((0..len).map(|k| !(k == q || (k < q && row[k].is_some() && row[k] == row[q]))));
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(positions, [batch, len]), device),
+        Tensor::from_data(TensorData::new(mask, [batch, 1, len, len]), device),
+    )
+}
+
+/// The trainable parameter count of any module.
+pub fn parameter_count<M: Module>(module: &M) -> usize {
+    module.num_params()
+}
+
+/// A trainable parameter whose id is derived from its HF name, so the same checkpoint always
+/// yields the same ids and optimiser state saved against them re-attaches on resume.
+pub fn named_param<const D: usize>(name: &str, value: Tensor<D>) -> Param<Tensor<D>> {
+    // FNV-1a: stable across runs and platforms.
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let (_, value, mapper) = Param::from_tensor(value).consume();
+    Param::from_mapped_value(ParamId::from(hash), value, mapper)
+}

@@ -1,0 +1,158 @@
+//! Sequence-level heads on the decoder trunk: a scalar reward / value head and a regression
+//! head with several named outputs (SteerLM's attribute model), saved as HF
+//! `LlamaForSequenceClassification` (`score.weight`, `[num_labels, hidden]`).
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use serde_json::Value;
+
+use crate::checkpoint::{Slot, load_slots, slot_tensors, trunk_slots, write_atomic, write_safetensors};
+use crate::config::LlamaConfig;
+use crate::error::{CoreError, Result};
+use crate::model::{LlamaModel, default_positions};
+
+/// The decoder trunk with a linear head read at each sequence's last token.
+#[derive(Module, Debug)]
+pub struct RewardModel {
+    pub model: LlamaModel,
+    /// `[hidden, outputs]`, no bias (as HF's `score`).
+    pub score: Linear,
+}
+
+impl RewardModel {
+    /// A trunk with a fresh head of `outputs` values (zero-initialised: every reward starts at 0).
+    pub fn new(config: &LlamaConfig, outputs: usize, device: &Device) -> Self {
+        let mut score = LinearConfig::new(config.hidden_size, outputs)
+            .with_bias(false)
+            .init(device);
+        score.weight = crate::model::named_param(
+            "score.weight",
+            Tensor::zeros([config.hidden_size, outputs], device),
+        );
+        Self {
+            model: LlamaModel::new(config, device),
+            score,
+        }
+    }
+
+    /// Number of outputs of the head.
+    pub fn outputs(&self) -> usize {
+        self.score.weight.dims()[1]
+    }
+
+    /// Head outputs `[batch, outputs]` for right-padded `tokens: [batch, seq]` whose real lengths
+    /// are `lengths`.
+    pub fn forward(&self, tokens: Tensor<2, Int>, lengths: &[usize]) -> Tensor<2> {
+        let [batch, _] = tokens.dims();
+        let positions = default_positions(&tokens);
+        let hidden = self.model.forward(tokens, &positions, None, None);
+        let [_, _, d] = hidden.dims();
+        let last: Vec<i64> = lengths.iter().map(|&l| l.saturating_sub(1) as i64).collect();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(last, [batch]), &hidden.device())
+            .reshape([batch, 1, 1])
+            .expand([batch, 1, d]);
+        let pooled = hidden.gather(1, index).reshape([batch, d]);
+        self.score.forward(pooled)
+    }
+
+    /// Head outputs at every position, `[batch, seq, outputs]`, of `tokens` at `positions`
+    /// under `mask` (a critic reads its per-token values this way).
+    pub fn forward_all(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, burn::tensor::Bool>>,
+    ) -> Tensor<3> {
+        let hidden = self.model.forward(tokens, positions, mask, None);
+        let [b, s, d] = hidden.dims();
+        self.score
+            .forward(hidden.reshape([b * s, d]))
+            .reshape([b, s, self.outputs()])
+    }
+
+    fn slots(&mut self) -> Vec<(String, Slot<'_>)> {
+        let mut out = trunk_slots(&mut self.model);
+        out.push(("score".to_string(), Slot::Linear(&mut self.score)));
+        out
+    }
+
+    /// Starts a reward model from a causal-LM or reward-model folder; a causal LM gets a fresh
+    /// head of `outputs` values.
+    pub fn load(dir: &Path, config: &LlamaConfig, outputs: usize, device: &Device) -> Result<Self> {
+        let mut model = Self::new(config, outputs, device);
+        let is_classifier = config
+            .architectures
+            .as_ref()
+            .is_some_and(|a| a.iter().any(|n| n.ends_with("ForSequenceClassification")));
+        if is_classifier {
+            load_slots(dir, config, model.slots(), device)?;
+        } else {
+            load_slots(dir, config, trunk_slots(&mut model.model), device)?;
+        }
+        Ok(model)
+    }
+
+    /// Saves as an HF `*ForSequenceClassification` folder, with `labels` naming the outputs.
+    pub fn save(
+        &self,
+        config: &LlamaConfig,
+        labels: &[String],
+        dir: &Path,
+        tokenizer_from: Option<&Path>,
+    ) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+        let mut this = self.clone();
+        write_safetensors(&dir.join("model.safetensors"), &slot_tensors(this.slots()))?;
+        let mut config = sequence_classification_config(config, labels);
+        config.extra.insert("torch_dtype".into(), "float32".into());
+        write_atomic(&dir.join("config.json"), config.to_json_string().as_bytes())?;
+        if let Some(src) = tokenizer_from {
+            crate::checkpoint::copy_tokenizer_files(src, dir)?;
+        }
+        Ok(())
+    }
+}
+
+/// The config of a sequence classifier: architecture, `id2label` / `label2id` (HF derives
+/// `num_labels` from them) and a pad token id (HF pools at the last non-pad token).
+pub fn sequence_classification_config(config: &LlamaConfig, labels: &[String]) -> LlamaConfig {
+    let mut config = config.clone();
+    let arch = match config.model_type.as_str() {
+        "qwen2" => "Qwen2ForSequenceClassification",
+        "mistral" => "MistralForSequenceClassification",
+        _ => "LlamaForSequenceClassification",
+    };
+    config.architectures = Some(vec![arch.into()]);
+    let id2label: serde_json::Map<String, Value> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i.to_string(), Value::from(l.clone())))
+        .collect();
+    let label2id: serde_json::Map<String, Value> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (l.clone(), Value::from(i)))
+        .collect();
+    config.extra.insert("id2label".into(), Value::Object(id2label));
+    config.extra.insert("label2id".into(), Value::Object(label2id));
+    if config.pad_token_id.is_none() {
+        config.pad_token_id = Some(0);
+    }
+    config
+}
+
+/// The output names of a sequence-classifier config, in order (`id2label`).
+pub fn labels_of(config: &LlamaConfig) -> Vec<String> {
+    let Some(Value::Object(map)) = config.extra.get("id2label") else {
+        return Vec::new();
+    };
+    let mut pairs: Vec<(usize, String)> = map
+        .iter()
+        .filter_map(|(k, v)| Some((k.parse().ok()?, v.as_str()?.to_string())))
+        .collect();
+    pairs.sort();
+    pairs.into_iter().map(|(_, l)| l).collect()
+}

@@ -1,0 +1,203 @@
+//! The run folder, written once for every method: its layout (`config.toml`, `metrics.jsonl`,
+//! `checkpoints/step-N/` written under a temporary name and renamed, `final/`), resuming from
+//! the newest complete checkpoint, the data files of `[data]`, and the progress bar. What a run
+//! starts from (its model, and how it saves it) is in [`crate::start`].
+//!
+//! A method's library entry point takes its typed config, a [`RunDir`] and a device:
+//!
+//! ```no_run
+//! use aligner_core::run::RunDir;
+//! use aligner_core::sft::{SftConfig, train};
+//! let summary = train(&SftConfig::default(), &RunDir::new("runs/sft"), &aligner_core::Device::flex()).unwrap();
+//! println!("{} steps, model in {}", summary.steps, summary.final_dir.display());
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{CoreError, Result};
+use crate::train::config::{DataSection, to_toml};
+
+/// Where a run writes, and whether it continues an earlier one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunDir {
+    path: PathBuf,
+    resume: bool,
+    stop_after: Option<usize>,
+}
+
+impl RunDir {
+    /// A new run into `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            resume: false,
+            stop_after: None,
+        }
+    }
+
+    /// The run in `path`, continued from its newest checkpoint.
+    pub fn resuming(path: impl Into<PathBuf>) -> Self {
+        Self {
+            resume: true,
+            ..Self::new(path)
+        }
+    }
+
+    /// Stops after `steps` optimiser steps as if interrupted (checkpoints stay resumable);
+    /// for tests of resume.
+    pub fn stop_after(mut self, steps: Option<usize>) -> Self {
+        self.stop_after = steps;
+        self
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `path/name`.
+    pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
+        self.path.join(name)
+    }
+
+    pub fn is_resumed(&self) -> bool {
+        self.resume
+    }
+
+    pub fn stops_after(&self) -> Option<usize> {
+        self.stop_after
+    }
+
+    /// The run of a step another run makes first (PPO's reward model, SteerLM bootstrap's
+    /// earlier steps) in `path/name`: a new run, stopped nowhere.
+    pub fn child(&self, name: &str) -> Self {
+        Self::new(self.join(name))
+    }
+
+    /// Creates the folder and writes the resolved configuration as `config.toml`.
+    pub fn start<T: Serialize>(&self, config: &T) -> Result<()> {
+        std::fs::create_dir_all(&self.path).map_err(|e| CoreError::io(&self.path, e))?;
+        crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())
+    }
+
+    pub fn checkpoints(&self) -> PathBuf {
+        self.join("checkpoints")
+    }
+
+    /// `final/`: the trained model as a HF folder.
+    pub fn final_dir(&self) -> PathBuf {
+        self.join("final")
+    }
+
+    /// The newest complete checkpoint: the `checkpoints/step-N` with the highest `N` that holds
+    /// `marker` (the file a checkpoint writes last).
+    pub fn latest_checkpoint(&self, marker: &str) -> Option<(usize, PathBuf)> {
+        let entries = std::fs::read_dir(self.checkpoints()).ok()?;
+        entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let step = name.strip_prefix("step-")?.parse::<usize>().ok()?;
+                e.path().join(marker).exists().then(|| (step, e.path()))
+            })
+            .max_by_key(|(s, _)| *s)
+    }
+
+    /// Where a run starts: `None` for a new run, the newest checkpoint for a resumed one (an
+    /// error when it has none).
+    pub fn resume_point(&self, marker: &str) -> Result<Option<(usize, PathBuf)>> {
+        if !self.resume {
+            return Ok(None);
+        }
+        match self.latest_checkpoint(marker) {
+            Some(point) => Ok(Some(point)),
+            None => Err(CoreError::Invalid(format!(
+                "--resume: no checkpoint in {}",
+                self.checkpoints().display()
+            ))),
+        }
+    }
+
+    /// Writes `checkpoints/step-N/`: `write` fills a temporary folder, which is then renamed,
+    /// so a save killed half-way leaves only a `.tmp-` folder and the previous checkpoints.
+    pub fn save_checkpoint(&self, step: usize, write: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+        let dir = self.checkpoints();
+        let final_dir = dir.join(format!("step-{step}"));
+        let tmp = dir.join(format!(".tmp-step-{step}"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| CoreError::io(&tmp, e))?;
+        write(&tmp)?;
+        let _ = std::fs::remove_dir_all(&final_dir);
+        // The rename is the commit point.
+        std::fs::rename(&tmp, &final_dir).map_err(|e| CoreError::io(&final_dir, e))?;
+        Ok(final_dir)
+    }
+
+    /// Writes a JSON file of the run atomically.
+    pub fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<()> {
+        let json = serde_json::to_string_pretty(value).map_err(|e| CoreError::Json {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        crate::checkpoint::write_atomic(path, json.as_bytes())
+    }
+}
+
+/// A progress bar on stderr drawn with `template` (indicatif's syntax).
+pub fn progress_bar(len: u64, template: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// The files of a run's `[data]`: the training file (required) and the validation file (an
+/// empty path, `--set data.validation=''`, turns validation off).
+pub fn data_files(data: &DataSection) -> Result<(PathBuf, Option<PathBuf>)> {
+    let train = data
+        .train
+        .clone()
+        .ok_or_else(|| CoreError::Invalid("data.train is not set".into()))?;
+    let validation = data.validation.clone().filter(|p| !p.as_os_str().is_empty());
+    Ok((train, validation))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoints_commit_by_rename_and_the_newest_complete_one_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        for step in [2, 10] {
+            run.save_checkpoint(step, |tmp| {
+                crate::checkpoint::write_atomic(&tmp.join("state.json"), b"{}")
+            })
+            .unwrap();
+        }
+        // A save that failed half-way leaves no checkpoint behind.
+        let failed = run.save_checkpoint(20, |_| Err(CoreError::Invalid("disk full".into())));
+        assert!(failed.is_err());
+        // One without the marker file is not complete.
+        std::fs::create_dir_all(run.checkpoints().join("step-30")).unwrap();
+        assert_eq!(run.latest_checkpoint("state.json").unwrap().0, 10);
+        assert_eq!(run.resume_point("state.json").unwrap(), None);
+        let resumed = RunDir::resuming(dir.path());
+        assert_eq!(resumed.resume_point("state.json").unwrap().unwrap().0, 10);
+        let err = resumed.resume_point("other.json").unwrap_err().to_string();
+        assert!(err.contains("no checkpoint"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_validation_path_turns_validation_off() {
+        let mut data = DataSection::shipped("a.jsonl", "b.jsonl");
+        assert!(data_files(&data).unwrap().1.is_some());
+        data.validation = Some(PathBuf::new());
+        assert_eq!(data_files(&data).unwrap().1, None);
+        data.train = None;
+        assert!(data_files(&data).unwrap_err().to_string().contains("data.train"));
+    }
+}

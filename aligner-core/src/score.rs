@@ -1,0 +1,138 @@
+//! Sequence log-probabilities of responses given prompts (`aligner score`, and every
+//! preference method's reference pass).
+//!
+//! Convention (as in `shared/reference`): `ids = encode(prompt + response)` with BOS; the
+//! response tokens are `ids[len(encode(prompt))..]`; the log-prob sums theirs.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::error::{CoreError, Result};
+use crate::model::CausalLm;
+use crate::tokenizer::TextTokenizer;
+
+/// A tokenized prompt + response pair.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredSequence {
+    /// `encode(prompt + response)` with special tokens.
+    pub ids: Vec<u32>,
+    /// Number of leading ids that belong to the prompt.
+    pub prompt_len: usize,
+}
+
+impl ScoredSequence {
+    /// Tokenizes a pair by the reference convention.
+    pub fn encode(tokenizer: &TextTokenizer, prompt: &str, response: &str) -> Result<Self> {
+        let ids = tokenizer.encode(&format!("{prompt}{response}"), true)?;
+        let prompt_len = tokenizer.encode(prompt, true)?.len().min(ids.len());
+        Ok(Self { ids, prompt_len })
+    }
+
+    /// Number of response tokens that are scored (the first token has no context).
+    pub fn n_response_tokens(&self) -> usize {
+        self.ids.len() - self.prompt_len.max(1).min(self.ids.len())
+    }
+}
+
+/// Per-token log-probs of the response tokens of one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResponseLogprobs {
+    pub token_logprobs: Vec<f32>,
+}
+
+impl ResponseLogprobs {
+    /// Sum of the response tokens' log-probs.
+    pub fn total(&self) -> f64 {
+        self.token_logprobs.iter().map(|&v| v as f64).sum()
+    }
+}
+
+/// Right-pads `rows` with `pad` into a `[batch, max_len]` tensor.
+pub fn pad_right(rows: &[&[u32]], pad: u32, device: &Device) -> Tensor<2, Int> {
+    let max_len = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let mut flat = Vec::with_capacity(rows.len() * max_len);
+    for row in rows {
+        flat.extend(row.iter().map(|&t| t as i64));
+        flat.extend(std::iter::repeat_n(pad as i64, max_len - row.len()));
+    }
+    Tensor::from_data(TensorData::new(flat, [rows.len(), max_len]), device)
+}
+
+/// Response log-probs of `sequences`, `batch_size` at a time (right-padded).
+pub fn response_logprobs(
+    model: &CausalLm,
+    sequences: &[ScoredSequence],
+    batch_size: usize,
+) -> Result<Vec<ResponseLogprobs>> {
+    let device = model.model.embed_tokens.weight.device();
+    let mut out = Vec::with_capacity(sequences.len());
+    for batch in sequences.chunks(batch_size.max(1)) {
+        if let Some(short) = batch.iter().find(|s| s.ids.len() < 2) {
+            return Err(CoreError::Invalid(format!(
+                "a sequence of {} token(s) has nothing to score",
+                short.ids.len()
+            )));
+        }
+        let rows: Vec<&[u32]> = batch.iter().map(|s| s.ids.as_slice()).collect();
+        let tokens = pad_right(&rows, 0, &device);
+        let [b, width] = tokens.dims();
+        let logprobs: Vec<f32> = model
+            .token_logprobs(tokens)
+            .into_data()
+            .try_to_vec()
+            .map_err(|e| CoreError::Invalid(format!("{e:?}")))?;
+        for (i, seq) in batch.iter().enumerate().take(b) {
+            let row = &logprobs[i * (width - 1)..(i + 1) * (width - 1)];
+            // Entry t-1 is log p(ids[t] | ids[..t]).
+            let first = seq.prompt_len.max(1);
+            out.push(ResponseLogprobs {
+                token_logprobs: (first..seq.ids.len()).map(|t| row[t - 1]).collect(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Summed response log-probs `[rows]` (with gradients when `model` is on an autodiff device)
+/// and response token counts of `seqs` under `model`: the policy side of every preference loss.
+pub fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<1>, Vec<f32>) {
+    let device = model.model.embed_tokens.weight.device();
+    let rows: Vec<&[u32]> = seqs.iter().map(|s| s.ids.as_slice()).collect();
+    let tokens = pad_right(&rows, 0, &device);
+    let [n, width] = tokens.dims();
+    let mut mask = vec![0f32; n * (width - 1)];
+    let mut counts = Vec::with_capacity(n);
+    for (i, s) in seqs.iter().enumerate() {
+        let first = s.prompt_len.max(1);
+        for t in first..s.ids.len() {
+            mask[i * (width - 1) + t - 1] = 1.0;
+        }
+        counts.push(s.ids.len().saturating_sub(first).max(1) as f32);
+    }
+    let mask = Tensor::<2>::from_data(TensorData::new(mask, [n, width - 1]), &device);
+    let sums = (model.token_logprobs(tokens) * mask).sum_dim(1).reshape([n]);
+    (sums, counts)
+}
+
+/// Summed response log-probs of `seqs` under the frozen `reference`, one per line of `cache`:
+/// read back when the file has one value per sequence (a resumed run), else computed
+/// `batch_size` at a time and written there. The reference side of DPO, KTO and SPIN.
+pub fn cached_reference_logprobs(
+    seqs: &[ScoredSequence],
+    reference: &CausalLm,
+    cache: &std::path::Path,
+    batch_size: usize,
+) -> Result<Vec<f32>> {
+    if let Ok(text) = std::fs::read_to_string(cache) {
+        let values: Vec<f32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if values.len() == seqs.len() {
+            return Ok(values);
+        }
+    }
+    let values: Vec<f32> = response_logprobs(reference, seqs, batch_size)?
+        .iter()
+        .map(|lp| lp.total() as f32)
+        .collect();
+    let text: String = values.iter().map(|v| format!("{v}\n")).collect();
+    crate::checkpoint::write_atomic(cache, text.as_bytes())?;
+    Ok(values)
+}

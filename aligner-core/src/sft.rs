@@ -1,0 +1,255 @@
+//! Supervised fine-tuning: next-token loss on response (assistant) tokens only.
+
+use std::path::Path;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::data::Prompt;
+use crate::error::{CoreError, Result};
+use crate::model::CausalLm;
+use crate::run::{RunDir, data_files};
+use crate::score::pad_right;
+use crate::start::{load_model, policy_store};
+pub use crate::store::CausalLmStore;
+use crate::tokenizer::{ChatMessage, TextTokenizer};
+use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
+
+/// One SFT data line: prompt/response or a chat conversation.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum SftRow {
+    PromptResponse { prompt: Prompt, response: String },
+    Chat { messages: Vec<ChatMessage> },
+}
+
+/// A tokenized example: `ids`, and for each position whether that token is trained on.
+/// A packed example holds several sequences; `starts` lists where each one begins.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SftExample {
+    pub ids: Vec<u32>,
+    pub trained: Vec<bool>,
+    #[serde(default)]
+    pub starts: Vec<usize>,
+}
+
+impl SftExample {
+    /// Tokenizes a row: prompt/response pairs by the scoring convention plus EOS (so the model
+    /// learns to stop); chats with the chat template, training every assistant turn. Truncated
+    /// to `max_len` tokens.
+    pub fn from_row(row: &SftRow, tokenizer: &TextTokenizer, max_len: usize) -> Result<Self> {
+        let (mut ids, mut trained) = match row {
+            SftRow::PromptResponse { prompt, response } => {
+                let prompt = prompt.render(tokenizer)?;
+                let mut ids = tokenizer.encode(&format!("{prompt}{response}"), true)?;
+                let prompt_len = tokenizer.encode(&prompt, true)?.len().min(ids.len());
+                ids.extend(tokenizer.eos_ids().first());
+                let trained = (0..ids.len()).map(|i| i >= prompt_len.max(1)).collect();
+                (ids, trained)
+            }
+            SftRow::Chat { messages } => {
+                let full = tokenizer.encode(&tokenizer.apply_chat_template(messages, false)?, true)?;
+                let mut trained = vec![false; full.len()];
+                for (i, m) in messages.iter().enumerate().filter(|(_, m)| m.role == "assistant") {
+                    let start = tokenizer
+                        .encode(&tokenizer.apply_chat_template(&messages[..i], true)?, true)?
+                        .len();
+                    let end = tokenizer
+                        .encode(&tokenizer.apply_chat_template(&messages[..=i], false)?, true)?
+                        .len();
+                    let _ = m;
+                    for t in trained.iter_mut().take(end.min(full.len())).skip(start.max(1)) {
+                        *t = true;
+                    }
+                }
+                (full, trained)
+            }
+        };
+        ids.truncate(max_len.max(2));
+        trained.truncate(ids.len());
+        if !trained.iter().any(|&t| t) {
+            return Err(CoreError::Invalid(format!(
+                "no response tokens left within max_seq_len {max_len} (sequence of {} tokens)",
+                ids.len()
+            )));
+        }
+        Ok(Self {
+            ids,
+            trained,
+            starts: vec![0],
+        })
+    }
+
+    /// Sequence index of each token (for packed rows).
+    fn segments(&self) -> Vec<usize> {
+        let mut seg = Vec::with_capacity(self.ids.len());
+        let mut current = 0;
+        for t in 0..self.ids.len() {
+            if t > 0 && self.starts.contains(&t) {
+                current += 1;
+            }
+            seg.push(current);
+        }
+        seg
+    }
+
+    /// Tokens that count in the loss.
+    pub fn n_trained(&self) -> usize {
+        self.trained.iter().filter(|&&t| t).count()
+    }
+}
+
+/// Packs examples, in order, into rows of at most `max_len` tokens (sequence packing): fewer
+/// padding tokens per batch, with attention kept inside each sequence.
+pub fn pack_examples(examples: Vec<SftExample>, max_len: usize) -> Vec<SftExample> {
+    let mut rows: Vec<SftExample> = Vec::new();
+    for ex in examples {
+        match rows.last_mut() {
+            Some(row) if row.ids.len() + ex.ids.len() <= max_len => {
+                row.starts.push(row.ids.len());
+                row.ids.extend(ex.ids);
+                row.trained.extend(ex.trained);
+            }
+            _ => rows.push(ex),
+        }
+    }
+    rows
+}
+
+/// Tokenizes a whole file, reporting the first bad line with file and line number.
+pub fn load_sft_examples(path: &Path, tokenizer: &TextTokenizer, max_len: usize) -> Result<Vec<SftExample>> {
+    crate::data::load_examples(path, |row: &SftRow| SftExample::from_row(row, tokenizer, max_len))
+}
+
+/// Summed NLL of trained tokens and their count, per batch: `[batch, seq-1]` log-probs and mask.
+fn masked_logprobs(
+    model: &CausalLm,
+    batch: &[&SftExample],
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>, usize) {
+    let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
+    let tokens = pad_right(&rows, 0, device);
+    let [b, width] = tokens.dims();
+    let mut mask = vec![0f32; b * (width - 1)];
+    for (i, e) in batch.iter().enumerate() {
+        for t in 1..e.ids.len() {
+            if e.trained[t] {
+                mask[i * (width - 1) + t - 1] = 1.0;
+            }
+        }
+    }
+    let n: usize = batch.iter().map(|e| e.n_trained()).sum();
+    let mask = Tensor::<2>::from_data(TensorData::new(mask, [b, width - 1]), device);
+    let logprobs = if batch.iter().any(|e| e.starts.len() > 1) {
+        let segments: Vec<Vec<Option<usize>>> = batch
+            .iter()
+            .map(|e| {
+                let mut s: Vec<Option<usize>> = e.segments().into_iter().map(Some).collect();
+                s.resize(width, None);
+                s
+            })
+            .collect();
+        let (positions, attention) = crate::model::packed_layout(&segments, device);
+        model.token_logprobs_with(tokens, &positions, Some(&attention))
+    } else {
+        model.token_logprobs(tokens)
+    };
+    (logprobs, mask, n)
+}
+
+/// The SFT objective: mean NLL over trained tokens.
+pub struct SftObjective;
+
+impl Objective<CausalLm> for SftObjective {
+    type Example = SftExample;
+
+    fn step(&self, model: &CausalLm, batch: &[&SftExample]) -> Result<StepOutput> {
+        let device = model.model.embed_tokens.weight.device();
+        let (lp, mask, n) = masked_logprobs(model, batch, &device);
+        let loss = (lp * mask).sum().neg().div_scalar(n.max(1) as f64);
+        let tokens = batch.iter().map(|e| e.ids.len()).sum();
+        Ok(StepOutput {
+            loss,
+            metrics: vec![("response_tokens".into(), n as f64)],
+            tokens,
+        })
+    }
+
+    fn evaluate(&self, model: &CausalLm, batch: &[&SftExample]) -> Result<Vec<EvalSum>> {
+        let device = model.model.embed_tokens.weight.device();
+        let (lp, mask, n) = masked_logprobs(model, batch, &device);
+        let nll = -(lp * mask).sum().into_scalar::<f32>() as f64;
+        Ok(vec![EvalSum {
+            name: "nll".into(),
+            sum: nll,
+            weight: n as f64,
+        }])
+    }
+
+    fn plot_keys(&self) -> Vec<String> {
+        vec!["eval_nll".into()]
+    }
+}
+
+/// `[sft]`: options of supervised fine-tuning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftSection {
+    /// Pack several training sequences into each row of `data.max_seq_len` tokens.
+    pub packing: bool,
+}
+
+/// `aligner sft` configuration: the shared sections and `[sft]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    pub model: crate::train::ModelSection,
+    pub data: crate::train::DataSection,
+    pub train: crate::train::TrainSection,
+    pub sft: SftSection,
+}
+
+impl Default for SftConfig {
+    /// The embedded default: the shipped model on the shipped tinystories_sentiment SFT data,
+    /// two epochs in well under a minute on a laptop CPU.
+    fn default() -> Self {
+        Self {
+            model: Default::default(),
+            data: crate::train::DataSection::shipped("train.sft.jsonl", "test.sft.jsonl"),
+            train: crate::train::TrainSection::embedded_default(2),
+            sft: SftSection::default(),
+        }
+    }
+}
+
+/// Supervised fine-tuning, the whole run: the model of `[model]` (LoRA adapters when
+/// `model.lora_rank > 0`) trained on `data.train` (packed with `sft.packing`), validated on
+/// `data.validation`, into `run` (or continued there when it is resumed).
+pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
+    run.start(config)?;
+    let (train_path, validation_path) = data_files(&config.data)?;
+    let lm = load_model(&config.model, device)?;
+    let max_len = config.data.max_seq_len;
+    let mut train = load_sft_examples(&train_path, &lm.tokenizer, max_len)?;
+    if config.sft.packing {
+        let sequences = train.len();
+        train = pack_examples(train, max_len);
+        tracing::info!(sequences, rows = train.len(), "packed");
+    }
+    let validation = match &validation_path {
+        Some(p) => load_sft_examples(p, &lm.tokenizer, max_len)?,
+        None => Vec::new(),
+    };
+    let mut model = lm.model;
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    tracing::info!(train = train.len(), validation = validation.len(), "SFT");
+    Ok(fit(
+        model,
+        &SftObjective,
+        (&train, &validation),
+        store.as_ref(),
+        &config.train,
+        run,
+        device,
+    )?)
+}

@@ -1,0 +1,136 @@
+//! What a run starts from: the model of `[model]`, and how the run saves it — full weights, or
+//! LoRA adapters when `model.lora_rank > 0` — for policies and for models with a head (reward
+//! and attribute models); and trained reward-model folders loaded with their output names.
+
+use std::path::{Path, PathBuf};
+
+use crate::LoadedModel;
+use crate::adapter::{LoraStore, RewardLoraStore};
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::model::{CausalLm, LoraSpec};
+use crate::reward::{RewardModel, labels_of};
+use crate::store::{CausalLmStore, ModelStore, RewardModelStore};
+use crate::tokenizer::TextTokenizer;
+use crate::train::config::ModelSection;
+use burn::tensor::Device;
+
+/// The model folder of `[model]`: `model.path`, or the shipped default.
+pub fn model_dir(section: &ModelSection) -> Result<PathBuf> {
+    match &section.path {
+        Some(dir) => Ok(dir.clone()),
+        None => crate::default_model_dir(),
+    }
+}
+
+/// The model a run starts from: `[model]`'s folder loaded (configuration, weights, tokenizer).
+pub fn load_model(section: &ModelSection, device: &Device) -> Result<LoadedModel> {
+    LoadedModel::from_dir(&model_dir(section)?, device)
+}
+
+/// The LoRA settings of `[model]`, when `lora_rank > 0`.
+pub fn lora_spec(section: &ModelSection) -> Option<LoraSpec> {
+    (section.lora_rank > 0).then(|| LoraSpec {
+        rank: section.lora_rank,
+        alpha: section.lora_alpha,
+        dropout: section.lora_dropout,
+        targets: section.lora_targets.clone(),
+    })
+}
+
+/// Attaches LoRA adapters to a policy loaded from `dir` when `[model]` asks for them, and
+/// returns how the run folder saves and loads it (adapters, or the full weights).
+pub fn policy_store(
+    model: &mut CausalLm,
+    section: &ModelSection,
+    llama: &LlamaConfig,
+    dir: &Path,
+    device: &Device,
+) -> Box<dyn ModelStore<CausalLm>> {
+    match lora_spec(section) {
+        Some(spec) => {
+            let adapted = model.attach_lora(&spec, device);
+            let (trainable, total) = crate::adapter::parameter_split(model);
+            tracing::info!(adapted_layers = adapted, trainable, total, "LoRA");
+            Box::new(LoraStore {
+                config: llama.clone(),
+                base_dir: dir.to_path_buf(),
+                spec,
+            })
+        }
+        None => Box::new(CausalLmStore {
+            config: llama.clone(),
+            tokenizer_dir: dir.to_path_buf(),
+        }),
+    }
+}
+
+/// [`policy_store`] for a model with a scalar or multi-output head (reward and attribute
+/// models): with LoRA the trunk gets adapters and the head trains in full.
+pub fn head_store(
+    model: &mut RewardModel,
+    section: &ModelSection,
+    llama: &LlamaConfig,
+    labels: &[String],
+    dir: &Path,
+    device: &Device,
+) -> Box<dyn ModelStore<RewardModel>> {
+    match lora_spec(section) {
+        Some(spec) => {
+            let adapted = model.model.attach_lora(&spec, device);
+            tracing::info!(
+                adapted_layers = adapted,
+                "LoRA on the trunk; the head trains in full"
+            );
+            Box::new(RewardLoraStore {
+                config: llama.clone(),
+                labels: labels.to_vec(),
+                base_dir: dir.to_path_buf(),
+                spec,
+            })
+        }
+        None => Box::new(RewardModelStore {
+            config: llama.clone(),
+            labels: labels.to_vec(),
+            tokenizer_dir: dir.to_path_buf(),
+        }),
+    }
+}
+
+/// A trained reward or attribute model folder: the model, its output names in order (from
+/// `id2label`; one output called `reward` when the folder names none), its tokenizer.
+pub struct LoadedRewardModel {
+    pub dir: PathBuf,
+    pub config: LlamaConfig,
+    pub labels: Vec<String>,
+    pub model: RewardModel,
+    pub tokenizer: TextTokenizer,
+}
+
+impl LoadedRewardModel {
+    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        let mut labels = labels_of(&config);
+        if labels.is_empty() {
+            labels = vec!["reward".to_string()];
+        }
+        let model = RewardModel::load(dir, &config, labels.len(), device)?;
+        let tokenizer = TextTokenizer::from_dir(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            labels,
+            model,
+            tokenizer,
+        })
+    }
+
+    /// How the model is saved (the critic PPO starts from it keeps its format).
+    pub fn store(&self) -> RewardModelStore {
+        RewardModelStore {
+            config: self.config.clone(),
+            labels: self.labels.clone(),
+            tokenizer_dir: self.dir.clone(),
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! How a run saves and loads the model it trains: the [`ModelStore`] trait and the full-weight
+//! stores (the LoRA stores are in [`crate::adapter`]).
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+
+use crate::checkpoint::{load_causal_lm, save_causal_lm};
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::model::CausalLm;
+use crate::reward::RewardModel;
+
+/// Saves and loads the trained model in the run folder's formats.
+pub trait ModelStore<M> {
+    /// Writes `model` as an HF folder into `dir`.
+    fn save(&self, model: &M, dir: &Path) -> Result<()>;
+    /// Loads a model saved by [`ModelStore::save`].
+    fn load(&self, dir: &Path, device: &Device) -> Result<M>;
+}
+
+/// Saves and loads causal LMs as HF folders, copying the tokenizer of the base folder.
+pub struct CausalLmStore {
+    pub config: LlamaConfig,
+    pub tokenizer_dir: PathBuf,
+}
+
+impl ModelStore<CausalLm> for CausalLmStore {
+    fn save(&self, model: &CausalLm, dir: &Path) -> Result<()> {
+        save_causal_lm(model, &self.config, dir, Some(&self.tokenizer_dir))
+    }
+
+    fn load(&self, dir: &Path, device: &Device) -> Result<CausalLm> {
+        load_causal_lm(dir, &self.config, device)
+    }
+}
+
+/// Saves and loads reward models as HF sequence-classifier folders.
+pub struct RewardModelStore {
+    pub config: LlamaConfig,
+    pub labels: Vec<String>,
+    pub tokenizer_dir: PathBuf,
+}
+
+impl ModelStore<RewardModel> for RewardModelStore {
+    fn save(&self, model: &RewardModel, dir: &Path) -> Result<()> {
+        model.save(&self.config, &self.labels, dir, Some(&self.tokenizer_dir))
+    }
+
+    fn load(&self, dir: &Path, device: &Device) -> Result<RewardModel> {
+        let config = crate::reward::sequence_classification_config(&self.config, &self.labels);
+        RewardModel::load(dir, &config, self.labels.len(), device)
+    }
+}

@@ -1,0 +1,281 @@
+//! Run configuration: TOML sections shared by every training command, `--set key=value`
+//! overrides, and unknown keys reported by name.
+
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::schedule::Schedule;
+use crate::error::{CoreError, Result};
+
+/// `[model]`: which model to start from, and LoRA.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// HF model folder; empty = the shipped default.
+    pub path: Option<PathBuf>,
+    /// 0 = full fine-tuning.
+    pub lora_rank: usize,
+    pub lora_alpha: f64,
+    pub lora_dropout: f64,
+    pub lora_targets: Vec<String>,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            path: None,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            lora_dropout: 0.0,
+            lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj"]
+                .map(String::from)
+                .to_vec(),
+        }
+    }
+}
+
+/// `[data]`: training and validation files.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    pub train: Option<PathBuf>,
+    pub validation: Option<PathBuf>,
+    pub max_seq_len: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            train: None,
+            validation: None,
+            max_seq_len: 256,
+        }
+    }
+}
+
+/// `[train]`: the optimisation loop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSection {
+    /// Optimiser steps; 0 = run `epochs` over the data.
+    pub max_steps: usize,
+    pub epochs: usize,
+    /// Sequences (or pairs) per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches per optimiser step.
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub schedule: Schedule,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    /// Global gradient-norm clip; 0 = off.
+    pub max_grad_norm: f64,
+    pub seed: u64,
+    pub shuffle: bool,
+    /// Checkpoint every N steps; 0 = only at the end.
+    pub save_every: usize,
+    /// Validate every N steps; 0 = only at the end.
+    pub eval_every: usize,
+    /// Write a metrics row every N steps.
+    pub log_every: usize,
+    /// Validation examples used per evaluation; 0 = all.
+    pub eval_examples: usize,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        Self {
+            max_steps: 0,
+            epochs: 1,
+            batch_size: 8,
+            grad_accum: 1,
+            lr: 1e-4,
+            schedule: Schedule::Constant,
+            warmup_steps: 0,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            seed: 42,
+            shuffle: true,
+            save_every: 0,
+            eval_every: 0,
+            log_every: 1,
+            eval_examples: 0,
+        }
+    }
+}
+
+impl TrainSection {
+    /// Refuses settings the loop cannot run with, naming the key.
+    pub fn check(&self) -> Result<()> {
+        if self.batch_size == 0 || self.grad_accum == 0 {
+            return Err(CoreError::Invalid(
+                "train.batch_size and train.grad_accum must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The loop of the embedded default runs: `epochs` over the shipped data with batch 16,
+    /// cosine decay from 2e-3 after 5 warm-up steps, validation and checkpoints every 25 steps.
+    pub fn embedded_default(epochs: usize) -> Self {
+        Self {
+            epochs,
+            batch_size: 16,
+            lr: 2e-3,
+            schedule: Schedule::Cosine,
+            warmup_steps: 5,
+            eval_every: 25,
+            save_every: 25,
+            ..Self::default()
+        }
+    }
+}
+
+impl DataSection {
+    /// Training and validation files of the shipped tinystories_sentiment task.
+    pub fn shipped(train: &str, validation: &str) -> Self {
+        let dir = crate::default_data_dir();
+        Self {
+            train: Some(dir.join(train)),
+            validation: Some(dir.join(validation)),
+            ..Self::default()
+        }
+    }
+}
+
+/// Builds a command's configuration: its defaults, then the TOML file, then `--set` overrides.
+/// Unknown keys anywhere are an error naming the key.
+pub fn load_config<T: Serialize + DeserializeOwned>(
+    defaults: &T,
+    file: Option<&Path>,
+    overrides: &[String],
+) -> Result<T> {
+    let mut value = toml::Value::try_from(defaults).map_err(|e| CoreError::Invalid(e.to_string()))?;
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
+        let user: toml::Value = toml::from_str(&text).map_err(|e| CoreError::Config {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        merge(&mut value, user);
+    }
+    for item in overrides {
+        let (key, raw) = item
+            .split_once('=')
+            .ok_or_else(|| CoreError::Invalid(format!("--set {item:?}: expected key=value")))?;
+        set_dotted(&mut value, key.trim(), parse_value(raw.trim()))?;
+    }
+    let source = file
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("--set"));
+    T::deserialize(value).map_err(|e| CoreError::Config {
+        path: source,
+        message: e.to_string(),
+    })
+}
+
+/// A `--set` value: TOML when it parses (numbers, booleans, arrays), else a plain string.
+fn parse_value(raw: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+fn merge(base: &mut toml::Value, update: toml::Value) {
+    match (base, update) {
+        (toml::Value::Table(b), toml::Value::Table(u)) => {
+            for (k, v) in u {
+                match b.get_mut(&k) {
+                    Some(existing) => merge(existing, v),
+                    None => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (b, u) => *b = u,
+    }
+}
+
+fn set_dotted(root: &mut toml::Value, key: &str, value: toml::Value) -> Result<()> {
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut node = root;
+    for part in &parts[..parts.len() - 1] {
+        let table = node
+            .as_table_mut()
+            .ok_or_else(|| CoreError::Invalid(format!("--set {key}: {part:?} is not a section")))?;
+        node = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    }
+    let table = node
+        .as_table_mut()
+        .ok_or_else(|| CoreError::Invalid(format!("--set {key}: not inside a section")))?;
+    table.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
+/// Serialises a resolved configuration as TOML (the run folder's `config.toml`).
+pub fn to_toml<T: Serialize>(config: &T) -> Result<String> {
+    toml::to_string_pretty(config).map_err(|e| CoreError::Invalid(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+    #[serde(deny_unknown_fields, default)]
+    struct Example {
+        model: ModelSection,
+        data: DataSection,
+        train: TrainSection,
+    }
+
+    #[test]
+    fn file_then_overrides_then_typed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "[train]\nlr = 0.5\nschedule = \"cosine\"\n[data]\ntrain = \"a.jsonl\"\n",
+        )
+        .unwrap();
+        let sets = [
+            "train.max_steps=20".to_string(),
+            "train.lr=0.25".into(),
+            "model.path=some/dir".into(),
+        ];
+        let c = load_config(&Example::default(), Some(&path), &sets).unwrap();
+        assert_eq!(c.train.lr, 0.25);
+        assert_eq!(c.train.max_steps, 20);
+        assert_eq!(c.train.schedule, Schedule::Cosine);
+        assert_eq!(c.data.train, Some(PathBuf::from("a.jsonl")));
+        assert_eq!(c.model.path, Some(PathBuf::from("some/dir")));
+        assert_eq!(c.train.batch_size, TrainSection::default().batch_size);
+        let back: Example = toml::from_str(&to_toml(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = load_config(&Example::default(), None, &["train.lrr=1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lrr"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[optimizer]\nlr = 1\n").unwrap();
+        let err = load_config(&Example::default(), Some(&path), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("optimizer"), "{err}");
+        let err = load_config(&Example::default(), None, &["nokey".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("key=value"), "{err}");
+    }
+}

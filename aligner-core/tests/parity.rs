@@ -1,0 +1,162 @@
+//! Parity with Hugging Face transformers on the shipped model (values in tests/reference).
+
+use std::path::PathBuf;
+
+use aligner_core::score::{ScoredSequence, response_logprobs};
+use aligner_core::{Device, LoadedModel};
+use burn::tensor::{Int, Tensor, TensorData};
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn reference() -> Value {
+    let path = repo().join("tests/reference/stories260K_transformers.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn shipped() -> LoadedModel {
+    LoadedModel::from_dir(&repo().join("assets/stories260K"), &Device::flex()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn tokenizer_ids_match_reference() {
+    let lm = shipped();
+    let r = reference();
+    for text in r["texts"].as_array().unwrap() {
+        let got = lm.tokenizer.encode(text["text"].as_str().unwrap(), true).unwrap();
+        assert_eq!(got, ids(&text["ids"]));
+    }
+}
+
+#[test]
+fn logits_match_transformers_at_every_position() {
+    let lm = shipped();
+    let r = reference();
+    let device = Device::flex();
+    let mut worst = 0.0f32;
+    for text in r["texts"].as_array().unwrap() {
+        let ids = ids(&text["ids"]);
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
+            &device,
+        );
+        let logits: Vec<f32> = lm.model.forward(tokens).into_data().try_to_vec().unwrap();
+        let expected: Vec<f32> = text["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+            .collect();
+        assert_eq!(logits.len(), expected.len());
+        for (a, b) in logits.iter().zip(&expected) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    assert!(worst < 1e-4, "max |logit difference| {worst}");
+}
+
+#[test]
+fn batched_right_padded_logits_equal_single_sequences() {
+    let lm = shipped();
+    let device = Device::flex();
+    let texts = ["Once upon a time", "Tom had a big red ball and he liked to play"];
+    let seqs: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| lm.tokenizer.encode(t, true).unwrap())
+        .collect();
+    let rows: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    let batch = aligner_core::score::pad_right(&rows, 0, &device);
+    let width = batch.dims()[1];
+    let batched: Vec<f32> = lm.model.forward(batch).into_data().try_to_vec().unwrap();
+    for (i, seq) in seqs.iter().enumerate() {
+        let single = aligner_core::score::pad_right(&[seq.as_slice()], 0, &device);
+        let alone: Vec<f32> = lm.model.forward(single).into_data().try_to_vec().unwrap();
+        let row = &batched[i * width * 512..(i * width + seq.len()) * 512];
+        for (a, b) in row.iter().zip(&alone) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn response_logprobs_match_transformers() {
+    let lm = shipped();
+    let r = reference();
+    let mut seqs = Vec::new();
+    let mut expected = Vec::new();
+    for pair in r["pairs"].as_array().unwrap() {
+        let prompt = pair["prompt"].as_str().unwrap();
+        for side in ["chosen", "rejected"] {
+            let seq = ScoredSequence::encode(&lm.tokenizer, prompt, pair[side].as_str().unwrap()).unwrap();
+            let reference = &pair[format!("{side}_ref")];
+            assert_eq!(seq.ids, ids(&reference["ids"]));
+            assert_eq!(seq.prompt_len, ids(&reference["prompt_ids"]).len());
+            assert_eq!(
+                seq.n_response_tokens() as u64,
+                reference["n_tokens"].as_u64().unwrap()
+            );
+            seqs.push(seq);
+            expected.push(reference.clone());
+        }
+    }
+    let got = response_logprobs(&lm.model, &seqs, 8).unwrap();
+    for (g, e) in got.iter().zip(&expected) {
+        let total = e["logprob"].as_f64().unwrap();
+        assert!(
+            (g.total() - total).abs() < 1e-3,
+            "logprob {} vs {total}",
+            g.total()
+        );
+        for (a, b) in g
+            .token_logprobs
+            .iter()
+            .zip(e["token_logprobs"].as_array().unwrap())
+        {
+            assert!((*a as f64 - b.as_f64().unwrap()).abs() < 1e-4);
+        }
+    }
+}
+
+/// Random models made and saved by transformers 5 (tools/hf_parity.py): Llama-3 rope scaling
+/// with positions past the original context, Qwen2 biases stored in bf16, and an explicit
+/// head_dim with attention and MLP biases.
+#[test]
+fn random_transformers_models_match_their_logits() {
+    for name in ["llama3_scaled", "qwen2_bias", "llama_head_dim"] {
+        let dir = repo().join("tests/reference/hf_random").join(name);
+        let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+        let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
+                .unwrap();
+        let ids = ids(&expected["ids"]);
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
+            &Device::flex(),
+        );
+        let logits: Vec<f32> = model.forward(tokens).into_data().try_to_vec().unwrap();
+        let want: Vec<f32> = expected["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+            .collect();
+        assert_eq!(logits.len(), want.len(), "{name}");
+        let worst = logits
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "{name}: max |logit difference| {worst}");
+    }
+}

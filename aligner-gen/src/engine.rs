@@ -1,0 +1,549 @@
+//! The rollout engine: one KV cache of `slots` rows, continuous batching, refit in place.
+//!
+//! Every cache row holds one running sequence. When a sequence finishes, the last row moves
+//! into its place, so running rows are always the first ones and a decode step is one forward
+//! pass over exactly those rows; the next queued prompt is prefilled into the freed row at
+//! once, without waiting for the batch. The forward pass itself (and how the cache is laid
+//! out) is the runner's: Burn's model on any device, or host kernels on the CPU.
+
+use std::time::{Duration, Instant};
+
+use aligner_core::{CausalLm, LlamaConfig, LoadedModel, TextTokenizer};
+use burn::module::Module;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{GenError, Result};
+use crate::options::{EngineStats, ForwardPath};
+use crate::runner::Runner;
+use crate::sampling::{SamplingParams, guided_logits, log_prob, sample};
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The model produced an end-of-sequence token (kept in the output).
+    Eos,
+    /// The response contains one of the request's stop strings.
+    StopString,
+    /// `max_new_tokens` were generated.
+    MaxTokens,
+    /// The model's context (`max_position_embeddings`) is full.
+    ContextFull,
+}
+
+/// One prompt to complete.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    /// Classifier-free guidance against a negative prompt (two cache rows per request).
+    pub guidance: Option<Guidance>,
+}
+
+impl GenerationRequest {
+    /// A request without guidance.
+    pub fn new(prompt_ids: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            prompt_ids,
+            params,
+            guidance: None,
+        }
+    }
+}
+
+/// Classifier-free guidance of one request ([`crate::sampling::guided_logits`]): the negative
+/// prompt runs in a cache row of its own, fed the tokens the request samples, and each token
+/// is drawn from `scale · (log p(·|prompt) − log p(·|negative)) + log p(·|negative)`. SteerLM
+/// uses it to strengthen the asked attributes (the negative prompt: the same prompt without
+/// them, or with other values).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guidance {
+    pub negative_prompt_ids: Vec<u32>,
+    pub scale: f32,
+}
+
+/// What one request produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub token_ids: Vec<u32>,
+    /// Log-prob of each generated token under the model (before temperature and filtering).
+    pub token_logprobs: Vec<f32>,
+    pub stop_reason: StopReason,
+}
+
+/// How an engine is sized.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineOptions {
+    /// Sequences decoded together (rows of the KV cache).
+    pub slots: usize,
+    /// Positions per cache row; by default sized by the first run (prompt + response, plus
+    /// slack on the Burn path) and grown only when a later run needs more.
+    pub cache_len: Option<usize>,
+    pub path: ForwardPath,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            slots: 64,
+            cache_len: None,
+            path: ForwardPath::Auto,
+        }
+    }
+}
+
+/// A generation engine over one model: its weights, KV cache, EOS ids and (for stop strings)
+/// tokenizer.
+pub struct Engine {
+    model: CausalLm,
+    config: LlamaConfig,
+    tokenizer: Option<TextTokenizer>,
+    eos_ids: Vec<u32>,
+    options: EngineOptions,
+    runner: Runner,
+    stats: EngineStats,
+}
+
+/// A running sequence in a cache row.
+struct Slot {
+    request: usize,
+    rng: ChaCha8Rng,
+    out: Generation,
+    /// Position (RoPE index) the last sampled token takes when it is fed back.
+    next_pos: usize,
+    /// The row of the other half of a guided request (kept up to date as rows move).
+    partner: Option<usize>,
+    /// This row runs a guided request's negative prompt: it takes its partner's tokens and
+    /// reports nothing.
+    negative: bool,
+}
+
+impl Slot {
+    fn new(request: usize, params: &SamplingParams, prompt_len: usize) -> Self {
+        Self {
+            request,
+            rng: ChaCha8Rng::seed_from_u64(params.seed),
+            out: Generation {
+                token_ids: Vec::new(),
+                token_logprobs: Vec::new(),
+                stop_reason: StopReason::MaxTokens,
+            },
+            next_pos: prompt_len,
+            partner: None,
+            negative: false,
+        }
+    }
+}
+
+impl Engine {
+    /// An engine on `model`'s current weights (as [`Engine::refit`] takes them: autodiff state
+    /// dropped, LoRA adapters merged).
+    pub fn new(
+        model: CausalLm,
+        config: LlamaConfig,
+        tokenizer: Option<TextTokenizer>,
+        options: EngineOptions,
+    ) -> Self {
+        let model = inference_weights(&model);
+        let eos_ids = match &tokenizer {
+            Some(t) if !t.eos_ids().is_empty() => t.eos_ids().to_vec(),
+            _ => config.eos_token_ids(),
+        };
+        let runner = Runner::new(&model, &config, options.path);
+        let mut engine = Self {
+            config,
+            tokenizer,
+            eos_ids,
+            options,
+            stats: EngineStats::default(),
+            model,
+            runner,
+        };
+        if let Some(len) = engine.options.cache_len {
+            let slots = engine.slots();
+            engine.runner.reserve(slots, 0, len, &mut engine.stats);
+        }
+        engine
+    }
+
+    /// An engine for a loaded model folder (the weights are shared, not copied).
+    pub fn for_model(lm: &LoadedModel, options: EngineOptions) -> Self {
+        Self::new(
+            lm.model.clone(),
+            lm.config.clone(),
+            Some(lm.tokenizer.clone()),
+            options,
+        )
+    }
+
+    /// The engine kept in `slot`, holding `model`'s current weights: built on first use,
+    /// refit in place afterwards (cache and buffers kept) — how a method that generates every
+    /// round (SPIN, rejection sampling) keeps one engine. Also returns the refit time (`None`
+    /// when the engine was built).
+    pub fn refit_or_build<'a>(
+        slot: &'a mut Option<Engine>,
+        model: &CausalLm,
+        config: &LlamaConfig,
+        tokenizer: Option<&TextTokenizer>,
+    ) -> Result<(&'a mut Engine, Option<Duration>)> {
+        let refit = match slot {
+            Some(engine) => Some(engine.refit(model)?),
+            None => {
+                *slot = Some(Self::new(
+                    model.clone(),
+                    config.clone(),
+                    tokenizer.cloned(),
+                    EngineOptions::default(),
+                ));
+                None
+            }
+        };
+        Ok((slot.as_mut().expect("just filled"), refit))
+    }
+
+    /// Replaces the end-of-sequence ids (empty: never stop at EOS).
+    pub fn with_eos_ids(mut self, eos_ids: Vec<u32>) -> Self {
+        self.eos_ids = eos_ids;
+        self
+    }
+
+    /// Another engine on the same weights with its own (not yet allocated) cache.
+    pub fn replica(&self) -> Self {
+        Self {
+            model: self.model.clone(),
+            config: self.config.clone(),
+            tokenizer: self.tokenizer.clone(),
+            eos_ids: self.eos_ids.clone(),
+            options: EngineOptions {
+                cache_len: None,
+                ..self.options.clone()
+            },
+            runner: self.runner.replica(),
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The forward pass the engine runs ([`ForwardPath::Burn`] or [`ForwardPath::Host`]).
+    pub fn path(&self) -> ForwardPath {
+        self.runner.path()
+    }
+
+    /// The weights the engine generates with.
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    /// What the engine has done so far.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Rows of the KV cache.
+    pub fn slots(&self) -> usize {
+        self.options.slots.max(1)
+    }
+
+    /// Positions per cache row (0 before the cache is allocated).
+    pub fn cache_len(&self) -> usize {
+        self.runner.cache_len()
+    }
+
+    /// Takes `model`'s current weights (a training model included: its autodiff state is
+    /// dropped; LoRA adapters are folded into the base) without touching the cache, and
+    /// returns how long it took.
+    pub fn refit(&mut self, model: &CausalLm) -> Result<Duration> {
+        let start = Instant::now();
+        let model = inference_weights(model);
+        self.take_weights(model)?;
+        Ok(start.elapsed())
+    }
+
+    pub(crate) fn take_weights(&mut self, model: CausalLm) -> Result<()> {
+        let (have, got) = (self.model.num_params(), model.num_params());
+        if have != got {
+            return Err(GenError::RefitMismatch { have, got });
+        }
+        self.runner.take_weights(&model, &self.config)?;
+        self.model = model;
+        Ok(())
+    }
+
+    /// Takes `other`'s current weights (shared, not copied).
+    pub(crate) fn share_weights(&mut self, other: &Engine) -> Result<()> {
+        self.runner.share_weights(&other.runner)?;
+        self.model = other.model.clone();
+        Ok(())
+    }
+
+    /// Completes every request; outputs are in request order.
+    pub fn generate(&mut self, requests: &[GenerationRequest]) -> Result<Vec<Generation>> {
+        self.generate_with(requests, &|_| {})
+    }
+
+    /// [`Engine::generate`], calling `progress` as each sequence finishes.
+    pub fn generate_with(
+        &mut self,
+        requests: &[GenerationRequest],
+        progress: &dyn Fn(&Generation),
+    ) -> Result<Vec<Generation>> {
+        validate(requests, self.model.model.rope.max_positions())?;
+        let queue = std::sync::atomic::AtomicUsize::new(0);
+        let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
+        self.serve(requests, &queue, &mut |i, g| {
+            progress(&g);
+            done[i] = Some(g);
+        })?;
+        Ok(done
+            .into_iter()
+            .map(|g| g.expect("every request finishes"))
+            .collect())
+    }
+
+    /// Runs until `queue` (the index of the next request to take) passes the end of
+    /// `requests`, giving each finished sequence to `done`. Several engines may share one
+    /// queue: whoever has a free row takes the next prompt.
+    pub(crate) fn serve(
+        &mut self,
+        requests: &[GenerationRequest],
+        queue: &std::sync::atomic::AtomicUsize,
+        done: &mut dyn FnMut(usize, Generation),
+    ) -> Result<()> {
+        let next = || {
+            let i = queue.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (i < requests.len()).then_some(i)
+        };
+        let prompt_width = requests
+            .iter()
+            .flat_map(|r| {
+                std::iter::once(&r.prompt_ids).chain(r.guidance.as_ref().map(|g| &g.negative_prompt_ids))
+            })
+            .map(|ids| ids.len())
+            .max()
+            .unwrap_or(0);
+        let longest = requests
+            .iter()
+            .map(|r| r.params.max_new_tokens)
+            .max()
+            .unwrap_or(0);
+        let slots = self.slots();
+        // A guided request takes two rows, admitted together.
+        let rows_per_request = if requests.iter().any(|r| r.guidance.is_some()) {
+            2
+        } else {
+            1
+        };
+        if rows_per_request > slots {
+            return Err(GenError::GuidanceNeedsTwoSlots);
+        }
+        self.runner
+            .reserve(slots, prompt_width, prompt_width + longest, &mut self.stats);
+        let max_positions = self.model.model.rope.max_positions();
+        let mut active: Vec<Slot> = Vec::new();
+        let mut exhausted = false;
+        loop {
+            while !exhausted && active.len() < slots {
+                let mut new = Vec::new();
+                let mut new_rows = 0;
+                while active.len() + new_rows + rows_per_request <= slots {
+                    match next() {
+                        Some(i) => {
+                            new.push(i);
+                            new_rows += 1 + usize::from(requests[i].guidance.is_some());
+                        }
+                        None => {
+                            exhausted = true;
+                            break;
+                        }
+                    }
+                }
+                if new.is_empty() {
+                    break;
+                }
+                let first_row = active.len();
+                self.stats.prefills += 1;
+                if first_row > 0 {
+                    self.stats.admitted_mid_batch += new.len();
+                }
+                let mut prompts: Vec<&[u32]> = Vec::with_capacity(new_rows);
+                for &i in &new {
+                    let request = &requests[i];
+                    let row = active.len();
+                    prompts.push(&request.prompt_ids);
+                    active.push(Slot::new(i, &request.params, request.prompt_ids.len()));
+                    if let Some(guidance) = &request.guidance {
+                        prompts.push(&guidance.negative_prompt_ids);
+                        active[row].partner = Some(row + 1);
+                        let mut negative = Slot::new(i, &request.params, guidance.negative_prompt_ids.len());
+                        negative.partner = Some(row);
+                        negative.negative = true;
+                        active.push(negative);
+                    }
+                }
+                let logits = self.runner.prefill(&prompts);
+                self.sample_rows(&logits, first_row, requests, &mut active, max_positions, done)?;
+                self.runner.recycle(logits);
+            }
+            if active.is_empty() {
+                break;
+            }
+            self.stats.decode_steps += 1;
+            let tokens: Vec<u32> = active
+                .iter()
+                .map(|s| *s.out.token_ids.last().expect("a running row has sampled"))
+                .collect();
+            let positions: Vec<usize> = active.iter().map(|s| s.next_pos).collect();
+            let logits = self.runner.decode(&tokens, &positions, &mut self.stats);
+            for slot in active.iter_mut() {
+                slot.next_pos += 1;
+            }
+            self.sample_rows(&logits, 0, requests, &mut active, max_positions, done)?;
+            self.runner.recycle(logits);
+        }
+        Ok(())
+    }
+
+    /// Samples the next token of rows `first_row..` from `logits` (one row of logits each),
+    /// finishes the sequences that stop, and closes the gaps they leave.
+    #[allow(clippy::too_many_arguments)]
+    fn sample_rows(
+        &mut self,
+        logits: &[f32],
+        first_row: usize,
+        requests: &[GenerationRequest],
+        active: &mut Vec<Slot>,
+        max_positions: usize,
+        done: &mut dyn FnMut(usize, Generation),
+    ) -> Result<()> {
+        use rayon::prelude::*;
+        let vocab = self.config.vocab_size;
+        let row_logits = |row: usize| &logits[(row - first_row) * vocab..(row - first_row + 1) * vocab];
+        // Rows sample in parallel, each from its own stream; a guided request's row draws from
+        // the guided distribution (its negative row, admitted with it, draws nothing).
+        let draws: Vec<Option<(usize, f32)>> = active[first_row..]
+            .par_iter_mut()
+            .enumerate()
+            .map(|(j, slot)| {
+                let own = row_logits(first_row + j);
+                let request = &requests[slot.request];
+                match (slot.negative, slot.partner, &request.guidance) {
+                    (true, _, _) => None,
+                    (false, Some(partner), Some(guidance)) => {
+                        let guided = guided_logits(own, row_logits(partner), guidance.scale);
+                        let (token, _) = sample(&guided, &request.params, &mut slot.rng);
+                        Some((token, log_prob(own, token)))
+                    }
+                    _ => Some(sample(own, &request.params, &mut slot.rng)),
+                }
+            })
+            .collect();
+        for (j, draw) in draws.iter().enumerate() {
+            let row = first_row + j;
+            let (token, logprob) = match draw {
+                Some(d) => *d,
+                None => {
+                    let partner = active[row].partner.expect("a negative row has its request's row");
+                    (draws[partner - first_row].expect("a request's row draws").0, 0.0)
+                }
+            };
+            active[row].out.token_ids.push(token as u32);
+            active[row].out.token_logprobs.push(logprob);
+        }
+        let mut finished = Vec::new();
+        for row in first_row..active.len() {
+            let slot = &active[row];
+            if slot.negative {
+                continue;
+            }
+            let request = &requests[slot.request];
+            let token = *slot.out.token_ids.last().expect("just sampled");
+            let context_full = std::iter::once(row)
+                .chain(slot.partner)
+                .any(|r| active[r].next_pos >= max_positions);
+            let stop = if self.eos_ids.contains(&token) {
+                Some(StopReason::Eos)
+            } else if self.hit_stop_string(&request.prompt_ids, &slot.out.token_ids, &request.params)? {
+                Some(StopReason::StopString)
+            } else if slot.out.token_ids.len() >= request.params.max_new_tokens {
+                Some(StopReason::MaxTokens)
+            } else if context_full {
+                Some(StopReason::ContextFull)
+            } else {
+                None
+            };
+            if let Some(reason) = stop {
+                finished.extend(std::iter::once(row).chain(slot.partner));
+                active[row].out.stop_reason = reason;
+            }
+        }
+        finished.sort_unstable();
+        // Highest row first: the last row fills each gap, and it is never a finished one.
+        for &row in finished.iter().rev() {
+            self.runner.remove_row(row);
+            let slot = active.swap_remove(row);
+            if let Some(partner) = active.get(row).and_then(|moved| moved.partner) {
+                active[partner].partner = Some(row);
+            }
+            if !slot.negative {
+                done(slot.request, slot.out);
+            }
+        }
+        Ok(())
+    }
+
+    fn hit_stop_string(&self, prompt: &[u32], ids: &[u32], params: &SamplingParams) -> Result<bool> {
+        if params.stop_strings.is_empty() {
+            return Ok(false);
+        }
+        let Some(tokenizer) = &self.tokenizer else {
+            return Err(GenError::StopStringsNeedTokenizer);
+        };
+        let text = tokenizer.decode_continuation(prompt, ids)?;
+        Ok(params.stop_strings.iter().any(|s| text.contains(s.as_str())))
+    }
+}
+
+/// The weights as an inference engine runs them: no autodiff, LoRA merged.
+pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
+    let plain = model.valid();
+    let has_adapters = plain.model.layers.iter().any(|layer| {
+        let (a, m) = (&layer.self_attn, &layer.mlp);
+        [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ]
+        .iter()
+        .any(|p| p.lora.is_some())
+    });
+    if has_adapters { plain.merged() } else { plain }
+}
+
+/// Rejects requests no engine can run.
+pub(crate) fn validate(requests: &[GenerationRequest], max_positions: usize) -> Result<()> {
+    for (i, r) in requests.iter().enumerate() {
+        if let Some(scale) = r.guidance.as_ref().map(|g| g.scale)
+            && !(scale.is_finite() && scale >= 0.0)
+        {
+            return Err(GenError::BadGuidanceScale { request: i, scale });
+        }
+        let negative = r.guidance.as_ref().map(|g| &g.negative_prompt_ids);
+        for ids in std::iter::once(&r.prompt_ids).chain(negative) {
+            if ids.is_empty() {
+                return Err(GenError::EmptyPrompt(i));
+            }
+            if ids.len() >= max_positions {
+                return Err(GenError::PromptTooLong {
+                    tokens: ids.len(),
+                    max: max_positions,
+                });
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,192 @@
+//! The engine's forward pass through the Burn model, for any device (the CPU uses the host
+//! path of `host.rs` instead, unless asked for this one).
+//!
+//! All cache rows share one write cursor; a sequence occupies the positions from its `start`
+//! to the cursor, and the attention mask hides everything before its start (stale keys of the
+//! row's earlier occupants, left padding). A new prompt is prefilled in a scratch cache and
+//! copied into its row so that it ends at the cursor. When the cursor reaches the end of the
+//! buffers, every row shifts left by the positions no running sequence uses any more.
+
+use aligner_core::model::{KvCache, default_positions, left_padded_layout};
+use aligner_core::{CausalLm, LlamaConfig};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+use crate::options::EngineStats;
+
+pub(crate) struct BurnRunner {
+    pub(crate) model: CausalLm,
+    /// The output projection `[hidden, vocab]` laid out contiguously (with tied embeddings it
+    /// is otherwise a transposed view, which the logits GEMM would re-pack every step).
+    head: Tensor<2>,
+    config: LlamaConfig,
+    device: Device,
+    pub(crate) cache: Option<KvCache>,
+    /// First cache position of each running row's sequence.
+    starts: Vec<usize>,
+    /// The longest prompt of the run: the cursor never goes below it.
+    prompt_width: usize,
+}
+
+fn packed_head(model: &CausalLm, device: &Device) -> Tensor<2> {
+    Tensor::from_data(model.output_weight().into_data(), device)
+}
+
+impl BurnRunner {
+    pub(crate) fn new(model: CausalLm, config: LlamaConfig, device: Device) -> Self {
+        Self {
+            head: packed_head(&model, &device),
+            model,
+            config,
+            device,
+            cache: None,
+            starts: Vec::new(),
+            prompt_width: 0,
+        }
+    }
+
+    /// The same weights, no cache.
+    pub(crate) fn replica(&self) -> Self {
+        Self {
+            model: self.model.clone(),
+            head: self.head.clone(),
+            config: self.config.clone(),
+            device: self.device.clone(),
+            cache: None,
+            starts: Vec::new(),
+            prompt_width: 0,
+        }
+    }
+
+    pub(crate) fn take_weights(&mut self, model: CausalLm) {
+        use burn::module::Module;
+        self.model = model.to_device(&self.device);
+        self.head = packed_head(&self.model, &self.device);
+    }
+
+    /// Allocates (or grows) the cache for `rows` rows of `needed` positions and puts the
+    /// cursor after the longest prompt.
+    pub(crate) fn reserve(&mut self, rows: usize, prompt_width: usize, span: usize, stats: &mut EngineStats) {
+        // Slack beyond one sequence's span: how far the cursor runs between two shifts.
+        let needed = span + (span / 4).max(16);
+        let mut cache = match self.cache.take() {
+            Some(cache) if cache.capacity() >= needed => cache,
+            Some(cache) => {
+                tracing::debug!(from = cache.capacity(), to = needed, "growing the KV cache");
+                stats.allocations += 1;
+                cache.with_capacity(needed)
+            }
+            None => {
+                stats.allocations += 1;
+                KvCache::new(&self.config, rows, needed, &self.device)
+            }
+        };
+        cache.set_len(prompt_width);
+        self.cache = Some(cache);
+        self.starts.clear();
+        self.prompt_width = prompt_width;
+    }
+
+    /// Prefills `prompts` together (left-padded) into a scratch cache, copies each into the
+    /// next free row, and returns their last-position logits.
+    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Vec<f32> {
+        let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let mut scratch = KvCache::new(&self.config, prompts.len(), width, &self.device);
+        let mut flat = Vec::with_capacity(prompts.len() * width);
+        let mut valid = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            let pad = width - prompt.len();
+            flat.extend(std::iter::repeat_n(0i64, pad));
+            flat.extend(prompt.iter().map(|&t| t as i64));
+            valid.push((0..width).map(|t| t >= pad).collect::<Vec<bool>>());
+        }
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(flat, [prompts.len(), width]), &self.device);
+        let (positions, mask) = if valid.iter().all(|row| row.iter().all(|&v| v)) {
+            (default_positions(&tokens), None)
+        } else {
+            let (p, m) = left_padded_layout(&valid, width, &self.device);
+            (p, Some(m))
+        };
+        let logits = self.last_logits(tokens, &positions, mask.as_ref(), &mut scratch);
+        let cache = self.cache.as_mut().expect("reserve comes first");
+        for (j, prompt) in prompts.iter().enumerate() {
+            cache.copy_row_block(&scratch, j, self.starts.len());
+            self.starts.push(cache.len() - prompt.len());
+        }
+        logits
+    }
+
+    /// Feeds every running row its last token at its position; returns the next logits.
+    pub(crate) fn decode(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+        stats: &mut EngineStats,
+    ) -> Vec<f32> {
+        let mut cache = self.cache.take().expect("reserve comes first");
+        if cache.len() == cache.capacity() {
+            let shift = self
+                .starts
+                .iter()
+                .copied()
+                .min()
+                .unwrap_or(0)
+                .min(cache.len() - self.prompt_width);
+            cache.shift_left(shift);
+            stats.shifts += 1;
+            for start in &mut self.starts {
+                *start -= shift;
+            }
+        }
+        let rows = tokens.len();
+        let column = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [rows, 1]), &self.device);
+        let tokens = column(tokens.iter().map(|&t| t as i64).collect());
+        let positions = column(positions.iter().map(|&p| p as i64).collect());
+        // Attention reads from the earliest running sequence's start; when every row starts
+        // there, nothing is left to hide and the causal default (faster kernel) is exact.
+        let window = self.starts.iter().copied().min().unwrap_or(0);
+        cache.set_window_start(window);
+        let keys = cache.len() + 1 - window;
+        let mask = self.starts.iter().any(|&s| s > window).then(|| {
+            let hidden: Vec<bool> = self
+                .starts
+                .iter()
+                .flat_map(|&s| (0..keys).map(move |k| k + window < s))
+                .collect();
+            Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, 1, keys]), &self.device)
+        });
+        let logits = self.last_logits(tokens, &positions, mask.as_ref(), &mut cache);
+        cache.set_window_start(0);
+        self.cache = Some(cache);
+        logits
+    }
+
+    /// Row `row` is done; the last running row moves into its place.
+    pub(crate) fn remove_row(&mut self, row: usize) {
+        let last = self.starts.len() - 1;
+        if row != last {
+            self.cache
+                .as_mut()
+                .expect("a running row has a cache")
+                .move_row(last, row);
+        }
+        self.starts.swap_remove(row);
+    }
+
+    /// One forward pass; the last position's logits as `[rows × vocab]` on the host.
+    fn last_logits(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: &Tensor<2, Int>,
+        mask: Option<&Tensor<4, Bool>>,
+        cache: &mut KvCache,
+    ) -> Vec<f32> {
+        let [rows, new] = tokens.dims();
+        let hidden = self.model.model.forward(tokens, positions, mask, Some(cache));
+        let [_, _, d] = hidden.dims();
+        let last = hidden.narrow(1, new - 1, 1).reshape([rows, d]);
+        last.matmul(self.head.clone())
+            .into_data()
+            .try_to_vec::<f32>()
+            .expect("logits are f32")
+    }
+}

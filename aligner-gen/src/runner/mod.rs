@@ -1,0 +1,226 @@
+//! The engine's forward passes: through the Burn model on any device ([`burn`]), or through
+//! host kernels on the CPU ([`host`]). Both keep a KV cache of `slots` rows, allocated once;
+//! running sequences always occupy the first rows.
+
+mod burn;
+mod forward;
+mod host;
+
+use std::sync::Arc;
+
+use aligner_core::{CausalLm, LlamaConfig};
+use aligner_parallel::fused::infer::LANES;
+
+use self::burn::BurnRunner;
+use self::forward::forward;
+use self::host::{HostCache, HostRunner, HostWeights};
+use crate::error::{GenError, Result};
+use crate::options::{EngineStats, ForwardPath};
+
+/// Most tokens the host path prefills in one pass.
+const PREFILL_TOKENS: usize = 4096;
+
+pub(crate) enum Runner {
+    Burn(Box<BurnRunner>),
+    Host(HostRunner),
+}
+
+impl Runner {
+    pub(crate) fn new(model: &CausalLm, config: &LlamaConfig, path: ForwardPath) -> Self {
+        let device = model.model.embed_tokens.weight.device();
+        let host = match path {
+            ForwardPath::Auto => aligner_parallel::fused_available(&device),
+            ForwardPath::Burn => false,
+            ForwardPath::Host => true,
+        };
+        if host {
+            Runner::Host(HostRunner {
+                weights: Arc::new(HostWeights::new(model, config)),
+                cache: None,
+                spare: Vec::new(),
+            })
+        } else {
+            Runner::Burn(Box::new(BurnRunner::new(model.clone(), config.clone(), device)))
+        }
+    }
+
+    /// Which forward pass this is.
+    pub(crate) fn path(&self) -> ForwardPath {
+        match self {
+            Runner::Burn(_) => ForwardPath::Burn,
+            Runner::Host(_) => ForwardPath::Host,
+        }
+    }
+
+    /// The same weights (shared), no cache.
+    pub(crate) fn replica(&self) -> Self {
+        match self {
+            Runner::Burn(b) => Runner::Burn(Box::new(b.replica())),
+            Runner::Host(h) => Runner::Host(HostRunner {
+                weights: h.weights.clone(),
+                cache: None,
+                spare: Vec::new(),
+            }),
+        }
+    }
+
+    /// Takes `model`'s weights (already in inference form). The host path's copies are made
+    /// for this refit, so they replace the old set (moved in, not copied again); replicas that
+    /// shared the old set keep it until they share the new one.
+    pub(crate) fn take_weights(&mut self, model: &CausalLm, config: &LlamaConfig) -> Result<()> {
+        match self {
+            Runner::Burn(b) => b.take_weights(model.clone()),
+            Runner::Host(h) => {
+                let fresh = HostWeights::new(model, config);
+                h.weights.check_same_shape(&fresh)?;
+                h.weights = Arc::new(fresh);
+            }
+        }
+        Ok(())
+    }
+
+    /// Uses `other`'s weights (a worker pool refits once and shares).
+    pub(crate) fn share_weights(&mut self, other: &Runner) -> Result<()> {
+        match (self, other) {
+            (Runner::Burn(b), Runner::Burn(o)) => b.take_weights(o.model.clone()),
+            (Runner::Host(h), Runner::Host(o)) => h.weights = o.weights.clone(),
+            _ => return Err(GenError::MixedForwardPaths),
+        }
+        Ok(())
+    }
+
+    /// Positions per cache row (0 before the cache is allocated).
+    pub(crate) fn cache_len(&self) -> usize {
+        match self {
+            Runner::Burn(b) => b.cache.as_ref().map_or(0, |c| c.capacity()),
+            Runner::Host(h) => h.cache.as_ref().map_or(0, HostCache::capacity),
+        }
+    }
+
+    /// Makes the cache ready for a run of `rows` rows whose prompts are at most
+    /// `prompt_width` tokens and whose sequences span at most `span` positions.
+    pub(crate) fn reserve(&mut self, rows: usize, prompt_width: usize, span: usize, stats: &mut EngineStats) {
+        match self {
+            Runner::Burn(b) => b.reserve(rows, prompt_width, span, stats),
+            Runner::Host(h) => {
+                // Whole vectors of positions for the attention kernel.
+                let span = span.div_ceil(LANES) * LANES;
+                // No sequence outlives a run, so a cache too short for this one is replaced,
+                // not copied.
+                let mut cache = match h.cache.take() {
+                    Some(cache) if cache.capacity() >= span => cache,
+                    old => {
+                        if let Some(old) = old {
+                            tracing::debug!(from = old.capacity(), to = span, "growing the KV cache");
+                        }
+                        stats.allocations += 1;
+                        HostCache::new(&h.weights, rows, span)
+                    }
+                };
+                cache.lens.clear();
+                h.cache = Some(cache);
+            }
+        }
+    }
+
+    /// Puts `prompts` into the next free rows; returns each one's next-token logits.
+    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Vec<f32> {
+        match self {
+            Runner::Burn(b) => b.prefill(prompts),
+            Runner::Host(h) => {
+                let cache = h.cache.as_mut().expect("reserve comes first");
+                // The first pass's buffer holds the result; later passes append to it.
+                let mut logits: Option<Vec<f32>> = None;
+                // Whole prompts, at most PREFILL_TOKENS per pass (one longer prompt goes
+                // alone): activations grow with the tokens of a pass.
+                let mut rest = prompts;
+                while !rest.is_empty() {
+                    let mut take = 1;
+                    let mut total = rest[0].len();
+                    while take < rest.len() && total + rest[take].len() <= PREFILL_TOKENS {
+                        total += rest[take].len();
+                        take += 1;
+                    }
+                    let (mut tokens, mut rows, mut picked) = (Vec::new(), Vec::new(), Vec::new());
+                    for prompt in &rest[..take] {
+                        let row = cache.lens.len();
+                        cache.lens.push(prompt.len());
+                        tokens.extend_from_slice(prompt);
+                        rows.extend((0..prompt.len()).map(|pos| (row, pos)));
+                        picked.push(tokens.len() - 1);
+                    }
+                    let part = forward(
+                        &h.weights,
+                        cache,
+                        &tokens,
+                        &rows,
+                        &picked,
+                        std::mem::take(&mut h.spare),
+                    );
+                    match &mut logits {
+                        None => logits = Some(part),
+                        Some(all) => {
+                            all.extend_from_slice(&part);
+                            h.spare = part;
+                        }
+                    }
+                    rest = &rest[take..];
+                }
+                logits.unwrap_or_default()
+            }
+        }
+    }
+
+    /// Feeds running row `r` its token `tokens[r]` at position `positions[r]`; returns the
+    /// logits of the next tokens.
+    pub(crate) fn decode(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+        stats: &mut EngineStats,
+    ) -> Vec<f32> {
+        match self {
+            Runner::Burn(b) => b.decode(tokens, positions, stats),
+            Runner::Host(h) => {
+                let cache = h.cache.as_mut().expect("reserve comes first");
+                debug_assert!(positions.iter().zip(&cache.lens).all(|(p, l)| p == l));
+                let rows: Vec<(usize, usize)> = positions.iter().copied().enumerate().collect();
+                let picked: Vec<usize> = (0..tokens.len()).collect();
+                let logits = forward(
+                    &h.weights,
+                    cache,
+                    tokens,
+                    &rows,
+                    &picked,
+                    std::mem::take(&mut h.spare),
+                );
+                for len in &mut cache.lens {
+                    *len += 1;
+                }
+                logits
+            }
+        }
+    }
+
+    /// Takes back a logits buffer this runner returned, for the next pass.
+    pub(crate) fn recycle(&mut self, logits: Vec<f32>) {
+        if let Runner::Host(h) = self {
+            h.spare = logits;
+        }
+    }
+
+    /// Row `row` is done; the last running row moves into its place.
+    pub(crate) fn remove_row(&mut self, row: usize) {
+        match self {
+            Runner::Burn(b) => b.remove_row(row),
+            Runner::Host(h) => {
+                let cache = h.cache.as_mut().expect("a running row has a cache");
+                let last = cache.lens.len() - 1;
+                if row != last {
+                    cache.move_row(last, row);
+                }
+                cache.lens.pop();
+            }
+        }
+    }
+}

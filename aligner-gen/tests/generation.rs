@@ -1,0 +1,495 @@
+//! The engine on the shipped model: parity with transformers' greedy tokens, batch
+//! independence (continuous batching included), agreement of token log-probs with the scoring
+//! path, refit in place, and the worker pool.
+
+use std::path::PathBuf;
+
+use aligner_core::score::{ScoredSequence, response_logprobs};
+use aligner_core::{Device, LoadedModel};
+use aligner_gen::{
+    Engine, EngineOptions, ForwardPath, Generation, GenerationRequest, SamplingParams, StopReason, WorkerPool,
+};
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn shipped() -> LoadedModel {
+    LoadedModel::from_dir(&repo().join("assets/stories260K"), &Device::flex()).unwrap()
+}
+
+/// Both forward passes: the host kernels (the CPU default) and the Burn model (any device).
+const PATHS: [ForwardPath; 2] = [ForwardPath::Host, ForwardPath::Burn];
+
+fn engine(lm: &LoadedModel, slots: usize, path: ForwardPath) -> Engine {
+    let engine = Engine::for_model(
+        lm,
+        EngineOptions {
+            slots,
+            cache_len: None,
+            path,
+        },
+    );
+    assert_eq!(engine.path(), path);
+    engine
+}
+
+/// Same tokens and stop reasons; log-probs equal up to the float noise of another batch shape.
+fn assert_same(a: &[Generation], b: &[Generation]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.token_ids, y.token_ids);
+        assert_eq!(x.stop_reason, y.stop_reason);
+        for (p, q) in x.token_logprobs.iter().zip(&y.token_logprobs) {
+            assert!((p - q).abs() < 1e-4, "{p} vs {q}");
+        }
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+const PROMPTS: [&str; 4] = [
+    "Once upon a time",
+    "Tom and his dog went to the park. They saw a big",
+    "Lily",
+    "The sun was shining and the birds were singing. A little boy named Max wanted to",
+];
+
+fn requests(lm: &LoadedModel, params: &SamplingParams) -> Vec<GenerationRequest> {
+    PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerationRequest {
+            prompt_ids: lm.tokenizer.encode(p, true).unwrap(),
+            params: SamplingParams {
+                seed: 100 + i as u64,
+                ..params.clone()
+            },
+            guidance: None,
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_tokens_equal_transformers() {
+    let lm = shipped();
+    for path in PATHS {
+        let file = repo().join("tests/reference/stories260K_transformers.json");
+        let reference: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        let cases = reference["greedy"].as_array().unwrap();
+        let reqs: Vec<GenerationRequest> = cases
+            .iter()
+            .map(|c| GenerationRequest {
+                prompt_ids: lm.tokenizer.encode(c["prompt"].as_str().unwrap(), true).unwrap(),
+                params: SamplingParams::greedy(c["max_new_tokens"].as_u64().unwrap() as usize),
+                guidance: None,
+            })
+            .collect();
+        // The reference stops only at max_new_tokens.
+        let mut generator = engine(&lm, 64, path).with_eos_ids(vec![]);
+        let batched = generator.generate(&reqs).unwrap();
+        for (case, out) in cases.iter().zip(&batched) {
+            assert_eq!(out.token_ids, ids(&case["ids"]), "prompt {:?}", case["prompt"]);
+            assert_eq!(out.stop_reason, StopReason::MaxTokens);
+        }
+        for (req, out) in reqs.iter().zip(&batched) {
+            let alone = generator.generate(std::slice::from_ref(req)).unwrap();
+            assert_eq!(alone[0].token_ids, out.token_ids);
+        }
+    }
+}
+
+#[test]
+fn a_batch_gives_each_prompt_what_it_gets_alone() {
+    let lm = shipped();
+    for path in PATHS {
+        let mut generator = engine(&lm, 64, path);
+        for params in [
+            SamplingParams::greedy(40),
+            SamplingParams {
+                temperature: 0.9,
+                top_k: 40,
+                top_p: 0.95,
+                max_new_tokens: 40,
+                ..SamplingParams::default()
+            },
+        ] {
+            let reqs = requests(&lm, &params);
+            let batched = generator.generate(&reqs).unwrap();
+            for (req, out) in reqs.iter().zip(&batched) {
+                let alone = generator.generate(std::slice::from_ref(req)).unwrap();
+                assert_eq!(alone[0].token_ids, out.token_ids);
+                for (a, b) in alone[0].token_logprobs.iter().zip(&out.token_logprobs) {
+                    assert!((a - b).abs() < 1e-4);
+                }
+            }
+            // Reordering the batch changes nothing either.
+            let mut reversed = reqs.clone();
+            reversed.reverse();
+            let again = generator.generate(&reversed).unwrap();
+            for (out, rev) in batched.iter().zip(again.iter().rev()) {
+                assert_eq!(out.token_ids, rev.token_ids);
+            }
+        }
+    }
+}
+
+#[test]
+fn seeds_make_samples_repeatable_and_different() {
+    let lm = shipped();
+    for path in PATHS {
+        let mut generator = engine(&lm, 64, path);
+        let params = SamplingParams {
+            max_new_tokens: 30,
+            ..SamplingParams::default()
+        };
+        let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
+        let mut run = |seed| {
+            let req = GenerationRequest {
+                prompt_ids: prompt_ids.clone(),
+                params: SamplingParams {
+                    seed,
+                    ..params.clone()
+                },
+                guidance: None,
+            };
+            generator.generate(&[req]).unwrap().remove(0).token_ids
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+}
+
+#[test]
+fn engine_logprobs_equal_the_scoring_path() {
+    let lm = shipped();
+    for path in PATHS {
+        let mut generator = engine(&lm, 64, path);
+        let params = SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: 48,
+            ..SamplingParams::default()
+        };
+        let reqs = requests(&lm, &params);
+        let outs = generator.generate(&reqs).unwrap();
+        let seqs: Vec<ScoredSequence> = reqs
+            .iter()
+            .zip(&outs)
+            .map(|(r, o)| ScoredSequence {
+                ids: r.prompt_ids.iter().chain(&o.token_ids).copied().collect(),
+                prompt_len: r.prompt_ids.len(),
+            })
+            .collect();
+        let scored = response_logprobs(&lm.model, &seqs, 4).unwrap();
+        for (o, s) in outs.iter().zip(&scored) {
+            assert_eq!(o.token_logprobs.len(), s.token_logprobs.len());
+            for (a, b) in o.token_logprobs.iter().zip(&s.token_logprobs) {
+                assert!((a - b).abs() < 1e-4, "engine {a} vs score {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn stops_at_eos_and_at_stop_strings() {
+    let lm = shipped();
+    for path in PATHS {
+        let mut generator = engine(&lm, 64, path);
+        let prompt_ids = lm.tokenizer.encode("Once upon a time", true).unwrap();
+        let req = |stop: Vec<String>| GenerationRequest {
+            prompt_ids: prompt_ids.clone(),
+            params: SamplingParams {
+                stop_strings: stop,
+                ..SamplingParams::greedy(200)
+            },
+            guidance: None,
+        };
+        let out = generator.generate(&[req(vec![])]).unwrap().remove(0);
+        assert!(out.token_ids.len() < 200 || out.stop_reason == StopReason::MaxTokens);
+        let text = lm.tokenizer.decode(&out.token_ids, true).unwrap();
+        assert!(text.contains("Lily"), "{text}");
+        let stopped = generator.generate(&[req(vec!["Lily".into()])]).unwrap().remove(0);
+        assert_eq!(stopped.stop_reason, StopReason::StopString);
+        let stopped_text = lm.tokenizer.decode(&stopped.token_ids, true).unwrap();
+        assert!(stopped_text.ends_with("Lily") || stopped_text.contains("Lily"));
+        assert!(stopped.token_ids.len() < out.token_ids.len());
+        if out.stop_reason == StopReason::Eos {
+            assert_eq!(*out.token_ids.last().unwrap(), 2);
+        }
+    }
+}
+
+/// Prompts of different lengths (1 to ~20 tokens) from the sentiment task's domain.
+fn many_requests(lm: &LoadedModel, n: usize, params: &SamplingParams) -> Vec<GenerationRequest> {
+    let words = [
+        "Once", "upon", "a", "time", "there", "was", "a", "little", "girl", "named", "Lily", "who", "loved",
+        "to", "play", "in", "the", "park", "with", "her", "dog",
+    ];
+    (0..n)
+        .map(|i| GenerationRequest {
+            prompt_ids: lm
+                .tokenizer
+                .encode(&words[..1 + (i * 7) % words.len()].join(" "), true)
+                .unwrap(),
+            params: SamplingParams {
+                seed: 1000 + i as u64,
+                max_new_tokens: 8 + (i * 13) % 40,
+                ..params.clone()
+            },
+            guidance: None,
+        })
+        .collect()
+}
+
+fn sampled(max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 50,
+        max_new_tokens,
+        ..SamplingParams::default()
+    }
+}
+
+#[test]
+fn continuous_batching_gives_each_prompt_what_it_gets_alone() {
+    let lm = shipped();
+    for path in PATHS {
+        let mut alone = engine(&lm, 1, path);
+        for params in [SamplingParams::greedy(0), sampled(0)] {
+            let reqs = many_requests(&lm, 14, &params);
+            // 3 rows for 14 prompts of different lengths: rows free at different steps and are
+            // refilled mid-batch; the cursor runs past the buffers and the rows shift.
+            let mut continuous = engine(&lm, 3, path);
+            let outs = continuous.generate(&reqs).unwrap();
+            let stats = continuous.stats();
+            assert!(stats.admitted_mid_batch >= 8, "{stats:?}");
+            // The Burn path's rows share a cursor, which runs past the buffers: rows shift.
+            assert!(path == ForwardPath::Host || stats.shifts > 0, "{stats:?}");
+            assert_eq!(stats.allocations, 1);
+            for (req, out) in reqs.iter().zip(&outs) {
+                let single = alone.generate(std::slice::from_ref(req)).unwrap().remove(0);
+                assert_eq!(single.token_ids, out.token_ids);
+                assert_eq!(single.stop_reason, out.stop_reason);
+                for (a, b) in single.token_logprobs.iter().zip(&out.token_logprobs) {
+                    assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+                }
+            }
+            // The same engine runs again with its cache kept.
+            assert_eq!(continuous.generate(&reqs).unwrap(), outs);
+            assert_eq!(continuous.stats().allocations, 1);
+        }
+    }
+}
+
+/// A LoRA policy as training leaves it: on the autodiff device, adapters with non-zero `B`.
+fn lora_policy(lm: &LoadedModel) -> aligner_core::CausalLm {
+    use aligner_core::model::{LoraSpec, projections};
+    use burn::module::Module;
+    use burn::tensor::{Distribution, Tensor};
+    let device = Device::flex().autodiff();
+    let mut model = lm.model.clone().fork(&device).train();
+    let spec = LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: ["q_proj", "v_proj", "up_proj", "down_proj"]
+            .map(String::from)
+            .to_vec(),
+    };
+    model.attach_lora(&spec, &device);
+    device.seed(7);
+    for (_, layer) in projections(&mut model.model) {
+        if let Some(lora) = &mut layer.lora {
+            lora.b = lora.b.clone().map(|b| {
+                Tensor::random(b.shape(), Distribution::Normal(0.0, 0.3), &b.device()).require_grad()
+            });
+        }
+    }
+    model
+}
+
+#[test]
+fn refit_takes_new_weights_in_place() {
+    let lm = shipped();
+    for path in PATHS {
+        let reqs = many_requests(&lm, 6, &sampled(0));
+        let mut engine = engine(&lm, 4, path);
+        let before = engine.generate(&reqs).unwrap();
+        let capacity = engine.cache_len();
+
+        let policy = lora_policy(&lm);
+        let took = engine.refit(&policy).unwrap();
+        assert!(took.as_secs_f64() < 5.0);
+        let after = engine.generate(&reqs).unwrap();
+        assert_ne!(before, after, "the new weights change the samples");
+        assert_eq!(engine.cache_len(), capacity, "the cache stays allocated");
+        assert_eq!(engine.stats().allocations, 1);
+
+        // A fresh engine on the merged weights samples the same.
+        let merged = burn::module::Module::valid(&policy).merged();
+        let mut fresh = Engine::new(
+            merged,
+            lm.config.clone(),
+            Some(lm.tokenizer.clone()),
+            EngineOptions {
+                path,
+                ..EngineOptions::default()
+            },
+        );
+        assert_same(&fresh.generate(&reqs).unwrap(), &after);
+
+        // And the merged log-probs are the adapter model's own (score path, adapters unmerged).
+        let seqs: Vec<ScoredSequence> = reqs
+            .iter()
+            .zip(&after)
+            .map(|(r, o)| ScoredSequence {
+                ids: r.prompt_ids.iter().chain(&o.token_ids).copied().collect(),
+                prompt_len: r.prompt_ids.len(),
+            })
+            .collect();
+        let scored = response_logprobs(&burn::module::Module::valid(&policy), &seqs, 4).unwrap();
+        for (o, s) in after.iter().zip(&scored) {
+            for (a, b) in o.token_logprobs.iter().zip(&s.token_logprobs) {
+                assert!((a - b).abs() < 1e-4, "engine {a} vs score {b}");
+            }
+        }
+
+        // Refitting the original weights restores the original samples.
+        engine.refit(&lm.model).unwrap();
+        assert_same(&engine.generate(&reqs).unwrap(), &before);
+    }
+}
+
+#[test]
+fn refit_rejects_another_architecture() {
+    let lm = shipped();
+    for path in PATHS {
+        let mut engine = engine(&lm, 2, path);
+        let mut config = lm.config.clone();
+        config.num_hidden_layers = 1;
+        let other = aligner_core::CausalLm::new(&config, &Device::flex());
+        assert!(engine.refit(&other).is_err());
+    }
+}
+
+#[test]
+fn worker_pool_shares_one_queue() {
+    let lm = shipped();
+    for path in PATHS {
+        let reqs = many_requests(&lm, 20, &sampled(0));
+        let expected = engine(&lm, 4, path).generate(&reqs).unwrap();
+        let mut pool = WorkerPool::new(engine(&lm, 4, path), 2);
+        let finished = std::sync::atomic::AtomicUsize::new(0);
+        let (outs, report) = pool
+            .generate(&reqs, &|_| {
+                finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })
+            .unwrap();
+        assert_same(&outs, &expected);
+        assert_eq!(finished.into_inner(), reqs.len());
+        assert_eq!(report.workers.len(), 2);
+        assert_eq!(
+            report.workers.iter().map(|w| w.prompts).sum::<usize>(),
+            reqs.len()
+        );
+        assert_eq!(
+            report.tokens(),
+            expected.iter().map(|g| g.token_ids.len()).sum::<usize>()
+        );
+        assert!(report.workers.iter().all(|w| w.prompts > 0), "{report:?}");
+        // Refit reaches every worker.
+        pool.refit(&lora_policy(&lm)).unwrap();
+        let (changed, _) = pool.generate(&reqs, &|_| {}).unwrap();
+        assert_ne!(changed, expected);
+    }
+}
+
+#[test]
+fn host_and_burn_paths_agree() {
+    let lm = shipped();
+    for params in [SamplingParams::greedy(0), sampled(0)] {
+        let reqs = many_requests(&lm, 12, &params);
+        let host = engine(&lm, 5, ForwardPath::Host).generate(&reqs).unwrap();
+        let burn = engine(&lm, 5, ForwardPath::Burn).generate(&reqs).unwrap();
+        assert_same(&host, &burn);
+    }
+    // On the CPU the engine picks the host kernels by itself.
+    let auto = Engine::for_model(&lm, EngineOptions::default());
+    assert_eq!(auto.path(), ForwardPath::Host);
+}
+
+/// A random Llama of other shapes than the shipped one: a vocabulary of several output panels
+/// (the last one narrower), a head width without an unrolled attention path (12), tied
+/// embeddings. Both forward paths give the same tokens and log-probs.
+#[test]
+fn host_and_burn_paths_agree_on_other_shapes() {
+    let mut config = aligner_core::LlamaConfig::llama(5000, 48, 2, 4, 2, 96);
+    config.tie_word_embeddings = Some(true);
+    let device = Device::flex();
+    device.seed(7);
+    let model = aligner_core::CausalLm::new(&config, &device);
+    let build = |path| {
+        let options = EngineOptions {
+            slots: 4,
+            cache_len: None,
+            path,
+        };
+        Engine::new(model.clone(), config.clone(), None, options)
+    };
+    for params in [SamplingParams::greedy(24), sampled(24)] {
+        let reqs: Vec<GenerationRequest> = (0..6)
+            .map(|i| GenerationRequest {
+                prompt_ids: (0..3 + 5 * i)
+                    .map(|t| (7 + 331 * t * (i + 1)) as u32 % 5000)
+                    .collect(),
+                params: SamplingParams {
+                    seed: 50 + i as u64,
+                    ..params.clone()
+                },
+                guidance: None,
+            })
+            .collect();
+        let host = build(ForwardPath::Host).generate(&reqs).unwrap();
+        let burn = build(ForwardPath::Burn).generate(&reqs).unwrap();
+        assert!(
+            host.iter().any(|g| g.token_ids.len() > 8),
+            "long enough to compare"
+        );
+        assert_same(&host, &burn);
+    }
+}
+
+#[test]
+fn prompts_beyond_one_prefill_pass_are_split_between_passes() {
+    let lm = shipped();
+    // 48 prompts of ~100 tokens: more tokens than one host prefill pass takes (4,096).
+    let story =
+        "Once upon a time there was a little girl named Lily. She loved to play in the park with her dog. ";
+    let reqs: Vec<GenerationRequest> = (0..48)
+        .map(|i| GenerationRequest {
+            prompt_ids: lm
+                .tokenizer
+                .encode(&format!("{story}{story}{story}{i}"), true)
+                .unwrap(),
+            params: SamplingParams::greedy(4),
+            guidance: None,
+        })
+        .collect();
+    let total: usize = reqs.iter().map(|r| r.prompt_ids.len()).sum();
+    assert!(total > 4096, "{total} prompt tokens");
+    let batched = engine(&lm, 48, ForwardPath::Host).generate(&reqs).unwrap();
+    let mut alone = engine(&lm, 1, ForwardPath::Host);
+    for (req, out) in reqs.iter().zip(&batched) {
+        assert_same(
+            &alone.generate(std::slice::from_ref(req)).unwrap(),
+            std::slice::from_ref(out),
+        );
+    }
+}

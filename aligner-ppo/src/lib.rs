@@ -1,0 +1,37 @@
+//! # aligner-ppo
+//!
+//! RLHF with PPO, as NeMo-Aligner runs it: an actor (the policy, trained from an SFT model), a
+//! reference (the frozen start policy, or the LoRA base with adapters off), a critic (a value
+//! head started from the reward model, trained) and a reward model (frozen). The critic and the
+//! reward model answer the actor asynchronously — on a thread of the same process by default,
+//! or from `aligner serve critic` over gRPC — so their work overlaps the actor's.
+//!
+//! The arithmetic is in pure functions: [`advantages`] (KL estimators, per-token rewards, GAE,
+//! whitening, GRPO / RLOO group baselines) and [`losses`] (the clipped policy and value
+//! losses). [`runner::PpoRunner`] is the loop; [`critic`] holds the critic's roles;
+//! [`rejection`] is best-of-n rejection sampling on the same roles. [`train()`] and
+//! [`rejection_sampling`] are the whole runs (what `aligner ppo` and `aligner rs` call):
+//!
+//! ```no_run
+//! use aligner_core::run::RunDir;
+//! let summary = aligner_ppo::train(&Default::default(), &RunDir::new("runs/ppo"), &aligner_core::Device::flex()).unwrap();
+//! println!("held-out reward {:?} -> {:?}", summary.initial_eval_reward, summary.final_eval_reward);
+//! ```
+
+pub mod advantages;
+pub mod config;
+pub mod critic;
+mod error;
+pub mod losses;
+pub mod rejection;
+pub mod rollout;
+pub mod runner;
+pub mod server;
+mod timing;
+pub mod train;
+
+pub use config::{NonEos, PpoConfig, PpoSection, RewardModelSection};
+pub use critic::{CriticClient, CriticSettings, CriticWorker, LocalCritic};
+pub use error::{PpoError, Result};
+pub use runner::{PpoRunner, PpoSummary, StepTimes};
+pub use train::{rejection_sampling, train};

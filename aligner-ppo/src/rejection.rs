@@ -1,0 +1,238 @@
+//! Rejection sampling (best-of-n, as in Llama 2): for each prompt, `rs.n` samples from the
+//! policy scored by the reward model, the best kept (above an optional threshold), then SFT on
+//! them; several rounds.
+//!
+//! It lives here, beside PPO, because it is made of the same roles minus the critic: the
+//! rollout engine as the actor's sampler and the frozen reward model as the judge
+//! ([`crate::critic::rewards_of`] on the same [`crate::rollout::Layout`]); its update is plain
+//! SFT from aligner-core.
+
+use std::path::Path;
+
+use aligner_core::data::{Prompt, append_jsonl};
+use aligner_core::reward::RewardModel;
+use aligner_core::run::RunDir;
+use aligner_core::sft::{SftExample, SftObjective, SftRow};
+use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
+use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
+use aligner_gen::{Engine, GenerationRequest, SamplingParams};
+use burn::module::Module;
+use serde::{Deserialize, Serialize};
+
+use crate::config::RewardModelSection;
+use crate::critic::rewards_in_batches;
+use crate::error::Result;
+use crate::rollout::Sequence;
+
+/// `[rs]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RsSection {
+    pub rounds: usize,
+    /// Samples per prompt.
+    pub n: usize,
+    /// Keep the best sample only when its reward reaches this.
+    pub threshold: Option<f32>,
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    /// Held-out prompts scored after each round (0 = all).
+    pub eval_prompts: usize,
+    pub seed: u64,
+}
+
+impl Default for RsSection {
+    fn default() -> Self {
+        Self {
+            rounds: 3,
+            n: 4,
+            threshold: None,
+            max_new_tokens: 48,
+            temperature: 1.0,
+            eval_prompts: 0,
+            seed: 0,
+        }
+    }
+}
+
+/// `aligner rs` configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RsConfig {
+    pub model: ModelSection,
+    pub reward_model: RewardModelSection,
+    /// Prompt files: train (sampled each round) and validation (scored).
+    pub data: DataSection,
+    /// The SFT loop of each round.
+    pub train: TrainSection,
+    pub rs: RsSection,
+}
+
+impl Default for RsConfig {
+    fn default() -> Self {
+        let mut train = TrainSection::embedded_default(1);
+        train.lr = 1e-3;
+        train.save_every = 0;
+        train.eval_every = 0;
+        Self {
+            model: ModelSection::default(),
+            reward_model: RewardModelSection::default(),
+            data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
+            train,
+            rs: RsSection::default(),
+        }
+    }
+}
+
+/// One round's record in `rs.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundReport {
+    pub round: usize,
+    /// Mean reward of the policy's samples on the held-out prompts before the round's SFT.
+    pub eval_reward_before: f64,
+    /// ... and after it.
+    pub eval_reward_after: f64,
+    /// Mean reward of all samples and of the kept best ones.
+    pub sample_reward: f64,
+    pub kept_reward: f64,
+    pub kept: usize,
+    /// Seconds spent handing the round's new weights to the generation engine (one engine
+    /// serves every round, refit in place).
+    #[serde(default)]
+    pub refit_seconds: f64,
+}
+
+/// A rejection-sampling run.
+pub struct RejectionSampling<'a> {
+    pub config: &'a RsConfig,
+    pub llama: &'a LlamaConfig,
+    pub tokenizer: &'a TextTokenizer,
+    pub store: &'a dyn ModelStore<CausalLm>,
+    pub reward: &'a RewardModel,
+    /// Rendered prompt texts.
+    pub train_prompts: &'a [String],
+    pub eval_prompts: &'a [String],
+    pub out_dir: &'a Path,
+    pub device: Device,
+}
+
+impl RejectionSampling<'_> {
+    pub fn run(&self, mut policy: CausalLm) -> Result<Vec<RoundReport>> {
+        let cfg = &self.config.rs;
+        let eval_limit = match cfg.eval_prompts {
+            0 => self.eval_prompts.len(),
+            n => n.min(self.eval_prompts.len()),
+        };
+        let eval = &self.eval_prompts[..eval_limit];
+        let mut reports = Vec::new();
+        let mut engine = None;
+        let mut before = self.sample(&mut engine, &policy, eval, 1, u64::MAX / 2)?.mean;
+        for round in 1..=cfg.rounds {
+            let seed = cfg.seed.wrapping_add(round as u64 * 10_000_000);
+            let sampled = self.sample(&mut engine, &policy, self.train_prompts, cfg.n.max(1), seed)?;
+            let (sample_reward, samples, refit) = (sampled.mean, sampled.samples, sampled.refit_seconds);
+            let mut rows = Vec::new();
+            let mut kept_sum = 0.0;
+            for (prompt, group) in self.train_prompts.iter().zip(samples.chunks(cfg.n.max(1))) {
+                let best = group.iter().max_by(|a, b| a.1.total_cmp(&b.1)).expect("n >= 1");
+                if cfg.threshold.is_none_or(|t| best.1 >= t) {
+                    kept_sum += best.1 as f64;
+                    rows.push(SftRow::PromptResponse {
+                        prompt: Prompt::Text(prompt.clone()),
+                        response: best.0.clone(),
+                    });
+                }
+            }
+            let kept = rows.len();
+            let dir = self.out_dir.join(format!("round-{round}"));
+            std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+            if kept > 0 {
+                let train: Vec<SftExample> = rows
+                    .iter()
+                    .map(|r| SftExample::from_row(r, self.tokenizer, self.config.data.max_seq_len))
+                    .collect::<Result<_, _>>()?;
+                let trainer = Trainer {
+                    config: &self.config.train,
+                    objective: &SftObjective,
+                    store: self.store,
+                    train: &train,
+                    validation: &[],
+                    run: &RunDir::new(&dir),
+                    device: self.device.clone(),
+                };
+                policy = trainer.run(policy)?.0.valid();
+            }
+            let evaluated = self.sample(&mut engine, &policy, eval, 1, u64::MAX / 2)?;
+            let (after, refit_after) = (evaluated.mean, evaluated.refit_seconds);
+            let report = RoundReport {
+                round,
+                eval_reward_before: before,
+                eval_reward_after: after,
+                sample_reward,
+                kept_reward: kept_sum / kept.max(1) as f64,
+                kept,
+                refit_seconds: refit + refit_after,
+            };
+            tracing::info!(?report, "rejection-sampling round");
+            append_jsonl(&self.out_dir.join("rs.jsonl"), &report)?;
+            reports.push(report);
+            before = after;
+        }
+        self.store.save(&policy, &self.out_dir.join("final"))?;
+        Ok(reports)
+    }
+
+    /// `n` samples per prompt (seeds from `seed`) from `policy` through the engine in
+    /// `engine`, with their rewards.
+    fn sample(
+        &self,
+        engine: &mut Option<Engine>,
+        policy: &CausalLm,
+        prompts: &[String],
+        n: usize,
+        seed: u64,
+    ) -> Result<Sampled> {
+        let cfg = &self.config.rs;
+        let requests = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p, n))
+            .enumerate()
+            .map(|(i, p)| {
+                Ok(GenerationRequest {
+                    prompt_ids: self.tokenizer.encode(p, true)?,
+                    params: SamplingParams {
+                        temperature: cfg.temperature,
+                        seed: seed.wrapping_add(i as u64),
+                        max_new_tokens: cfg.max_new_tokens,
+                        ..SamplingParams::default()
+                    },
+                    guidance: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (engine, refit) = Engine::refit_or_build(engine, policy, self.llama, Some(self.tokenizer))?;
+        let outputs = engine.generate(&requests)?;
+        let sequences = Sequence::from_generations(&requests, &outputs);
+        let rewards = rewards_in_batches(self.reward, &sequences, 32, &self.device)?;
+        let texts = requests
+            .iter()
+            .zip(&outputs)
+            .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / rewards.len().max(1) as f64;
+        Ok(Sampled {
+            mean,
+            samples: texts.into_iter().zip(rewards).collect(),
+            refit_seconds: refit.map_or(0.0, |d| d.as_secs_f64()),
+        })
+    }
+}
+
+/// What [`RejectionSampling::sample`] drew.
+struct Sampled {
+    /// Mean reward of the samples.
+    mean: f64,
+    /// Each sample's text and reward, prompt by prompt (`n` in a row).
+    samples: Vec<(String, f32)>,
+    /// Seconds the engine took to take the policy's weights (0 when it was built).
+    refit_seconds: f64,
+}

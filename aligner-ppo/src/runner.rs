@@ -1,0 +1,554 @@
+//! The actor's loop: rollout → log-probs and critic values → rewards with the KL penalty →
+//! advantages → clipped policy updates, with the critic working alongside.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use aligner_core::reward::RewardModel;
+use aligner_core::run::{RunDir, progress_bar};
+use aligner_core::train::grads::clip_grad_norm;
+use aligner_core::train::{
+    EpochOrder, MetricsLog, ModelStore, adamw, load_optimizer, mini_batches, plot_metrics, save_optimizer,
+};
+use aligner_core::{CausalLm, LlamaConfig, TextTokenizer};
+use aligner_gen::{
+    Engine, EngineOptions, Generation, GenerationRequest, SamplingParams, StopReason, WorkerPool,
+};
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::advantages::{Advantage, gae, group_advantages, kl_per_token, token_rewards, whiten};
+use crate::config::{NonEos, PpoConfig};
+use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest, rewards_in_batches};
+use crate::error::{PpoError, Result};
+use crate::losses::{clipped_policy_loss, entropy, masked_token_mean};
+use crate::rollout::{Layout, Sequence};
+pub use crate::timing::StepTimes;
+use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
+
+/// The file a PPO checkpoint writes last (its presence marks the checkpoint complete).
+pub const PPO_STATE: &str = "ppo_state.json";
+
+/// Where a run stands; stored with each checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PpoState {
+    pub step: usize,
+    pub seed: u64,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PpoSummary {
+    pub steps: usize,
+    pub final_dir: PathBuf,
+    pub initial_eval_reward: Option<f64>,
+    pub final_eval_reward: Option<f64>,
+    pub mean_times: StepTimes,
+}
+
+/// One PPO run of the actor.
+pub struct PpoRunner<'a> {
+    pub config: &'a PpoConfig,
+    pub llama: &'a LlamaConfig,
+    pub tokenizer: &'a TextTokenizer,
+    pub train_prompts: &'a [Vec<u32>],
+    pub eval_prompts: &'a [Vec<u32>],
+    /// Saves and loads the actor (full weights or LoRA adapters).
+    pub store: &'a dyn ModelStore<CausalLm>,
+    /// The run folder: a new run, or one resumed from its newest checkpoint.
+    pub run: &'a RunDir,
+    pub device: Device,
+    /// The reward model, when it does not share the critic's process.
+    pub local_reward: Option<RewardModel>,
+}
+
+/// What the actor's update reports (means over its mini-batches).
+struct ActorStats {
+    clip_fraction: f64,
+    approx_kl: f64,
+    policy_loss: f64,
+    entropy: Option<f64>,
+}
+
+/// A rollout after scoring: everything the updates need, one entry per sequence.
+struct Scored {
+    sequences: Vec<Sequence>,
+    old_logprobs: Vec<Vec<f32>>,
+    advantages: Vec<Vec<f32>>,
+    old_values: Vec<Vec<f32>>,
+    returns: Vec<Vec<f32>>,
+}
+
+impl PpoRunner<'_> {
+    fn checkpoints(&self) -> PathBuf {
+        self.run.checkpoints()
+    }
+
+    /// Trains `actor` (LoRA already attached when configured), or, when the run is resumed,
+    /// continues from its newest checkpoint.
+    pub fn run(&self, actor: CausalLm, critic: &dyn CriticClient) -> Result<PpoSummary> {
+        let cfg = &self.config.ppo;
+        if cfg.advantage != Advantage::Gae && cfg.samples_per_prompt < 2 {
+            return Err(PpoError::Invalid(format!(
+                "ppo.advantage = {:?} needs ppo.samples_per_prompt of at least 2",
+                cfg.advantage
+            )));
+        }
+        if self.train_prompts.is_empty() {
+            return Err(PpoError::Invalid("no training prompts".into()));
+        }
+        let train_device = self.device.clone().autodiff();
+        let lora = self.config.model.lora_rank > 0;
+        let mut actor = actor.fork(&train_device).train();
+        // Without LoRA the reference is a frozen copy of the starting policy; with LoRA it is
+        // the same weights with the adapters switched off.
+        let reference = (!lora).then(|| actor.valid());
+        let mut optim = adamw(0.0);
+        let mut start = 0;
+        if let Some((step, dir)) = self.run.resume_point(PPO_STATE)? {
+            actor = self.store.load(&dir.join("actor"), &train_device)?.train();
+            optim = load_optimizer(optim, &dir.join("actor_optimizer.bin"))?;
+            critic.load(dir.join("critic")).wait()?;
+            tracing::info!(step, dir = %dir.display(), "resuming");
+            start = step;
+        }
+        let engine = Engine::new(
+            actor.valid(),
+            self.llama.clone(),
+            Some(self.tokenizer.clone()),
+            EngineOptions {
+                slots: cfg.slots,
+                cache_len: None,
+                ..EngineOptions::default()
+            },
+        );
+        let mut pool = WorkerPool::new(engine, cfg.workers);
+        let log = MetricsLog::open(self.run.path(), self.run.is_resumed().then_some(start))?;
+        let mut initial_eval = None;
+        if start == 0 && !self.eval_prompts.is_empty() {
+            let reward = self.evaluate(&mut pool, &actor, critic)?;
+            initial_eval = Some(reward);
+            log.write(&row(&[("step", 0.0), ("eval_reward", reward)]))?;
+        }
+        let bar = progress_bar(
+            cfg.steps as u64,
+            "ppo step {pos}/{len} {bar:30} {msg} [{elapsed} < {eta}]",
+        );
+        bar.set_position(start as u64);
+        let mut totals = StepTimes::default();
+        let mut last_eval = None;
+        for step in start..cfg.steps {
+            if self.run.stops_after().is_some_and(|s| step >= s) {
+                bar.abandon();
+                return Ok(self.summary(step, initial_eval, last_eval, &totals, step - start));
+            }
+            let began = Instant::now();
+            let mut times = StepTimes::default();
+
+            let t = Instant::now();
+            pool.refit(&actor)?;
+            times.refit = t.elapsed().as_secs_f64();
+
+            let t = Instant::now();
+            let prompts = self.step_prompts(step);
+            let requests = self.requests(&prompts, step, false);
+            let (generations, _) = pool.generate(&requests, &|_| {})?;
+            times.generation = t.elapsed().as_secs_f64();
+            let sequences = Sequence::from_generations(&requests, &generations);
+
+            // The critic scores while the actor computes the reference log-probs.
+            let pending = critic.infer(sequences.clone());
+            let t = Instant::now();
+            let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
+            times.logprobs = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let critic_out = pending.wait()?;
+            times.critic_wait = t.elapsed().as_secs_f64();
+            times.critic_compute = critic_out.seconds;
+
+            let (scored, metrics) = self.score(sequences, &generations, &ref_logprobs, critic_out)?;
+            let value_ticket = (cfg.advantage == Advantage::Gae && !scored.sequences.is_empty()).then(|| {
+                critic.train(TrainRequest {
+                    sequences: scored.sequences.clone(),
+                    old_values: scored.old_values.clone(),
+                    returns: scored.returns.clone(),
+                    settings: CriticSettings {
+                        lr: cfg.critic_lr,
+                        clip_eps: cfg.value_clip_eps,
+                        epochs: cfg.epochs,
+                        mini_batch: cfg.mini_batch,
+                        max_grad_norm: cfg.max_grad_norm,
+                    },
+                })
+            });
+            let t = Instant::now();
+            let stats = self.update_actor(&mut actor, &mut optim, &scored)?;
+            times.train = t.elapsed().as_secs_f64();
+            let mut value_loss = None;
+            if let Some(ticket) = value_ticket {
+                let t = Instant::now();
+                let reply = ticket.wait()?;
+                times.critic_wait += t.elapsed().as_secs_f64();
+                times.critic_compute += reply.seconds;
+                value_loss = Some(reply.value_loss);
+            }
+            times.total = began.elapsed().as_secs_f64();
+            totals.add(&times);
+
+            let done = step + 1;
+            let mut out = metrics;
+            out.insert("step".into(), done.into());
+            for (k, v) in [
+                ("policy_loss", stats.policy_loss),
+                ("clip_fraction", stats.clip_fraction),
+                ("approx_kl", stats.approx_kl),
+            ] {
+                out.insert(k.into(), v.into());
+            }
+            if let Some(h) = stats.entropy {
+                out.insert("entropy".into(), h.into());
+            }
+            if let Some(v) = value_loss {
+                out.insert("value_loss".into(), v.into());
+            }
+            for (k, v) in serde_json::to_value(&times)
+                .ok()
+                .and_then(|v| v.as_object().cloned())
+                .unwrap_or_default()
+            {
+                out.insert(format!("time_{k}"), v);
+            }
+            if !self.eval_prompts.is_empty()
+                && (done == cfg.steps || (cfg.eval_every > 0 && done.is_multiple_of(cfg.eval_every)))
+            {
+                let reward = self.evaluate(&mut pool, &actor, critic)?;
+                last_eval = Some(reward);
+                out.insert("eval_reward".into(), reward.into());
+            }
+            let reward = out.get("reward").and_then(Value::as_f64).unwrap_or(f64::NAN);
+            bar.set_position(done as u64);
+            bar.set_message(format!("reward {reward:.3} · {:.1} s/step", times.total));
+            log.write(&out)?;
+            if cfg.save_every > 0 && done.is_multiple_of(cfg.save_every) && done < cfg.steps {
+                self.save_checkpoint(done, &actor, &optim, critic)?;
+            }
+        }
+        bar.finish_and_clear();
+        self.store.save(&actor.valid(), &self.run.final_dir())?;
+        critic.save(self.run.join("critic")).wait()?;
+        let rows = log.rows()?;
+        plot_metrics(
+            &rows,
+            &["reward", "eval_reward", "kl", "value_loss"],
+            &self.run.join("metrics.svg"),
+        )?;
+        Ok(self.summary(cfg.steps, initial_eval, last_eval, &totals, cfg.steps - start))
+    }
+
+    /// `checkpoints/step-N/`: actor, its optimiser, the critic, the run position.
+    fn save_checkpoint(
+        &self,
+        step: usize,
+        actor: &CausalLm,
+        optim: &ModuleOptimizer,
+        critic: &dyn CriticClient,
+    ) -> Result<()> {
+        let mut critic_result = Ok(());
+        let saved = self.run.save_checkpoint(step, |tmp| {
+            // The critic saves while the actor writes its own part.
+            let critic_saved = critic.save(tmp.join("critic"));
+            self.store.save(&actor.valid(), &tmp.join("actor"))?;
+            save_optimizer(optim, &tmp.join("actor_optimizer.bin"))?;
+            critic_result = critic_saved.wait();
+            if critic_result.is_err() {
+                return Err(aligner_core::CoreError::Invalid(
+                    "the critic could not save".into(),
+                ));
+            }
+            let state = PpoState {
+                step,
+                seed: self.config.ppo.seed,
+            };
+            self.run.write_json(&tmp.join(PPO_STATE), &state)
+        });
+        critic_result?;
+        saved?;
+        Ok(())
+    }
+
+    fn summary(
+        &self,
+        steps: usize,
+        initial: Option<f64>,
+        last: Option<f64>,
+        totals: &StepTimes,
+        run_steps: usize,
+    ) -> PpoSummary {
+        PpoSummary {
+            steps,
+            final_dir: self.run.final_dir(),
+            initial_eval_reward: initial,
+            final_eval_reward: last,
+            mean_times: totals.mean(run_steps),
+        }
+    }
+
+    /// This step's prompts: consecutive stretches of a per-epoch shuffle of the training
+    /// prompts (a stretch may run into the next epoch).
+    fn step_prompts(&self, step: usize) -> Vec<Vec<u32>> {
+        let per = self.config.ppo.rollout_prompts.max(1);
+        EpochOrder::new(self.train_prompts.len(), true, self.config.ppo.seed)
+            .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
+            .items(step * per, per)
+            .into_iter()
+            .map(|i| self.train_prompts[i].clone())
+            .collect()
+    }
+
+    /// `samples_per_prompt` requests per prompt, each with its own seed.
+    fn requests(&self, prompts: &[Vec<u32>], step: usize, eval: bool) -> Vec<GenerationRequest> {
+        let cfg = &self.config.ppo;
+        let samples = if eval { 1 } else { cfg.samples_per_prompt.max(1) };
+        let base = if eval {
+            0xe7a1
+        } else {
+            cfg.seed
+                .wrapping_mul(1_000_003)
+                .wrapping_add(step as u64 * 100_000)
+        };
+        prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p, samples))
+            .enumerate()
+            .map(|(i, p)| GenerationRequest {
+                prompt_ids: p.clone(),
+                params: SamplingParams {
+                    temperature: cfg.temperature,
+                    top_k: cfg.top_k,
+                    top_p: cfg.top_p,
+                    seed: base.wrapping_add(i as u64),
+                    max_new_tokens: cfg.max_new_tokens,
+                    stop_strings: Vec::new(),
+                },
+                guidance: None,
+            })
+            .collect()
+    }
+
+    fn reference_logprobs(
+        &self,
+        actor: &CausalLm,
+        reference: Option<&CausalLm>,
+        sequences: &[Sequence],
+    ) -> Result<Vec<Vec<f32>>> {
+        let model = match reference {
+            Some(r) => r.clone(),
+            None => {
+                let mut base = actor.valid();
+                base.model.set_adapters_enabled(false);
+                base
+            }
+        };
+        let mut out = Vec::with_capacity(sequences.len());
+        for chunk in sequences.chunks(self.config.ppo.mini_batch.max(1)) {
+            let layout = Layout::new(chunk, &self.device);
+            let lp = model.token_logprobs_with(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
+            out.extend(layout.ragged(layout.response_columns(lp)));
+        }
+        Ok(out)
+    }
+
+    /// Rewards, KL penalty, advantages and returns of a rollout; the step's metrics.
+    fn score(
+        &self,
+        sequences: Vec<Sequence>,
+        generations: &[Generation],
+        ref_logprobs: &[Vec<f32>],
+        critic_out: InferReply,
+    ) -> Result<(Scored, Map<String, Value>)> {
+        let cfg = &self.config.ppo;
+        let mut scores = match &self.local_reward {
+            Some(rm) => rewards_in_batches(rm, &sequences, cfg.mini_batch, &self.device)?,
+            None => critic_out.rewards.clone(),
+        };
+        if scores.len() != sequences.len() {
+            return Err(PpoError::Critic(format!(
+                "{} rewards for {} sequences (is a reward model loaded where the rewards are computed?)",
+                scores.len(),
+                sequences.len()
+            )));
+        }
+        let raw_mean = mean(&scores);
+        let ended: Vec<bool> = generations
+            .iter()
+            .map(|g| g.stop_reason == StopReason::Eos)
+            .collect();
+        if cfg.non_eos == NonEos::Penalize {
+            for (s, &e) in scores.iter_mut().zip(&ended) {
+                if !e {
+                    *s += cfg.non_eos_penalty;
+                }
+            }
+        }
+        let old_logprobs: Vec<Vec<f32>> = generations.iter().map(|g| g.token_logprobs.clone()).collect();
+        let kls: Vec<Vec<f32>> = old_logprobs
+            .iter()
+            .zip(ref_logprobs)
+            .map(|(lp, lr)| kl_per_token(lp, lr, cfg.kl_estimator))
+            .collect();
+        let values = critic_out.values;
+        let (mut advantages, returns): (Vec<Vec<f32>>, Vec<Vec<f32>>) = match cfg.advantage {
+            Advantage::Gae => scores
+                .iter()
+                .zip(&kls)
+                .zip(&values)
+                .map(|((&s, kl), v)| gae(&token_rewards(s, kl, cfg.kl_coef), v, cfg.gamma, cfg.lam))
+                .unzip(),
+            mode => {
+                let totals: Vec<f32> = scores
+                    .iter()
+                    .zip(&kls)
+                    .map(|(&s, kl)| s - cfg.kl_coef * kl.iter().sum::<f32>())
+                    .collect();
+                let adv = group_advantages(&totals, cfg.samples_per_prompt, mode);
+                let per_token = adv.iter().zip(&kls).map(|(&a, kl)| vec![a; kl.len()]).collect();
+                (per_token, values.clone())
+            }
+        };
+        let keep: Vec<usize> = (0..sequences.len())
+            .filter(|&i| cfg.non_eos != NonEos::Exclude || ended[i])
+            .collect();
+        let pick = |rows: &[Vec<f32>]| keep.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>();
+        let mut kept_adv = pick(&advantages);
+        if cfg.whiten_advantages && cfg.advantage == Advantage::Gae {
+            whiten(&mut kept_adv);
+        }
+        advantages = kept_adv;
+        let metrics = row(&[
+            ("reward", raw_mean),
+            (
+                "kl",
+                mean(&kls.iter().map(|k| k.iter().sum::<f32>()).collect::<Vec<_>>()),
+            ),
+            (
+                "response_length",
+                mean(
+                    &generations
+                        .iter()
+                        .map(|g| g.token_ids.len() as f32)
+                        .collect::<Vec<_>>(),
+                ),
+            ),
+            (
+                "eos_fraction",
+                ended.iter().filter(|&&e| e).count() as f64 / ended.len().max(1) as f64,
+            ),
+        ]);
+        let scored = Scored {
+            sequences: keep.iter().map(|&i| sequences[i].clone()).collect(),
+            old_logprobs: pick(&old_logprobs),
+            advantages,
+            old_values: pick(&values),
+            returns: pick(&returns),
+        };
+        Ok((scored, metrics))
+    }
+
+    /// `ppo.epochs` passes of the clipped policy loss (minus `ppo.entropy_coef` × entropy).
+    fn update_actor(
+        &self,
+        actor: &mut CausalLm,
+        optim: &mut ModuleOptimizer,
+        scored: &Scored,
+    ) -> Result<ActorStats> {
+        let cfg = &self.config.ppo;
+        let device = self.device.clone().autodiff();
+        let n = scored.sequences.len();
+        let (mut clip, mut kl, mut loss_sum, mut batches) = (0.0, 0.0, 0.0, 0usize);
+        let mut entropy_sum = 0.0;
+        for range in mini_batches(n, cfg.mini_batch, cfg.epochs) {
+            let (start, end) = (range.start, range.end);
+            let layout = Layout::new(&scored.sequences[start..end], &device);
+            let old = layout.padded(&scored.old_logprobs[start..end], &device);
+            let adv = layout.padded(&scored.advantages[start..end], &device);
+            // One trunk pass serves the log-probs and, with an entropy bonus, the entropy of
+            // the response positions' full distributions.
+            let hidden =
+                actor
+                    .model
+                    .forward(layout.tokens.clone(), &layout.positions, Some(&layout.mask), None);
+            let [rows, width, d] = hidden.dims();
+            let inputs = hidden
+                .clone()
+                .narrow(1, 0, width - 1)
+                .reshape([rows, width - 1, d]);
+            let targets = layout.tokens.clone().narrow(1, 1, width - 1);
+            let lp = token_logprobs_from_hidden(inputs, actor.output_weight(), targets, DEFAULT_CHUNK_TOKENS);
+            let mut out = clipped_policy_loss(
+                layout.response_columns(lp),
+                old,
+                adv,
+                &layout.response_mask,
+                cfg.clip_eps,
+            );
+            if cfg.entropy_coef > 0.0 {
+                let states = hidden.narrow(1, layout.prompt_width - 1, layout.response_width);
+                let h = masked_token_mean(entropy(actor.logits_from_hidden(states)), &layout.response_mask);
+                entropy_sum += h.clone().into_scalar::<f32>() as f64;
+                out.loss = out.loss - h.mul_scalar(cfg.entropy_coef);
+            }
+            let value = out.loss.clone().into_scalar::<f32>() as f64;
+            if !value.is_finite() {
+                return Err(PpoError::Invalid(format!(
+                    "policy loss is {value}; stopping. The last good checkpoint is kept in {}",
+                    self.checkpoints().display()
+                )));
+            }
+            loss_sum += value;
+            clip += out.clip_fraction;
+            kl += out.approx_kl;
+            batches += 1;
+            let mut grads = GradientsParams::from_grads(out.loss.backward(), actor);
+            clip_grad_norm(actor, &mut grads, cfg.max_grad_norm);
+            *actor = optim.step(cfg.actor_lr, actor.clone(), grads);
+        }
+        let b = batches.max(1) as f64;
+        Ok(ActorStats {
+            clip_fraction: clip / b,
+            approx_kl: kl / b,
+            policy_loss: loss_sum / b,
+            entropy: (cfg.entropy_coef > 0.0).then_some(entropy_sum / b),
+        })
+    }
+
+    /// Mean reward-model score of the policy's samples on the held-out prompts.
+    fn evaluate(&self, pool: &mut WorkerPool, actor: &CausalLm, critic: &dyn CriticClient) -> Result<f64> {
+        let limit = match self.config.ppo.eval_prompts {
+            0 => self.eval_prompts.len(),
+            n => n.min(self.eval_prompts.len()),
+        };
+        pool.refit(actor)?;
+        let requests = self.requests(&self.eval_prompts[..limit], 0, true);
+        let (generations, _) = pool.generate(&requests, &|_| {})?;
+        let sequences = Sequence::from_generations(&requests, &generations);
+        let rewards = match &self.local_reward {
+            Some(rm) => rewards_in_batches(rm, &sequences, self.config.ppo.mini_batch, &self.device)?,
+            None => critic.infer(sequences).wait()?.rewards,
+        };
+        Ok(mean(&rewards))
+    }
+}
+
+fn mean(xs: &[f32]) -> f64 {
+    xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64
+}
+
+fn row(pairs: &[(&str, f64)]) -> Map<String, Value> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), Value::from(*v)))
+        .collect()
+}

@@ -1,0 +1,133 @@
+//! `aligner ppo` and `aligner rs` as library calls: a typed configuration, a run folder and a
+//! device in, the run's summary out. Everything the run needs is made here: the reward model
+//! (trained first into `<run>/reward_model` when `reward_model.path` is not set), the actor
+//! with LoRA when configured, the critic (a thread of this process, or `ppo.critic_url`'s
+//! server), the prompts.
+
+use std::path::{Path, PathBuf};
+
+use aligner_core::data::{PromptRow, read_jsonl};
+use aligner_core::rm::RmConfig;
+use aligner_core::run::{RunDir, data_files};
+use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
+use aligner_core::{Device, TextTokenizer};
+
+use crate::config::{PpoConfig, RewardModelSection};
+use crate::critic::{CriticClient, CriticWorker, LocalCritic, single_output};
+use crate::error::Result;
+use crate::rejection::{RejectionSampling, RoundReport, RsConfig};
+use crate::runner::{PpoRunner, PpoSummary};
+
+/// Prompt ids of a `{"prompt": ...}` file (messages rendered with the tokenizer's chat template).
+pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<Vec<u32>>> {
+    Ok(render_prompts(path, tokenizer)?
+        .iter()
+        .map(|p| tokenizer.encode(p, true))
+        .collect::<Result<_, _>>()?)
+}
+
+/// The prompt texts of a `{"prompt": ...}` file, as the model sees them.
+pub fn render_prompts(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<String>> {
+    Ok(read_jsonl::<PromptRow>(path)?
+        .iter()
+        .map(|row| row.prompt.render(tokenizer))
+        .collect::<Result<_, _>>()?)
+}
+
+/// The reward model folder: the configured one, or one trained now with `aligner rm`'s
+/// defaults (the shipped preference pairs) into `<run>/reward_model`, kept for resumes.
+pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Device) -> Result<PathBuf> {
+    if let Some(path) = &section.path {
+        return Ok(path.clone());
+    }
+    let rm_run = run.child("reward_model");
+    if !rm_run.final_dir().join("config.json").exists() {
+        tracing::info!(run = %rm_run.path().display(), "no reward_model.path: training one on the shipped preference pairs");
+        aligner_core::rm::train(&RmConfig::default(), &rm_run, device)?;
+    }
+    Ok(rm_run.final_dir())
+}
+
+/// A PPO run: the actor of `[model]` against the reward model, with the critic in this process
+/// or at `ppo.critic_url`. The mean time breakdown is written to `<run>/timing.md`.
+pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSummary> {
+    run.start(config)?;
+    let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
+    let lm = load_model(&config.model, device)?;
+    let (train_path, validation_path) = data_files(&config.data)?;
+    let train_prompts = load_prompts(&train_path, &lm.tokenizer)?;
+    let eval_prompts = match &validation_path {
+        Some(path) => load_prompts(path, &lm.tokenizer)?,
+        None => Vec::new(),
+    };
+    let reward_folder = LoadedRewardModel::from_dir(&rm_dir, device)?;
+    let store = reward_folder.store();
+    let reward = single_output(reward_folder)?;
+    let combined = config.ppo.combine_rm_and_critic;
+    let critic: Box<dyn CriticClient> = match &config.ppo.critic_url {
+        Some(url) => Box::new(crate::server::RemoteCritic::connect(
+            url,
+            config.ppo.critic_retry_seconds,
+            &run.checkpoints(),
+        )?),
+        // The critic starts from the reward model (NeMo-Aligner's choice).
+        None => Box::new(LocalCritic::spawn(CriticWorker::new(
+            reward.clone(),
+            combined.then(|| reward.clone()),
+            store,
+            device,
+        ))),
+    };
+    let mut model = lm.model;
+    let actor_store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    tracing::info!(
+        train_prompts = train_prompts.len(),
+        eval_prompts = eval_prompts.len(),
+        reward_model = %rm_dir.display(),
+        critic = config.ppo.critic_url.as_deref().unwrap_or("in process"),
+        "PPO"
+    );
+    let runner = PpoRunner {
+        config,
+        llama: &lm.config,
+        tokenizer: &lm.tokenizer,
+        train_prompts: &train_prompts,
+        eval_prompts: &eval_prompts,
+        store: actor_store.as_ref(),
+        run,
+        device: device.clone(),
+        local_reward: (!combined).then_some(reward),
+    };
+    let summary = runner.run(model, critic.as_ref())?;
+    aligner_core::checkpoint::write_atomic(&run.join("timing.md"), summary.mean_times.table().as_bytes())?;
+    Ok(summary)
+}
+
+/// Rejection sampling (best-of-n) rounds: samples of the policy of `[model]` scored by the
+/// reward model, the best kept, SFT on them; `<run>/rs.jsonl` records each round.
+pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> Result<Vec<RoundReport>> {
+    run.start(config)?;
+    let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
+    let reward = single_output(LoadedRewardModel::from_dir(&rm_dir, device)?)?;
+    let lm = load_model(&config.model, device)?;
+    let (train_path, validation_path) = data_files(&config.data)?;
+    let train_prompts = render_prompts(&train_path, &lm.tokenizer)?;
+    let eval_prompts = match &validation_path {
+        Some(path) => render_prompts(path, &lm.tokenizer)?,
+        None => Vec::new(),
+    };
+    let mut model = lm.model;
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let sampling = RejectionSampling {
+        config,
+        llama: &lm.config,
+        tokenizer: &lm.tokenizer,
+        store: store.as_ref(),
+        reward: &reward,
+        train_prompts: &train_prompts,
+        eval_prompts: &eval_prompts,
+        out_dir: run.path(),
+        device: device.clone(),
+    };
+    sampling.run(model)
+}

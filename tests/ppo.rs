@@ -1,0 +1,272 @@
+//! `aligner ppo` end to end: the default pipeline must raise the reward and the sentiment of
+//! the policy's samples with the KL bounded; the critic served from another process must
+//! overlap with the actor; losing the critic must stop the run cleanly and `--resume` must
+//! finish it.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aligner_tests::{aligner, metrics, repo, sample_sentiment};
+use serde_json::Value;
+
+fn sum(rows: &[Value], key: &str) -> f64 {
+    rows.iter().filter_map(|r| r[key].as_f64()).sum()
+}
+
+fn values(rows: &[Value], key: &str) -> Vec<f64> {
+    rows.iter().filter_map(|r| r[key].as_f64()).collect()
+}
+
+/// A small reward model (a few steps on the shipped pairs) for tests that only need one.
+fn quick_reward_model(dir: &Path) -> PathBuf {
+    let run = dir.join("rm");
+    let (ok, err) = aligner(&[
+        "rm",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.eval_every=0",
+    ]);
+    assert!(ok, "{err}");
+    run.join("final")
+}
+
+/// `aligner serve critic` as a child process; killed when dropped.
+struct CriticServer {
+    child: Child,
+    addr: String,
+}
+
+impl CriticServer {
+    fn start(model: &Path, port: u16) -> Self {
+        let mut child = Command::new(aligner_tests::aligner_exe())
+            .args(["serve", "critic", "--model"])
+            .arg(model)
+            .arg("--reward-model")
+            .arg(model)
+            .args(["--port", &port.to_string()])
+            .current_dir(repo())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected server output {line:?}"))
+            .to_string();
+        Self { child, addr }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn port(&self) -> u16 {
+        self.addr.rsplit(':').next().unwrap().parse().unwrap()
+    }
+}
+
+impl Drop for CriticServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn default_ppo_raises_reward_and_sentiment_with_bounded_kl() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("ppo");
+    // No reward model given: the run trains one first, as a user's first `aligner ppo` does.
+    let (ok, err) = aligner(&["ppo", "--out", run.to_str().unwrap(), "--set", "ppo.steps=12"]);
+    assert!(ok, "{err}");
+    assert!(run.join("reward_model/final/model.safetensors").exists());
+    for file in [
+        "final/model.safetensors",
+        "critic/model.safetensors",
+        "metrics.svg",
+        "timing.md",
+    ] {
+        assert!(run.join(file).exists(), "{file}");
+    }
+    let rows = metrics(&run);
+    let eval = values(&rows, "eval_reward");
+    assert!(eval.len() >= 2);
+    assert!(
+        *eval.last().unwrap() > eval[0] + 2.0,
+        "held-out reward-model reward {eval:?}"
+    );
+    let kl = values(&rows, "kl");
+    assert!(
+        kl.iter().all(|k| k.is_finite() && *k < 40.0),
+        "KL per response {kl:?}"
+    );
+    let base = sample_sentiment(&repo().join("assets/stories260K"), &dir.path().join("base.jsonl"));
+    let aligned = sample_sentiment(&run.join("final"), &dir.path().join("aligned.jsonl"));
+    assert!(
+        aligned > base + 2.5,
+        "mean lexicon score of own samples: base {base}, after PPO {aligned}"
+    );
+    let table = std::fs::read_to_string(run.join("timing.md")).unwrap();
+    for part in ["generation", "refit", "critic wait", "actor training", "total"] {
+        assert!(table.contains(part), "{table}");
+    }
+}
+
+#[test]
+fn a_critic_in_another_process_works_while_the_actor_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = quick_reward_model(dir.path());
+    let server = CriticServer::start(&rm, 0);
+    let run = dir.path().join("ppo");
+    let url = format!("ppo.critic_url={}", server.url());
+    let rm_key = format!("reward_model.path={}", rm.display());
+    let (ok, err) = aligner(&[
+        "ppo",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        &url,
+        "--set",
+        &rm_key,
+        "--set",
+        "ppo.steps=4",
+        "--set",
+        "ppo.eval_prompts=16",
+        "--set",
+        "ppo.save_every=0",
+    ]);
+    assert!(ok, "{err}");
+    let rows = metrics(&run);
+    let (wait, compute) = (sum(&rows, "time_critic_wait"), sum(&rows, "time_critic_compute"));
+    assert!(compute > 0.0);
+    assert!(
+        wait < 0.5 * compute,
+        "the actor waited {wait:.2} s for {compute:.2} s of critic work"
+    );
+    assert!(values(&rows, "value_loss").len() == 4);
+}
+
+#[test]
+fn losing_the_critic_stops_cleanly_and_resume_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = quick_reward_model(dir.path());
+    let server = CriticServer::start(&rm, 0);
+    let port = server.port();
+    let run = dir.path().join("ppo");
+    let sets = [
+        format!("ppo.critic_url={}", server.url()),
+        format!("reward_model.path={}", rm.display()),
+        "ppo.steps=8".into(),
+        "ppo.save_every=2".into(),
+        "ppo.eval_prompts=8".into(),
+        "ppo.critic_retry_seconds=3".into(),
+    ];
+    let mut command = Command::new(aligner_tests::aligner_exe());
+    command.args(["ppo", "--out"]).arg(&run).current_dir(repo());
+    for s in &sets {
+        command.args(["--set", s]);
+    }
+    let actor = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let checkpoint = run.join("checkpoints/step-2");
+    let started = Instant::now();
+    while !checkpoint.join("ppo_state.json").exists() {
+        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(server);
+    let out = actor.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("did not answer") && err.contains("--resume"),
+        "{err}"
+    );
+    for file in [
+        "ppo_state.json",
+        "actor/model.safetensors",
+        "actor_optimizer.bin",
+        "critic/model.safetensors",
+        "critic/optimizer.bin",
+    ] {
+        assert!(checkpoint.join(file).exists(), "{file}");
+    }
+    assert!(!run.join("final").exists());
+
+    let _restarted = CriticServer::start(&rm, port);
+    let (ok, err) = aligner(&["ppo", "--resume", run.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(run.join("final/model.safetensors").exists());
+    let steps: Vec<u64> = metrics(&run).iter().filter_map(|r| r["step"].as_u64()).collect();
+    assert_eq!(*steps.last().unwrap(), 8);
+    // Each step is logged once: the rows of steps after the checkpoint were dropped on resume.
+    let mut sorted = steps.clone();
+    sorted.dedup();
+    assert_eq!(sorted, steps);
+}
+
+#[test]
+fn lora_actor_group_baselines_and_entropy_bonus_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = quick_reward_model(dir.path());
+    let rm_key = format!("reward_model.path={}", rm.display());
+    let run = dir.path().join("rloo");
+    let (ok, err) = aligner(&[
+        "ppo",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        &rm_key,
+        "--set",
+        "model.lora_rank=8",
+        "--set",
+        "ppo.advantage=rloo",
+        "--set",
+        "ppo.samples_per_prompt=4",
+        "--set",
+        "ppo.rollout_prompts=8",
+        "--set",
+        "ppo.steps=2",
+        "--set",
+        "ppo.eval_prompts=8",
+        "--set",
+        "ppo.entropy_coef=0.01",
+    ]);
+    assert!(ok, "{err}");
+    assert!(run.join("final/adapter/adapter_model.safetensors").exists());
+    let rows = metrics(&run);
+    assert!(values(&rows, "value_loss").is_empty(), "RLOO trains no critic");
+    // The entropy of the policy's full next-token distributions (vocab 512: at most ln 512).
+    let entropy = values(&rows, "entropy");
+    assert!(
+        entropy.len() == 2 && entropy.iter().all(|&h| h > 0.0 && h < 512f64.ln()),
+        "{entropy:?}"
+    );
+    assert_eq!(values(&rows, "clip_fraction").len(), 2);
+
+    let (ok, err) = aligner(&[
+        "ppo",
+        "--out",
+        dir.path().join("bad").to_str().unwrap(),
+        "--set",
+        &rm_key,
+        "--set",
+        "ppo.advantage=grpo",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("ppo.samples_per_prompt"), "{err}");
+}
