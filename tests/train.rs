@@ -194,6 +194,40 @@ fn bad_configs_and_data_are_named_before_training() {
     assert!(!ok);
     assert!(err.contains("bad.jsonl:2"), "{err}");
     assert!(!out.join("metrics.jsonl").exists());
+    // A blank line still counts: a row that parses but cannot be used (its prompt fills
+    // data.max_seq_len) is named by its line in the file.
+    std::fs::write(
+        &bad,
+        "{\"prompt\": \"a\", \"response\": \"b\"}\n\n{\"prompt\": \"Once upon a time there was a little girl\", \"response\": \"b\"}\n",
+    )
+    .unwrap();
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        &format!("data.train={}", bad.display()),
+        "--set",
+        "data.max_seq_len=6",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("bad.jsonl:3"), "{err}");
+    // A variant's parameters are its own typed keys: a misspelt one is named, for a built-in
+    // loss and for one registered by a variant crate.
+    for (loss, key) in [("dpo", "gamma"), ("simpo", "gama")] {
+        let (ok, err) = aligner(&[
+            "dpo",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            &format!("dpo.loss={loss}"),
+            "--set",
+            &format!("dpo.params.{key}=1"),
+        ]);
+        assert!(!ok);
+        assert!(err.contains(&format!("dpo.params.{key}")), "{loss}: {err}");
+    }
+    assert!(!out.join("metrics.jsonl").exists());
 }
 
 #[test]

@@ -219,7 +219,7 @@ pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSumm
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");
     let labels = ["reward".to_string()];
     let store = head_store(&mut model, &config.model, &llama, &labels, &dir, device);
-    Ok(fit(
+    fit(
         model,
         &RewardObjective,
         (&train, &validation),
@@ -227,5 +227,5 @@ pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSumm
         &config.train,
         run,
         device,
-    )?)
+    )
 }

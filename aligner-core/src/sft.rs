@@ -243,7 +243,7 @@ pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");
-    Ok(fit(
+    fit(
         model,
         &SftObjective,
         (&train, &validation),
@@ -251,5 +251,5 @@ pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSum
         &config.train,
         run,
         device,
-    )?)
+    )
 }

@@ -187,7 +187,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let objective = KtoObjective {
         params: config.kto.clone(),
     };
-    Ok(fit(
+    fit(
         model,
         &objective,
         (&train, &validation),
@@ -195,7 +195,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
         &config.train,
         run,
         device,
-    )?)
+    )
 }
 
 /// The KTO trainer objective.
