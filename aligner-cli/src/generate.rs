@@ -78,7 +78,7 @@ struct SteeredPrompt {
 }
 
 pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
-    let dir = crate::model_dir(args.model.clone())?;
+    let dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
     let rows: Vec<SteeredPrompt> = match (&args.prompt, &args.prompts) {

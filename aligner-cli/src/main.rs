@@ -114,14 +114,6 @@ fn main() -> Result<()> {
     }
 }
 
-/// The model folder to use: the given one or the shipped default.
-fn model_dir(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
-    Ok(match given {
-        Some(dir) => dir,
-        None => aligner_core::default_model_dir()?,
-    })
-}
-
 /// Writes JSON lines to `out` (through a temporary file and a rename) or to stdout.
 fn write_jsonl(out: Option<&std::path::Path>, rows: &[serde_json::Value]) -> Result<()> {
     match out {

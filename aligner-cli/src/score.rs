@@ -25,7 +25,7 @@ pub struct ScoreArgs {
 }
 
 pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
-    let dir = crate::model_dir(args.model.clone())?;
+    let dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
     let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json"))?;
     let is_classifier = config
         .architectures

@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{load_causal_lm, save_causal_lm, write_atomic, write_safetensors};
+use crate::checkpoint::{load_causal_lm, save_causal_lm, write_json, write_safetensors};
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
 use crate::model::named_param;
@@ -109,8 +109,7 @@ fn write_adapter(
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
     write_safetensors(&dir.join("adapter_model.safetensors"), &tensors)?;
-    let config = serde_json::to_string_pretty(&config).expect("serialises");
-    write_atomic(&dir.join("adapter_config.json"), config.as_bytes())
+    write_json(&dir.join("adapter_config.json"), &config)
 }
 
 /// Reads `adapter_config.json` of an adapter folder.

@@ -342,6 +342,15 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(|e| CoreError::io(path, e))
 }
 
+/// Writes `value` as pretty-printed JSON to `path`, atomically ([`write_atomic`]).
+pub fn write_json<T: serde::Serialize + ?Sized>(path: &Path, value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|source| CoreError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    write_atomic(path, text.as_bytes())
+}
+
 /// Saves `model` as a HF folder: `config.json`, `model.safetensors`, and the tokenizer files
 /// of `tokenizer_from` when given.
 pub fn save_causal_lm(

@@ -84,6 +84,14 @@ pub fn default_model_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// `dir`, or the shipped default model's folder when none is given.
+pub fn model_dir_or_default(dir: Option<&Path>) -> Result<PathBuf> {
+    match dir {
+        Some(dir) => Ok(dir.to_path_buf()),
+        None => default_model_dir(),
+    }
+}
+
 /// The shipped sample data (`assets/tinystories_sentiment`) of the embedded defaults.
 pub fn default_data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment")

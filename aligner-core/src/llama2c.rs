@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use crate::checkpoint::{write_atomic, write_safetensors};
+use crate::checkpoint::{write_atomic, write_json, write_safetensors};
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
 
@@ -196,11 +196,6 @@ pub fn convert(model_bin: &Path, tokenizer_model: Option<&Path>, out: &Path) -> 
         write_tokenizer(tok, out)?;
     }
     Ok(h)
-}
-
-fn write_json(path: &Path, value: &Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(value).expect("JSON values serialise");
-    write_atomic(path, text.as_bytes())
 }
 
 /// A piece of a SentencePiece model: text, score and type (1 = normal, 2 = unknown,

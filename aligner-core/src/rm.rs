@@ -7,13 +7,12 @@ use burn::tensor::activation::log_sigmoid;
 use burn::tensor::{Device, Tensor};
 use serde::Deserialize;
 
-use crate::config::LlamaConfig;
 use crate::data::Prompt;
 use crate::error::Result;
 use crate::reward::RewardModel;
 use crate::run::{RunDir, data_files};
 use crate::score::pad_right;
-use crate::start::{head_store, model_dir};
+use crate::start::{LoadedRewardModel, head_store, model_dir};
 pub use crate::store::RewardModelStore;
 use crate::tokenizer::TextTokenizer;
 use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
@@ -205,20 +204,20 @@ impl Default for RmConfig {
 /// validated on `data.validation`, saved as `LlamaForSequenceClassification` into `run`.
 pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
-    let dir = model_dir(&config.model)?;
-    let llama = LlamaConfig::from_file(&dir.join("config.json"))?;
-    let tokenizer = TextTokenizer::from_dir(&dir)?;
-    let mut model = RewardModel::load(&dir, &llama, 1, device)?;
+    let files = data_files(&config.data)?;
+    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, &["reward".into()], device)?;
     let max_len = config.data.max_seq_len;
-    let train = load_pairs(&train_path, &tokenizer, max_len)?;
-    let validation = match &validation_path {
-        Some(p) => load_pairs(p, &tokenizer, max_len)?,
-        None => Vec::new(),
-    };
+    let (train, validation) = files.load(|path, _| load_pairs(path, &start.tokenizer, max_len))?;
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");
-    let labels = ["reward".to_string()];
-    let store = head_store(&mut model, &config.model, &llama, &labels, &dir, device);
+    let mut model = start.model;
+    let store = head_store(
+        &mut model,
+        &config.model,
+        &start.config,
+        &start.labels,
+        &start.dir,
+        device,
+    );
     fit(
         model,
         &RewardObjective,

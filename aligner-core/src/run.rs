@@ -81,6 +81,24 @@ impl RunDir {
         crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())
     }
 
+    /// The final model of the step `name` that this run makes first (PPO's reward model,
+    /// SteerLM bootstrap's earlier steps), a run of its own in `path/name`: trained now by
+    /// `train` unless a finished one is there (a resumed run), `last_written` being the file the
+    /// step writes last into its final model.
+    pub fn earlier_step<E>(
+        &self,
+        name: &str,
+        last_written: &str,
+        train: impl FnOnce(&RunDir) -> std::result::Result<(), E>,
+    ) -> std::result::Result<PathBuf, E> {
+        let step = self.child(name);
+        if !step.final_dir().join(last_written).exists() {
+            tracing::info!(run = %step.path().display(), "training the {name} step with its defaults first");
+            train(&step)?;
+        }
+        Ok(step.final_dir())
+    }
+
     pub fn checkpoints(&self) -> PathBuf {
         self.join("checkpoints")
     }
@@ -121,7 +139,12 @@ impl RunDir {
 
     /// Writes `checkpoints/step-N/`: `write` fills a temporary folder, which is then renamed,
     /// so a save killed half-way leaves only a `.tmp-` folder and the previous checkpoints.
-    pub fn save_checkpoint(&self, step: usize, write: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+    /// `write`'s error type is the caller's (a method crate's own errors pass through).
+    pub fn save_checkpoint<E: From<CoreError>>(
+        &self,
+        step: usize,
+        write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+    ) -> std::result::Result<PathBuf, E> {
         let dir = self.checkpoints();
         let final_dir = dir.join(format!("step-{step}"));
         let tmp = dir.join(format!(".tmp-step-{step}"));
@@ -132,15 +155,6 @@ impl RunDir {
         // The rename is the commit point.
         std::fs::rename(&tmp, &final_dir).map_err(|e| CoreError::io(&final_dir, e))?;
         Ok(final_dir)
-    }
-
-    /// Writes a JSON file of the run atomically.
-    pub fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<()> {
-        let json = serde_json::to_string_pretty(value).map_err(|e| CoreError::Json {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        crate::checkpoint::write_atomic(path, json.as_bytes())
     }
 }
 
@@ -155,13 +169,53 @@ pub fn progress_bar(len: u64, template: &str) -> indicatif::ProgressBar {
 
 /// The files of a run's `[data]`: the training file (required) and the validation file (an
 /// empty path, `--set data.validation=''`, turns validation off).
-pub fn data_files(data: &DataSection) -> Result<(PathBuf, Option<PathBuf>)> {
+pub fn data_files(data: &DataSection) -> Result<DataFiles> {
     let train = data
         .train
         .clone()
         .ok_or_else(|| CoreError::Invalid("data.train is not set".into()))?;
     let validation = data.validation.clone().filter(|p| !p.as_os_str().is_empty());
-    Ok((train, validation))
+    Ok(DataFiles { train, validation })
+}
+
+/// The training file and, unless validation is off, the validation file of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataFiles {
+    pub train: PathBuf,
+    pub validation: Option<PathBuf>,
+}
+
+/// Which of a run's data files is being read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Train,
+    Validation,
+}
+
+impl Split {
+    /// `train` or `validation`: how the run folder names what it caches per split
+    /// (`reference_train.jsonl`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Validation => "validation",
+        }
+    }
+}
+
+impl DataFiles {
+    /// Both splits read with `load`; without a validation file the validation split is empty.
+    pub fn load<T, E>(
+        &self,
+        mut load: impl FnMut(&Path, Split) -> std::result::Result<Vec<T>, E>,
+    ) -> std::result::Result<(Vec<T>, Vec<T>), E> {
+        let train = load(&self.train, Split::Train)?;
+        let validation = match &self.validation {
+            Some(path) => load(path, Split::Validation)?,
+            None => Vec::new(),
+        };
+        Ok((train, validation))
+    }
 }
 
 #[cfg(test)]
@@ -173,13 +227,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let run = RunDir::new(dir.path());
         for step in [2, 10] {
-            run.save_checkpoint(step, |tmp| {
+            run.save_checkpoint::<CoreError>(step, |tmp| {
                 crate::checkpoint::write_atomic(&tmp.join("state.json"), b"{}")
             })
             .unwrap();
         }
         // A save that failed half-way leaves no checkpoint behind.
-        let failed = run.save_checkpoint(20, |_| Err(CoreError::Invalid("disk full".into())));
+        let failed: Result<_> = run.save_checkpoint(20, |_| Err(CoreError::Invalid("disk full".into())));
         assert!(failed.is_err());
         // One without the marker file is not complete.
         std::fs::create_dir_all(run.checkpoints().join("step-30")).unwrap();
@@ -194,9 +248,18 @@ mod tests {
     #[test]
     fn an_empty_validation_path_turns_validation_off() {
         let mut data = DataSection::shipped("a.jsonl", "b.jsonl");
-        assert!(data_files(&data).unwrap().1.is_some());
+        let files = data_files(&data).unwrap();
+        let seen = |path: &Path, split: Split| Ok::<_, CoreError>(vec![(path.to_path_buf(), split)]);
+        let (train, validation) = files.load(seen).unwrap();
+        assert_eq!(train, vec![(files.train.clone(), Split::Train)]);
+        assert_eq!(
+            validation,
+            vec![(files.validation.clone().unwrap(), Split::Validation)]
+        );
         data.validation = Some(PathBuf::new());
-        assert_eq!(data_files(&data).unwrap().1, None);
+        let files = data_files(&data).unwrap();
+        assert_eq!(files.validation, None);
+        assert_eq!(files.load(seen).unwrap().1, vec![]);
         data.train = None;
         assert!(data_files(&data).unwrap_err().to_string().contains("data.train"));
     }

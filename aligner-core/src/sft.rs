@@ -227,19 +227,15 @@ impl Default for SftConfig {
 /// `data.validation`, into `run` (or continued there when it is resumed).
 pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
+    let files = data_files(&config.data)?;
     let lm = load_model(&config.model, device)?;
     let max_len = config.data.max_seq_len;
-    let mut train = load_sft_examples(&train_path, &lm.tokenizer, max_len)?;
+    let (mut train, validation) = files.load(|path, _| load_sft_examples(path, &lm.tokenizer, max_len))?;
     if config.sft.packing {
         let sequences = train.len();
         train = pack_examples(train, max_len);
         tracing::info!(sequences, rows = train.len(), "packed");
     }
-    let validation = match &validation_path {
-        Some(p) => load_sft_examples(p, &lm.tokenizer, max_len)?,
-        None => Vec::new(),
-    };
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");

@@ -17,10 +17,7 @@ use burn::tensor::Device;
 
 /// The model folder of `[model]`: `model.path`, or the shipped default.
 pub fn model_dir(section: &ModelSection) -> Result<PathBuf> {
-    match &section.path {
-        Some(dir) => Ok(dir.clone()),
-        None => crate::default_model_dir(),
-    }
+    crate::model_dir_or_default(section.path.as_deref())
 }
 
 /// The model a run starts from: `[model]`'s folder loaded (configuration, weights, tokenizer).
@@ -114,6 +111,17 @@ impl LoadedRewardModel {
         if labels.is_empty() {
             labels = vec!["reward".to_string()];
         }
+        Self::load(dir, config, labels, device)
+    }
+
+    /// The trunk of the model folder `dir` (a causal LM or a classifier) under a head of one
+    /// output per label: where training a reward or attribute model starts.
+    pub fn with_labels(dir: &Path, labels: &[String], device: &Device) -> Result<Self> {
+        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        Self::load(dir, config, labels.to_vec(), device)
+    }
+
+    fn load(dir: &Path, config: LlamaConfig, labels: Vec<String>, device: &Device) -> Result<Self> {
         let model = RewardModel::load(dir, &config, labels.len(), device)?;
         let tokenizer = TextTokenizer::from_dir(dir)?;
         Ok(Self {

@@ -1,10 +1,10 @@
 //! `aligner dpo` as a library call: the typed configuration, the variant registry, a run folder
 //! and a device in, the run's summary out.
 
-use aligner_core::Device;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{load_model, policy_store};
 use aligner_core::train::{RunSummary, fit};
+use aligner_core::{CoreError, Device};
 
 use crate::objective::{DpoConfig, DpoObjective, attach_reference, load_dpo_examples};
 use crate::{DpoError, LossRegistry};
@@ -21,26 +21,20 @@ pub fn train(
     device: &Device,
 ) -> Result<RunSummary, DpoError> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
+    let files = data_files(&config.data)?;
     let loss = config.dpo.build_loss(registry)?;
     let lm = load_model(&config.model, device)?;
     let max_len = config.data.max_seq_len;
-    let mut train = load_dpo_examples(&train_path, &lm.tokenizer, max_len)?;
-    let mut validation = match &validation_path {
-        Some(p) => load_dpo_examples(p, &lm.tokenizer, max_len)?,
-        None => Vec::new(),
-    };
-    if loss.uses_reference() {
-        // With LoRA the reference is the base, which is the start model: adapters start at zero.
-        let batch = config.train.batch_size.max(1) * 2;
-        attach_reference(&mut train, &lm.model, &run.join("reference_train.jsonl"), batch)?;
-        attach_reference(
-            &mut validation,
-            &lm.model,
-            &run.join("reference_validation.jsonl"),
-            batch,
-        )?;
-    }
+    let batch = config.train.batch_size.max(1) * 2;
+    let (train, validation) = files.load(|path, split| {
+        let mut examples = load_dpo_examples(path, &lm.tokenizer, max_len)?;
+        if loss.uses_reference() {
+            // With LoRA the reference is the base, which is the start model: adapters start at zero.
+            let cache = run.join(format!("reference_{}.jsonl", split.name()));
+            attach_reference(&mut examples, &lm.model, &cache, batch)?;
+        }
+        Ok::<_, CoreError>(examples)
+    })?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(

@@ -169,19 +169,15 @@ pub fn load_kto_examples(
 /// the run folder (`reference_train.jsonl`, `reference_validation.jsonl`).
 pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSummary, CoreError> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
+    let files = data_files(&config.data)?;
     let lm = load_model(&config.model, device)?;
     let batch = config.train.batch_size.max(1) * 2;
     let max_len = config.data.max_seq_len;
-    let load = |path: &Path, cache: &str| {
-        load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &run.join(cache), batch)
-    };
-    let train = load(&train_path, "reference_train.jsonl")?;
-    let validation = match &validation_path {
-        Some(p) => load(p, "reference_validation.jsonl")?,
-        None => Vec::new(),
-    };
-    let mut model = lm.model.clone();
+    let (train, validation) = files.load(|path, split| {
+        let cache = run.join(format!("reference_{}.jsonl", split.name()));
+        load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &cache, batch)
+    })?;
+    let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "KTO");
     let objective = KtoObjective {

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use aligner_core::checkpoint::write_json;
 use aligner_core::reward::RewardModel;
 use aligner_core::run::{RunDir, progress_bar};
 use aligner_core::train::grads::clip_grad_norm;
@@ -256,26 +257,18 @@ impl PpoRunner<'_> {
         optim: &ModuleOptimizer,
         critic: &dyn CriticClient,
     ) -> Result<()> {
-        let mut critic_result = Ok(());
-        let saved = self.run.save_checkpoint(step, |tmp| {
+        self.run.save_checkpoint(step, |tmp| {
             // The critic saves while the actor writes its own part.
             let critic_saved = critic.save(tmp.join("critic"));
             self.store.save(&actor.valid(), &tmp.join("actor"))?;
             save_optimizer(optim, &tmp.join("actor_optimizer.bin"))?;
-            critic_result = critic_saved.wait();
-            if critic_result.is_err() {
-                return Err(aligner_core::CoreError::Invalid(
-                    "the critic could not save".into(),
-                ));
-            }
+            critic_saved.wait()?;
             let state = PpoState {
                 step,
                 seed: self.config.ppo.seed,
             };
-            self.run.write_json(&tmp.join(PPO_STATE), &state)
-        });
-        critic_result?;
-        saved?;
+            Ok::<_, PpoError>(write_json(&tmp.join(PPO_STATE), &state)?)
+        })?;
         Ok(())
     }
 

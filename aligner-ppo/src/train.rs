@@ -40,12 +40,10 @@ pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Dev
     if let Some(path) = &section.path {
         return Ok(path.clone());
     }
-    let rm_run = run.child("reward_model");
-    if !rm_run.final_dir().join("config.json").exists() {
-        tracing::info!(run = %rm_run.path().display(), "no reward_model.path: training one on the shipped preference pairs");
-        aligner_core::rm::train(&RmConfig::default(), &rm_run, device)?;
-    }
-    Ok(rm_run.final_dir())
+    // No reward_model.path: one is trained on the shipped preference pairs.
+    Ok(run.earlier_step("reward_model", "config.json", |rm_run| {
+        aligner_core::rm::train(&RmConfig::default(), rm_run, device).map(drop)
+    })?)
 }
 
 /// A PPO run: the actor of `[model]` against the reward model, with the critic in this process
@@ -54,12 +52,8 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     run.start(config)?;
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let lm = load_model(&config.model, device)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
-    let train_prompts = load_prompts(&train_path, &lm.tokenizer)?;
-    let eval_prompts = match &validation_path {
-        Some(path) => load_prompts(path, &lm.tokenizer)?,
-        None => Vec::new(),
-    };
+    let (train_prompts, eval_prompts) =
+        data_files(&config.data)?.load(|path, _| load_prompts(path, &lm.tokenizer))?;
     let reward_folder = LoadedRewardModel::from_dir(&rm_dir, device)?;
     let store = reward_folder.store();
     let reward = single_output(reward_folder)?;
@@ -110,12 +104,8 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let reward = single_output(LoadedRewardModel::from_dir(&rm_dir, device)?)?;
     let lm = load_model(&config.model, device)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
-    let train_prompts = render_prompts(&train_path, &lm.tokenizer)?;
-    let eval_prompts = match &validation_path {
-        Some(path) => render_prompts(path, &lm.tokenizer)?,
-        None => Vec::new(),
-    };
+    let (train_prompts, eval_prompts) =
+        data_files(&config.data)?.load(|path, _| render_prompts(path, &lm.tokenizer))?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     let sampling = RejectionSampling {

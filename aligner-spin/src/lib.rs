@@ -8,10 +8,10 @@
 //! (`iter-K/`: generations, cached reference log-probs, metrics, `final/`), and `spin.jsonl`
 //! records the ground-truth-over-generation log-prob margin under each iteration's reference.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use aligner_core::data::{PromptResponseRow, append_jsonl, read_jsonl};
-use aligner_core::run::RunDir;
+use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{load_model, policy_store};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
@@ -170,12 +170,8 @@ impl Spin<'_> {
     /// Runs every iteration from `policy` (LoRA attached when configured); iterations whose
     /// `final/` exists are taken as done (a resumed run continues after them).
     pub fn run(&self, mut policy: CausalLm) -> Result<Vec<IterationReport>> {
-        let train_path = self.path(&self.config.data.train, "data.train")?;
-        let train_rows: Vec<PromptResponseRow> = read_jsonl(&train_path)?;
-        let validation_rows: Vec<PromptResponseRow> = match self.config.data.validation.as_ref() {
-            Some(p) if !p.as_os_str().is_empty() => read_jsonl(p)?,
-            _ => Vec::new(),
-        };
+        let (train_rows, validation_rows) =
+            data_files(&self.config.data)?.load(|path, _| read_jsonl::<PromptResponseRow>(path))?;
         let mut train_config = self.config.train.clone();
         train_config.epochs = self.config.spin.epochs.max(1);
         let mut reports = Vec::new();
@@ -271,11 +267,6 @@ impl Spin<'_> {
             loss: self.registry.build(&spin.loss, &LossSpec::with_beta(beta))?,
             sft_weight: spin.sft_weight,
         })
-    }
-
-    fn path(&self, p: &Option<PathBuf>, key: &str) -> Result<PathBuf> {
-        p.clone()
-            .ok_or_else(|| CoreError::Invalid(format!("{key} is not set")).into())
     }
 
     /// Ground truth as chosen, the answer of `reference` (the engine holding this iteration's

@@ -95,9 +95,10 @@ impl Conditioning {
     }
 
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let json = serde_json::to_string_pretty(self).expect("settings serialise");
-        aligner_core::checkpoint::write_atomic(&dir.join(SETTINGS_FILE), json.as_bytes())?;
-        Ok(())
+        Ok(aligner_core::checkpoint::write_json(
+            &dir.join(SETTINGS_FILE),
+            self,
+        )?)
     }
 
     /// The settings of a conditioned model folder.

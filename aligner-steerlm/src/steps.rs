@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 
 use aligner_core::data::{Prompt, PromptRow, read_jsonl, write_jsonl};
 use aligner_core::reward::RewardModel;
-use aligner_core::run::{RunDir, data_files, progress_bar};
+use aligner_core::run::{RunDir, Split, data_files, progress_bar};
 use aligner_core::sft::{SftExample, SftObjective};
 use aligner_core::start::{LoadedRewardModel, head_store, model_dir, policy_store};
 use aligner_core::train::{RunSummary, fit};
-use aligner_core::{CoreError, Device, LlamaConfig, LoadedModel, TextTokenizer};
+use aligner_core::{CoreError, Device, LoadedModel, TextTokenizer};
 use aligner_gen::{Engine, EngineOptions};
 use serde_json::json;
 
@@ -55,25 +55,31 @@ impl SteerConfig {
 /// `balance.attributes` oversampled), validated on `data.validation` as it is.
 pub fn train_attributes(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
-    let names = config.steerlm.attributes.clone();
-    let dir = model_dir(&config.model)?;
-    let llama = LlamaConfig::from_file(&dir.join("config.json"))?;
-    let tokenizer = TextTokenizer::from_dir(&dir)?;
-    let mut model = RewardModel::load(&dir, &llama, names.len(), device)?;
+    let files = data_files(&config.data)?;
+    let names = &config.steerlm.attributes;
+    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, names, device)?;
     let max_len = config.data.max_seq_len;
-    let examples = |path: &Path, balance: &BalanceSection| -> Result<_> {
-        let rows = balanced(&load_attribute_rows(path, &names)?, balance);
-        attribute_examples(&rows, &names, &tokenizer, max_len)
-    };
-    let train = examples(&train_path, &config.balance)?;
-    let validation = match &validation_path {
-        Some(p) => examples(p, &BalanceSection::default())?,
-        None => Vec::new(),
-    };
-    let store = head_store(&mut model, &config.model, &llama, &names, &dir, device);
+    let as_it_is = BalanceSection::default();
+    let (train, validation) = files.load(|path, split| {
+        // Oversampling reweights training only; validation keeps the data's own distribution.
+        let balance = match split {
+            Split::Train => &config.balance,
+            Split::Validation => &as_it_is,
+        };
+        let rows = balanced(&load_attribute_rows(path, names)?, balance);
+        attribute_examples(&rows, names, &start.tokenizer, max_len)
+    })?;
+    let mut model = start.model;
+    let store = head_store(
+        &mut model,
+        &config.model,
+        &start.config,
+        names,
+        &start.dir,
+        device,
+    );
     tracing::info!(train = train.len(), validation = validation.len(), attributes = ?names, "SteerLM attribute model");
-    let objective = AttributeObjective { names };
+    let objective = AttributeObjective { names: names.clone() };
     Ok(fit(
         model,
         &objective,
@@ -162,12 +168,12 @@ pub fn write_attribute_rows(path: &Path, rows: &[AttributeRow]) -> Result<()> {
 /// the conditioning (`steerlm.json`) is saved with the final model.
 pub fn train_conditioned(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
-    let rows = load_attribute_rows(&train_path, &config.steerlm.attributes)?;
+    let files = data_files(&config.data)?;
+    let rows = load_attribute_rows(&files.train, &config.steerlm.attributes)?;
     let policy = model_dir(&config.model)?;
     let data = ConditionedData {
         train: rows,
-        validation: validation_path,
+        validation: files.validation,
     };
     conditioned_sft(config, run, &policy, &config.steerlm, data, device)
 }
@@ -227,18 +233,13 @@ fn conditioned_sft(
 /// `<run>/bootstrap.jsonl`; a resumed run trains on those, not on new ones.
 pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
-    let (train_path, validation_path) = data_files(&config.data)?;
+    let files = data_files(&config.data)?;
     let section = &config.bootstrap;
     let policy = match &config.model.path {
         Some(path) => path.clone(),
-        None => earlier_step(
-            run,
-            "sft",
-            SETTINGS_FILE,
-            train_conditioned,
-            SteerConfig::sft_defaults(),
-            device,
-        )?,
+        None => run.earlier_step("sft", SETTINGS_FILE, |step| {
+            train_conditioned(&SteerConfig::sft_defaults(), step, device).map(drop)
+        })?,
     };
     let conditioning = Conditioning::load(&policy)?;
     let samples_path = run.join("bootstrap.jsonl");
@@ -247,14 +248,9 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
     } else {
         let attribute_dir = match &section.attribute_model {
             Some(path) => path.clone(),
-            None => earlier_step(
-                run,
-                "attributes",
-                "config.json",
-                train_attributes,
-                SteerConfig::attributes_defaults(),
-                device,
-            )?,
+            None => run.earlier_step("attributes", "config.json", |step| {
+                train_attributes(&SteerConfig::attributes_defaults(), step, device).map(drop)
+            })?,
         };
         // Checked before sampling: a labeller that cannot label would waste the samples.
         let labeller = AttributeModel::load(&attribute_dir, device)?;
@@ -300,7 +296,7 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
         tracing::info!(attribute = %name, values_0_to_4 = ?counts, "bootstrap samples as labelled");
     }
     let mut rows = match section.keep_data {
-        true => load_attribute_rows(&train_path, &conditioning.attributes)?,
+        true => load_attribute_rows(&files.train, &conditioning.attributes)?,
         false => Vec::new(),
     };
     rows.extend(samples.into_iter().map(|mut row| {
@@ -311,27 +307,7 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
     }));
     let data = ConditionedData {
         train: rows,
-        validation: validation_path,
+        validation: files.validation,
     };
     conditioned_sft(config, run, &policy, &conditioning, data, device)
-}
-
-/// The final model of an earlier step run with `defaults` into `<run>/<step>`, trained now
-/// unless a finished one is there (a resumed run): one with `last_written`, the file the step
-/// writes last into its final model.
-fn earlier_step(
-    run: &RunDir,
-    step: &str,
-    last_written: &str,
-    train: fn(&SteerConfig, &RunDir, &Device) -> Result<RunSummary>,
-    defaults: SteerConfig,
-    device: &Device,
-) -> Result<PathBuf> {
-    let step_run = run.child(step);
-    let final_dir = step_run.final_dir();
-    if !final_dir.join(last_written).exists() {
-        tracing::info!(run = %step_run.path().display(), "training the {step} step with its defaults first");
-        train(&defaults, &step_run, device)?;
-    }
-    Ok(final_dir)
 }

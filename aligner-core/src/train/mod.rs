@@ -183,16 +183,11 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             .collect())
     }
 
-    /// The newest complete checkpoint under `out_dir/checkpoints`.
-    pub fn latest_checkpoint(out_dir: &Path) -> Option<(usize, PathBuf)> {
-        RunDir::new(out_dir).latest_checkpoint(TRAINER_STATE)
-    }
-
     fn save_checkpoint(&self, model: &M, optim: &ModuleOptimizer, state: &TrainerState) -> Result<()> {
         self.run.save_checkpoint(state.step, |tmp| {
             self.store.save(&model.valid(), tmp)?;
             save_optimizer(optim, &tmp.join("optimizer.bin"))?;
-            self.run.write_json(&tmp.join(TRAINER_STATE), state)
+            crate::checkpoint::write_json(&tmp.join(TRAINER_STATE), state)
         })?;
         Ok(())
     }
@@ -214,8 +209,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             }
             None => (model.fork(&train_device).train(), 0),
         };
-        let out_dir = self.run.path();
-        let log = MetricsLog::open(out_dir, self.run.is_resumed().then_some(start))?;
+        let log = MetricsLog::open(self.run.path(), self.run.is_resumed().then_some(start))?;
         let initial_eval = if start == 0 && !self.validation.is_empty() {
             let eval = self.evaluate(&model)?;
             let mut row = Map::new();
