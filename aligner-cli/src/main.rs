@@ -88,13 +88,30 @@ fn device(name: &str) -> Result<Device> {
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> Result<()> {
+    // Under `mpirun` / `srun` (builds with the `mpi` feature) this process is one rank of a
+    // data-parallel group; otherwise the group is this process alone.
+    let launch = aligner_parallel::launch()?;
+    let world = aligner_parallel::world();
+    // Rank 0 reports; the other ranks only warn (RUST_LOG still decides when set).
+    let default_level = if world.is_root() { "info" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let outcome = run(cli);
+    if world.world_size() > 1
+        && let Err(e) = &outcome
+    {
+        eprintln!("Error (rank {} of {}): {e:?}", world.rank(), world.world_size());
+        launch.abort(1);
+    }
+    outcome
+}
+
+fn run(cli: Cli) -> Result<()> {
     let device = device(&cli.device)?;
     match cli.command {
         Command::Sft(args) => train::sft(args, &device),

@@ -343,6 +343,15 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
 }
 
 /// Writes `value` as pretty-printed JSON to `path`, atomically ([`write_atomic`]).
+/// Reads the JSON file `path` (errors name it).
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|source| CoreError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 pub fn write_json<T: serde::Serialize + ?Sized>(path: &Path, value: &T) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|source| CoreError::Json {
         path: path.to_path_buf(),

@@ -41,6 +41,8 @@ pub enum CoreError {
     Llama2c { path: PathBuf, message: String },
     #[error(transparent)]
     Data(#[from] DataError),
+    #[error(transparent)]
+    Comm(#[from] aligner_parallel::CommError),
     #[error("{0}")]
     Invalid(String),
 }

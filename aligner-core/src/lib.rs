@@ -19,6 +19,7 @@ pub mod data;
 pub mod error;
 pub mod llama2c;
 pub mod model;
+pub mod parallel;
 pub mod reward;
 pub mod rm;
 pub mod run;
@@ -31,6 +32,7 @@ pub mod train;
 
 use std::path::{Path, PathBuf};
 
+pub use aligner_parallel::Communicator;
 pub use burn::tensor::Device;
 pub use config::LlamaConfig;
 pub use error::{CoreError, Result};

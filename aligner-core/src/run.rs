@@ -13,28 +13,76 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use aligner_parallel::Communicator;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::error::{CoreError, Result};
 use crate::train::config::{DataSection, to_toml};
 
-/// Where a run writes, and whether it continues an earlier one.
-#[derive(Debug, Clone, PartialEq)]
+/// Where a run writes, whether it continues an earlier one, and the process group it runs in.
+///
+/// With several data-parallel ranks, only rank 0 writes the folder (configuration, metrics,
+/// checkpoints, `final/`); the folder must be one every rank reads (a shared filesystem when
+/// ranks span nodes), since every rank resumes from the checkpoint rank 0 chose.
+#[derive(Clone)]
 pub struct RunDir {
     path: PathBuf,
     resume: bool,
     stop_after: Option<usize>,
+    comm: Arc<dyn Communicator>,
+}
+
+impl std::fmt::Debug for RunDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunDir")
+            .field("path", &self.path)
+            .field("resume", &self.resume)
+            .field("stop_after", &self.stop_after)
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .finish()
+    }
+}
+
+impl PartialEq for RunDir {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.path, self.resume, self.stop_after) == (&other.path, other.resume, other.stop_after)
+    }
 }
 
 impl RunDir {
-    /// A new run into `path`.
+    /// A new run into `path`, in the process group [`aligner_parallel::world`].
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
             resume: false,
             stop_after: None,
+            comm: aligner_parallel::world(),
         }
+    }
+
+    /// The same run in another process group.
+    pub fn with_comm(mut self, comm: Arc<dyn Communicator>) -> Self {
+        self.comm = comm;
+        self
+    }
+
+    /// The process group the run trains in.
+    pub fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
+    /// Whether this process writes the run folder (rank 0).
+    pub fn is_writer(&self) -> bool {
+        self.comm.is_root()
+    }
+
+    /// Rank 0's `value` on every rank (a decision every rank must share).
+    pub fn agree<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<T> {
+        crate::parallel::broadcast_from_root(self.comm(), value)
     }
 
     /// The run in `path`, continued from its newest checkpoint.
@@ -72,27 +120,45 @@ impl RunDir {
     /// The run of a step another run makes first (PPO's reward model, SteerLM bootstrap's
     /// earlier steps) in `path/name`: a new run, stopped nowhere.
     pub fn child(&self, name: &str) -> Self {
-        Self::new(self.join(name))
+        Self::new(self.join(name)).with_comm(self.comm.clone())
     }
 
-    /// Creates the folder and writes the resolved configuration as `config.toml`.
+    /// Creates the folder and writes the resolved configuration as `config.toml` (rank 0).
     pub fn start<T: Serialize>(&self, config: &T) -> Result<()> {
+        if !self.is_writer() {
+            return Ok(());
+        }
         std::fs::create_dir_all(&self.path).map_err(|e| CoreError::io(&self.path, e))?;
         crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())
+    }
+
+    /// Writes `name` in the run folder with `write` on rank 0 only; every rank returns once
+    /// it is written.
+    pub fn write_shared<E: From<CoreError>>(
+        &self,
+        write: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let outcome = if self.is_writer() { write() } else { Ok(()) };
+        // Every rank waits, so a file rank 0 wrote is there for the others to read.
+        self.comm.barrier().map_err(CoreError::from)?;
+        outcome
     }
 
     /// The final model of the step `name` that this run makes first (PPO's reward model,
     /// SteerLM bootstrap's earlier steps), a run of its own in `path/name`: trained now by
     /// `train` unless a finished one is there (a resumed run), `last_written` being the file the
     /// step writes last into its final model.
-    pub fn earlier_step<E>(
+    pub fn earlier_step<E: From<CoreError>>(
         &self,
         name: &str,
         last_written: &str,
         train: impl FnOnce(&RunDir) -> std::result::Result<(), E>,
     ) -> std::result::Result<PathBuf, E> {
         let step = self.child(name);
-        if !step.final_dir().join(last_written).exists() {
+        let done = self
+            .agree(&step.final_dir().join(last_written).exists())
+            .map_err(E::from)?;
+        if !done {
             tracing::info!(run = %step.path().display(), "training the {name} step with its defaults first");
             train(&step)?;
         }
@@ -124,11 +190,13 @@ impl RunDir {
 
     /// Where a run starts: `None` for a new run, the newest checkpoint for a resumed one (an
     /// error when it has none).
+    /// Rank 0 chooses, so every rank resumes from the same checkpoint.
     pub fn resume_point(&self, marker: &str) -> Result<Option<(usize, PathBuf)>> {
         if !self.resume {
             return Ok(None);
         }
-        match self.latest_checkpoint(marker) {
+        let step = self.agree(&self.latest_checkpoint(marker).map(|(step, _)| step))?;
+        match step.map(|s| (s, self.checkpoints().join(format!("step-{s}")))) {
             Some(point) => Ok(Some(point)),
             None => Err(CoreError::Invalid(format!(
                 "--resume: no checkpoint in {}",
@@ -139,7 +207,8 @@ impl RunDir {
 
     /// Writes `checkpoints/step-N/`: `write` fills a temporary folder, which is then renamed,
     /// so a save killed half-way leaves only a `.tmp-` folder and the previous checkpoints.
-    /// `write`'s error type is the caller's (a method crate's own errors pass through).
+    /// `write`'s error type is the caller's (a method crate's own errors pass through). Only
+    /// rank 0 writes; the other ranks return the folder's path at once.
     pub fn save_checkpoint<E: From<CoreError>>(
         &self,
         step: usize,
@@ -147,6 +216,9 @@ impl RunDir {
     ) -> std::result::Result<PathBuf, E> {
         let dir = self.checkpoints();
         let final_dir = dir.join(format!("step-{step}"));
+        if !self.is_writer() {
+            return Ok(final_dir);
+        }
         let tmp = dir.join(format!(".tmp-step-{step}"));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| CoreError::io(&tmp, e))?;
@@ -158,8 +230,12 @@ impl RunDir {
     }
 }
 
-/// A progress bar on stderr drawn with `template` (indicatif's syntax).
+/// A progress bar on stderr drawn with `template` (indicatif's syntax); hidden on every rank
+/// but rank 0 of a data-parallel run.
 pub fn progress_bar(len: u64, template: &str) -> indicatif::ProgressBar {
+    if !aligner_parallel::world().is_root() {
+        return indicatif::ProgressBar::hidden();
+    }
     let bar = indicatif::ProgressBar::new(len);
     if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
         bar.set_style(style);

@@ -116,23 +116,34 @@ pub fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<
 /// Summed response log-probs of `seqs` under the frozen `reference`, one per line of `cache`:
 /// read back when the file has one value per sequence (a resumed run), else computed
 /// `batch_size` at a time and written there. The reference side of DPO, KTO and SPIN.
+///
+/// Data parallel: rank 0 reads the cache; otherwise each rank scores its shard of `seqs`, the
+/// shards are gathered on every rank and rank 0 writes the one cache.
 pub fn cached_reference_logprobs(
     seqs: &[ScoredSequence],
     reference: &CausalLm,
     cache: &std::path::Path,
     batch_size: usize,
+    comm: &dyn aligner_parallel::Communicator,
 ) -> Result<Vec<f32>> {
-    if let Ok(text) = std::fs::read_to_string(cache) {
+    let cached = std::fs::read_to_string(cache).ok().and_then(|text| {
         let values: Vec<f32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
-        if values.len() == seqs.len() {
-            return Ok(values);
-        }
+        (values.len() == seqs.len()).then_some(values)
+    });
+    if let Some(values) = crate::parallel::broadcast_from_root(comm, &cached)? {
+        return Ok(values);
     }
-    let values: Vec<f32> = response_logprobs(reference, seqs, batch_size)?
-        .iter()
-        .map(|lp| lp.total() as f32)
-        .collect();
-    let text: String = values.iter().map(|v| format!("{v}\n")).collect();
-    crate::checkpoint::write_atomic(cache, text.as_bytes())?;
+    let values: Vec<f32> = crate::parallel::map_sharded(comm, seqs, |mine| {
+        Ok::<_, CoreError>(
+            response_logprobs(reference, mine, batch_size)?
+                .iter()
+                .map(|lp| lp.total() as f32)
+                .collect(),
+        )
+    })?;
+    if comm.is_root() {
+        let text: String = values.iter().map(|v| format!("{v}\n")).collect();
+        crate::checkpoint::write_atomic(cache, text.as_bytes())?;
+    }
     Ok(values)
 }

@@ -170,9 +170,14 @@ impl Objective<CausalLm> for SftObjective {
         let tokens = batch.iter().map(|e| e.ids.len()).sum();
         Ok(StepOutput {
             loss,
-            metrics: vec![("response_tokens".into(), n as f64)],
+            metrics: Vec::new(),
             tokens,
         })
+    }
+
+    /// The loss is a mean over trained tokens.
+    fn loss_weight(&self, batch: &[&SftExample]) -> f64 {
+        batch.iter().map(|e| e.n_trained()).sum::<usize>() as f64
     }
 
     fn evaluate(&self, model: &CausalLm, batch: &[&SftExample]) -> Result<Vec<EvalSum>> {

@@ -136,18 +136,20 @@ pub fn dpo_example(row: &DpoRow, tokenizer: &TextTokenizer, max_len: usize) -> R
 }
 
 /// Fills in reference log-probs: read from `cache` when it matches, else computed with
-/// `reference` (batched) and written there, so a resumed run reuses them.
+/// `reference` (batched; each data-parallel rank scores its shard) and written there, so a
+/// resumed run reuses them.
 pub fn attach_reference(
     examples: &mut [DpoExample],
     reference: &CausalLm,
     cache: &Path,
     batch_size: usize,
+    comm: &dyn aligner_core::Communicator,
 ) -> Result<(), CoreError> {
     let seqs: Vec<ScoredSequence> = examples
         .iter()
         .flat_map(|e| [e.chosen.clone(), e.rejected.clone()])
         .collect();
-    let values = cached_reference_logprobs(&seqs, reference, cache, batch_size)?;
+    let values = cached_reference_logprobs(&seqs, reference, cache, batch_size, comm)?;
     for (e, pair) in examples.iter_mut().zip(values.chunks(2)) {
         e.reference = Some((pair[0], pair[1]));
     }

@@ -31,7 +31,7 @@ pub fn train(
         if loss.uses_reference() {
             // With LoRA the reference is the base, which is the start model: adapters start at zero.
             let cache = run.join(format!("reference_{}.jsonl", split.name()));
-            attach_reference(&mut examples, &lm.model, &cache, batch)?;
+            attach_reference(&mut examples, &lm.model, &cache, batch, run.comm())?;
         }
         Ok::<_, CoreError>(examples)
     })?;

@@ -65,7 +65,7 @@ pub struct Guidance {
 }
 
 /// What one request produced.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
     pub token_ids: Vec<u32>,
     /// Log-prob of each generated token under the model (before temperature and filtering).

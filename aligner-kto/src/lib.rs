@@ -125,6 +125,7 @@ pub fn load_kto_examples(
     reference: &CausalLm,
     cache: &Path,
     batch_size: usize,
+    comm: &dyn aligner_core::Communicator,
 ) -> Result<Vec<KtoExample>, CoreError> {
     let rows = aligner_core::data::read_jsonl_numbered::<KtoRow>(path)?;
     let at_line = |line: usize, e: CoreError| {
@@ -151,7 +152,7 @@ pub fn load_kto_examples(
         seqs.push(encode(&prompts[i], &rows[i].1.completion).map_err(|e| at_line(line, e))?);
         seqs.push(encode(&prompts[i], &rows[(i + 1) % n].1.completion).map_err(|e| at_line(line, e))?);
     }
-    let reference_values = cached_reference_logprobs(&seqs, reference, cache, batch_size)?;
+    let reference_values = cached_reference_logprobs(&seqs, reference, cache, batch_size, comm)?;
     Ok(rows
         .iter()
         .enumerate()
@@ -175,7 +176,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let max_len = config.data.max_seq_len;
     let (train, validation) = files.load(|path, split| {
         let cache = run.join(format!("reference_{}.jsonl", split.name()));
-        load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &cache, batch)
+        load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &cache, batch, run.comm())
     })?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);

@@ -1,8 +1,9 @@
 //! # aligner-parallel
 //!
 //! The lowest layer of aligner. It knows nothing of models: it holds the numerical ops whose
-//! memory or speed decide what fits on a device, and (later) the device mesh and the gradient
-//! communicator that data-parallel training synchronises through.
+//! memory or speed decide what fits on a device, and the [`comm`] process group that
+//! data-parallel training synchronises through ([`Communicator`]: [`Single`] by default, MPI
+//! with the `mpi` feature; [`launch`] starts it, [`world`] reads it).
 //!
 //! Its first occupant is [`token_logprobs`]: the log-probability of each target token under a
 //! softmax over the vocabulary, computed a chunk of positions at a time so that the full
@@ -22,8 +23,13 @@
 //! [`fused::panels::ColumnPanels`], the layout of the output projection; `tests/infer.rs`
 //! checks each against the composed ops, and `examples/` time the two layouts.
 
+pub mod comm;
 pub mod fused;
 mod logprob;
 
+pub use comm::{
+    CommError, Communicator, Launch, ReduceOp, Single, Traffic, WorkQueue, launch, launched_by_mpi,
+    shard_range, world,
+};
 pub use fused::{fused_attention, fused_available, fused_rms_norm, fused_swiglu, fused_token_logprobs};
 pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};

@@ -7,8 +7,6 @@
 //! ([`crate::critic::rewards_of`] on the same [`crate::rollout::Layout`]); its update is plain
 //! SFT from aligner-core.
 
-use std::path::Path;
-
 use aligner_core::data::{Prompt, append_jsonl};
 use aligner_core::reward::RewardModel;
 use aligner_core::run::RunDir;
@@ -21,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RewardModelSection;
 use crate::critic::rewards_in_batches;
-use crate::error::Result;
+use crate::error::{PpoError, Result};
 use crate::rollout::Sequence;
 
 /// `[rs]`.
@@ -111,7 +109,8 @@ pub struct RejectionSampling<'a> {
     /// Rendered prompt texts.
     pub train_prompts: &'a [String],
     pub eval_prompts: &'a [String],
-    pub out_dir: &'a Path,
+    /// The run's folder (each round's SFT is a run of its own inside it).
+    pub run: &'a RunDir,
     pub device: Device,
 }
 
@@ -143,8 +142,11 @@ impl RejectionSampling<'_> {
                 }
             }
             let kept = rows.len();
-            let dir = self.out_dir.join(format!("round-{round}"));
-            std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+            let round_run = self.run.child(&format!("round-{round}"));
+            let dir = round_run.path();
+            if self.run.is_writer() {
+                std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+            }
             if kept > 0 {
                 let train: Vec<SftExample> = rows
                     .iter()
@@ -156,7 +158,7 @@ impl RejectionSampling<'_> {
                     store: self.store,
                     train: &train,
                     validation: &[],
-                    run: &RunDir::new(&dir),
+                    run: &round_run,
                     device: self.device.clone(),
                 };
                 policy = trainer.run(policy)?.0.valid();
@@ -173,11 +175,14 @@ impl RejectionSampling<'_> {
                 refit_seconds: refit + refit_after,
             };
             tracing::info!(?report, "rejection-sampling round");
-            append_jsonl(&self.out_dir.join("rs.jsonl"), &report)?;
+            if self.run.is_writer() {
+                append_jsonl(&self.run.join("rs.jsonl"), &report)?;
+            }
             reports.push(report);
             before = after;
         }
-        self.store.save(&policy, &self.out_dir.join("final"))?;
+        self.run
+            .write_shared(|| self.store.save(&policy, &self.run.final_dir()))?;
         Ok(reports)
     }
 
@@ -210,18 +215,29 @@ impl RejectionSampling<'_> {
             })
             .collect::<Result<Vec<_>>>()?;
         let (engine, refit) = Engine::refit_or_build(engine, policy, self.llama, Some(self.tokenizer))?;
-        let outputs = engine.generate(&requests)?;
-        let sequences = Sequence::from_generations(&requests, &outputs);
-        let rewards = rewards_in_batches(self.reward, &sequences, 32, &self.device)?;
-        let texts = requests
-            .iter()
-            .zip(&outputs)
-            .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / rewards.len().max(1) as f64;
+        // Data parallel: the ranks' engines take the requests a batch at a time (a rank whose
+        // samples come out shorter takes more), each scoring its own.
+        let chunk = engine.slots().max(1);
+        let (samples, work) =
+            aligner_core::parallel::map_balanced(self.run.comm(), requests.len(), chunk, |range| {
+                let requests = &requests[range];
+                let outputs = engine.generate(requests)?;
+                let sequences = Sequence::from_generations(requests, &outputs);
+                let rewards = rewards_in_batches(self.reward, &sequences, 32, &self.device)?;
+                let texts = requests
+                    .iter()
+                    .zip(&outputs)
+                    .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok::<_, PpoError>(texts.into_iter().zip(rewards).collect::<Vec<_>>())
+            })?;
+        if work.len() > 1 {
+            tracing::info!(?work, "samples per rank");
+        }
+        let mean = samples.iter().map(|s| s.1 as f64).sum::<f64>() / samples.len().max(1) as f64;
         Ok(Sampled {
             mean,
-            samples: texts.into_iter().zip(rewards).collect(),
+            samples,
             refit_seconds: refit.map_or(0.0, |d| d.as_secs_f64()),
         })
     }

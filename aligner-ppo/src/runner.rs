@@ -1,23 +1,26 @@
 //! The actor's loop: rollout → log-probs and critic values → rewards with the KL penalty →
 //! advantages → clipped policy updates, with the critic working alongside.
 
+use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use aligner_core::checkpoint::write_json;
+use aligner_core::parallel::{map_balanced, map_sharded};
 use aligner_core::reward::RewardModel;
 use aligner_core::run::{RunDir, progress_bar};
-use aligner_core::train::grads::clip_grad_norm;
+use aligner_core::train::grads::{all_reduce_gradients, clip_grad_norm};
 use aligner_core::train::{
     EpochOrder, MetricsLog, ModelStore, adamw, load_optimizer, mini_batches, plot_metrics, save_optimizer,
 };
-use aligner_core::{CausalLm, LlamaConfig, TextTokenizer};
+use aligner_core::{CausalLm, CoreError, LlamaConfig, TextTokenizer};
 use aligner_gen::{
     Engine, EngineOptions, Generation, GenerationRequest, SamplingParams, StopReason, WorkerPool,
 };
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -28,7 +31,7 @@ use crate::error::{PpoError, Result};
 use crate::losses::{clipped_policy_loss, entropy, masked_token_mean};
 use crate::rollout::{Layout, Sequence};
 pub use crate::timing::StepTimes;
-use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
+use aligner_parallel::{DEFAULT_CHUNK_TOKENS, ReduceOp, shard_range, token_logprobs_from_hidden};
 
 /// The file a PPO checkpoint writes last (its presence marks the checkpoint complete).
 pub const PPO_STATE: &str = "ppo_state.json";
@@ -90,7 +93,12 @@ impl PpoRunner<'_> {
 
     /// Trains `actor` (LoRA already attached when configured), or, when the run is resumed,
     /// continues from its newest checkpoint.
-    pub fn run(&self, actor: CausalLm, critic: &dyn CriticClient) -> Result<PpoSummary> {
+    ///
+    /// Data parallel: every rank's engine takes rollout requests a batch at a time from one
+    /// queue (a rank whose responses come out short takes more), the rollout is gathered on
+    /// every rank, and each actor mini-batch is split over the ranks with its gradients summed.
+    /// `critic` is rank 0's alone (`None` on the others): rank 0 asks it and shares the replies.
+    pub fn run(&self, actor: CausalLm, critic: Option<&dyn CriticClient>) -> Result<PpoSummary> {
         let cfg = &self.config.ppo;
         if cfg.advantage != Advantage::Gae && cfg.samples_per_prompt < 2 {
             return Err(PpoError::Invalid(format!(
@@ -112,7 +120,9 @@ impl PpoRunner<'_> {
         if let Some((step, dir)) = self.run.resume_point(PPO_STATE)? {
             actor = self.store.load(&dir.join("actor"), &train_device)?.train();
             optim = load_optimizer(optim, &dir.join("actor_optimizer.bin"))?;
-            critic.load(dir.join("critic")).wait()?;
+            if let Some(critic) = critic {
+                critic.load(dir.join("critic")).wait()?;
+            }
             tracing::info!(step, dir = %dir.display(), "resuming");
             start = step;
         }
@@ -127,7 +137,7 @@ impl PpoRunner<'_> {
             },
         );
         let mut pool = WorkerPool::new(engine, cfg.workers);
-        let log = MetricsLog::open(self.run.path(), self.run.is_resumed().then_some(start))?;
+        let log = MetricsLog::for_run(self.run, self.run.is_resumed().then_some(start))?;
         let mut initial_eval = None;
         if start == 0 && !self.eval_prompts.is_empty() {
             let reward = self.evaluate(&mut pool, &actor, critic)?;
@@ -156,22 +166,24 @@ impl PpoRunner<'_> {
             let t = Instant::now();
             let prompts = self.step_prompts(step);
             let requests = self.requests(&prompts, step, false);
-            let (generations, _) = pool.generate(&requests, &|_| {})?;
+            let (generations, per_rank) = self.generate(&mut pool, &requests)?;
             times.generation = t.elapsed().as_secs_f64();
+            times.generation_per_rank = per_rank;
             let sequences = Sequence::from_generations(&requests, &generations);
 
             // The critic scores while the actor computes the reference log-probs.
-            let pending = critic.infer(sequences.clone());
+            let pending = critic.map(|c| c.infer(sequences.clone()));
             let t = Instant::now();
             let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
             times.logprobs = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let critic_out = pending.wait()?;
+            let critic_out: InferReply = self.from_root(pending.map(|p| p.wait()).transpose()?)?;
             times.critic_wait = t.elapsed().as_secs_f64();
             times.critic_compute = critic_out.seconds;
 
             let (scored, metrics) = self.score(sequences, &generations, &ref_logprobs, critic_out)?;
-            let value_ticket = (cfg.advantage == Advantage::Gae && !scored.sequences.is_empty()).then(|| {
+            let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
+            let value_ticket = critic.filter(|_| train_values).map(|critic| {
                 critic.train(TrainRequest {
                     sequences: scored.sequences.clone(),
                     old_values: scored.old_values.clone(),
@@ -189,12 +201,13 @@ impl PpoRunner<'_> {
             let stats = self.update_actor(&mut actor, &mut optim, &scored)?;
             times.train = t.elapsed().as_secs_f64();
             let mut value_loss = None;
-            if let Some(ticket) = value_ticket {
+            if train_values {
                 let t = Instant::now();
-                let reply = ticket.wait()?;
+                let reply = value_ticket.map(|t| t.wait()).transpose()?;
+                let (loss, seconds): (f64, f64) = self.from_root(reply.map(|r| (r.value_loss, r.seconds)))?;
                 times.critic_wait += t.elapsed().as_secs_f64();
-                times.critic_compute += reply.seconds;
-                value_loss = Some(reply.value_loss);
+                times.critic_compute += seconds;
+                value_loss = Some(loss);
             }
             times.total = began.elapsed().as_secs_f64();
             totals.add(&times);
@@ -238,14 +251,18 @@ impl PpoRunner<'_> {
             }
         }
         bar.finish_and_clear();
-        self.store.save(&actor.valid(), &self.run.final_dir())?;
-        critic.save(self.run.join("critic")).wait()?;
-        let rows = log.rows()?;
-        plot_metrics(
-            &rows,
-            &["reward", "eval_reward", "kl", "value_loss"],
-            &self.run.join("metrics.svg"),
-        )?;
+        self.run.write_shared(|| {
+            self.store.save(&actor.valid(), &self.run.final_dir())?;
+            if let Some(critic) = critic {
+                critic.save(self.run.join("critic")).wait()?;
+            }
+            let rows = log.rows()?;
+            Ok::<_, PpoError>(plot_metrics(
+                &rows,
+                &["reward", "eval_reward", "kl", "value_loss"],
+                &self.run.join("metrics.svg"),
+            )?)
+        })?;
         Ok(self.summary(cfg.steps, initial_eval, last_eval, &totals, cfg.steps - start))
     }
 
@@ -255,14 +272,17 @@ impl PpoRunner<'_> {
         step: usize,
         actor: &CausalLm,
         optim: &ModuleOptimizer,
-        critic: &dyn CriticClient,
+        critic: Option<&dyn CriticClient>,
     ) -> Result<()> {
         self.run.save_checkpoint(step, |tmp| {
-            // The critic saves while the actor writes its own part.
-            let critic_saved = critic.save(tmp.join("critic"));
+            // The critic saves while the actor writes its own part (only rank 0 writes, and
+            // only rank 0 holds the critic).
+            let critic_saved = critic.map(|c| c.save(tmp.join("critic")));
             self.store.save(&actor.valid(), &tmp.join("actor"))?;
             save_optimizer(optim, &tmp.join("actor_optimizer.bin"))?;
-            critic_saved.wait()?;
+            if let Some(saved) = critic_saved {
+                saved.wait()?;
+            }
             let state = PpoState {
                 step,
                 seed: self.config.ppo.seed,
@@ -345,13 +365,55 @@ impl PpoRunner<'_> {
                 base
             }
         };
-        let mut out = Vec::with_capacity(sequences.len());
-        for chunk in sequences.chunks(self.config.ppo.mini_batch.max(1)) {
-            let layout = Layout::new(chunk, &self.device);
-            let lp = model.token_logprobs_with(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
-            out.extend(layout.ragged(layout.response_columns(lp)));
+        // Data parallel: each rank scores its shard of the rollout.
+        map_sharded(self.run.comm(), sequences, |mine| {
+            let mut out = Vec::with_capacity(mine.len());
+            for chunk in mine.chunks(self.config.ppo.mini_batch.max(1)) {
+                let layout = Layout::new(chunk, &self.device);
+                let lp =
+                    model.token_logprobs_with(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
+                out.extend(layout.ragged(layout.response_columns(lp)));
+            }
+            Ok::<_, PpoError>(out)
+        })
+    }
+
+    /// Generations for `requests` (in their order, on every rank), and each rank's generation
+    /// seconds when there are several: the ranks' engines take the requests a batch of
+    /// `ppo.slots` at a time from one queue, so a rank that finishes early takes more.
+    fn generate(
+        &self,
+        pool: &mut WorkerPool,
+        requests: &[GenerationRequest],
+    ) -> Result<(Vec<Generation>, Vec<f64>)> {
+        let comm = self.run.comm();
+        if comm.world_size() == 1 {
+            return Ok((pool.generate(requests, &|_| {})?.0, Vec::new()));
         }
-        Ok(out)
+        // Batches no larger than the engines take at once, and small enough that every rank
+        // gets several to balance with.
+        let engine_batch = self.config.ppo.slots.max(1) * self.config.ppo.workers.max(1);
+        let chunk = engine_batch
+            .min(requests.len().div_ceil(4 * comm.world_size()))
+            .max(1);
+        let (generations, work) = map_balanced(comm, requests.len(), chunk, |range| {
+            Ok::<_, PpoError>(pool.generate(&requests[range], &|_| {})?.0)
+        })?;
+        Ok((generations, work.iter().map(|w| w.seconds).collect()))
+    }
+
+    /// Rewards of the reward model held beside the actor, each rank scoring its shard.
+    fn local_rewards(&self, rm: &RewardModel, sequences: &[Sequence]) -> Result<Vec<f32>> {
+        map_sharded(self.run.comm(), sequences, |mine| {
+            rewards_in_batches(rm, mine, self.config.ppo.mini_batch, &self.device)
+        })
+    }
+
+    /// Rank 0's `value` (a critic reply only rank 0 asked for) on every rank.
+    fn from_root<T: Serialize + DeserializeOwned>(&self, value: Option<T>) -> Result<T> {
+        self.run
+            .agree(&value)?
+            .ok_or_else(|| PpoError::Critic("rank 0 holds no critic".into()))
     }
 
     /// Rewards, KL penalty, advantages and returns of a rollout; the step's metrics.
@@ -364,7 +426,7 @@ impl PpoRunner<'_> {
     ) -> Result<(Scored, Map<String, Value>)> {
         let cfg = &self.config.ppo;
         let mut scores = match &self.local_reward {
-            Some(rm) => rewards_in_batches(rm, &sequences, cfg.mini_batch, &self.device)?,
+            Some(rm) => self.local_rewards(rm, &sequences)?,
             None => critic_out.rewards.clone(),
         };
         if scores.len() != sequences.len() {
@@ -451,6 +513,10 @@ impl PpoRunner<'_> {
     }
 
     /// `ppo.epochs` passes of the clipped policy loss (minus `ppo.entropy_coef` × entropy).
+    ///
+    /// Data parallel: each rank takes its shard of every mini-batch, weighted by its share of
+    /// the response tokens the losses are means over, and the gradients are summed over ranks
+    /// before clipping, so the update is the one of the whole mini-batch.
     fn update_actor(
         &self,
         actor: &mut CausalLm,
@@ -460,40 +526,36 @@ impl PpoRunner<'_> {
         let cfg = &self.config.ppo;
         let device = self.device.clone().autodiff();
         let n = scored.sequences.len();
+        let comm = self.run.comm();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let tokens =
+            |r: Range<usize>| -> usize { scored.sequences[r].iter().map(|s| s.response_ids.len()).sum() };
         let (mut clip, mut kl, mut loss_sum, mut batches) = (0.0, 0.0, 0.0, 0usize);
         let mut entropy_sum = 0.0;
         for range in mini_batches(n, cfg.mini_batch, cfg.epochs) {
-            let (start, end) = (range.start, range.end);
-            let layout = Layout::new(&scored.sequences[start..end], &device);
-            let old = layout.padded(&scored.old_logprobs[start..end], &device);
-            let adv = layout.padded(&scored.advantages[start..end], &device);
-            // One trunk pass serves the log-probs and, with an entropy bonus, the entropy of
-            // the response positions' full distributions.
-            let hidden =
-                actor
-                    .model
-                    .forward(layout.tokens.clone(), &layout.positions, Some(&layout.mask), None);
-            let [rows, width, d] = hidden.dims();
-            let inputs = hidden
-                .clone()
-                .narrow(1, 0, width - 1)
-                .reshape([rows, width - 1, d]);
-            let targets = layout.tokens.clone().narrow(1, 1, width - 1);
-            let lp = token_logprobs_from_hidden(inputs, actor.output_weight(), targets, DEFAULT_CHUNK_TOKENS);
-            let mut out = clipped_policy_loss(
-                layout.response_columns(lp),
-                old,
-                adv,
-                &layout.response_mask,
-                cfg.clip_eps,
-            );
-            if cfg.entropy_coef > 0.0 {
-                let states = hidden.narrow(1, layout.prompt_width - 1, layout.response_width);
-                let h = masked_token_mean(entropy(actor.logits_from_hidden(states)), &layout.response_mask);
-                entropy_sum += h.clone().into_scalar::<f32>() as f64;
-                out.loss = out.loss - h.mul_scalar(cfg.entropy_coef);
+            let shard = shard_range(range.len(), rank, world);
+            let mine = range.start + shard.start..range.start + shard.end;
+            let share = match (world, tokens(range.clone())) {
+                (1, _) => 1.0,
+                (_, 0) => 1.0 / world as f64,
+                (_, all) => tokens(mine.clone()) as f64 / all as f64,
+            };
+            // loss, clip fraction, approximate KL, entropy
+            let mut stats = [0.0f64; 4];
+            let mut grads = GradientsParams::new();
+            if !mine.is_empty() {
+                let (loss, values) = self.actor_loss(actor, scored, mine, &device)?;
+                stats = values;
+                let loss = if world > 1 { loss.mul_scalar(share) } else { loss };
+                grads = GradientsParams::from_grads(loss.backward(), actor);
             }
-            let value = out.loss.clone().into_scalar::<f32>() as f64;
+            if world > 1 {
+                all_reduce_gradients(actor, &mut grads, 1.0, comm).map_err(CoreError::from)?;
+                stats.iter_mut().for_each(|s| *s *= share);
+                comm.all_reduce_f64(&mut stats, ReduceOp::Sum)
+                    .map_err(CoreError::from)?;
+            }
+            let [value, clip_fraction, approx_kl, h] = stats;
             if !value.is_finite() {
                 return Err(PpoError::Invalid(format!(
                     "policy loss is {value}; stopping. The last good checkpoint is kept in {}",
@@ -501,10 +563,10 @@ impl PpoRunner<'_> {
                 )));
             }
             loss_sum += value;
-            clip += out.clip_fraction;
-            kl += out.approx_kl;
+            clip += clip_fraction;
+            kl += approx_kl;
+            entropy_sum += h;
             batches += 1;
-            let mut grads = GradientsParams::from_grads(out.loss.backward(), actor);
             clip_grad_norm(actor, &mut grads, cfg.max_grad_norm);
             *actor = optim.step(cfg.actor_lr, actor.clone(), grads);
         }
@@ -517,19 +579,71 @@ impl PpoRunner<'_> {
         })
     }
 
+    /// The clipped policy loss (minus the entropy bonus) of sequences `rows` of a rollout, and
+    /// its logged values: loss, clip fraction, approximate KL, entropy.
+    fn actor_loss(
+        &self,
+        actor: &CausalLm,
+        scored: &Scored,
+        rows: Range<usize>,
+        device: &Device,
+    ) -> Result<(Tensor<1>, [f64; 4])> {
+        let cfg = &self.config.ppo;
+        let (start, end) = (rows.start, rows.end);
+        let layout = Layout::new(&scored.sequences[start..end], device);
+        let old = layout.padded(&scored.old_logprobs[start..end], device);
+        let adv = layout.padded(&scored.advantages[start..end], device);
+        // One trunk pass serves the log-probs and, with an entropy bonus, the entropy of the
+        // response positions' full distributions.
+        let hidden = actor
+            .model
+            .forward(layout.tokens.clone(), &layout.positions, Some(&layout.mask), None);
+        let [rows, width, d] = hidden.dims();
+        let inputs = hidden
+            .clone()
+            .narrow(1, 0, width - 1)
+            .reshape([rows, width - 1, d]);
+        let targets = layout.tokens.clone().narrow(1, 1, width - 1);
+        let lp = token_logprobs_from_hidden(inputs, actor.output_weight(), targets, DEFAULT_CHUNK_TOKENS);
+        let mut out = clipped_policy_loss(
+            layout.response_columns(lp),
+            old,
+            adv,
+            &layout.response_mask,
+            cfg.clip_eps,
+        );
+        let mut entropy_value = 0.0;
+        if cfg.entropy_coef > 0.0 {
+            let states = hidden.narrow(1, layout.prompt_width - 1, layout.response_width);
+            let h = masked_token_mean(entropy(actor.logits_from_hidden(states)), &layout.response_mask);
+            entropy_value = h.clone().into_scalar::<f32>() as f64;
+            out.loss = out.loss - h.mul_scalar(cfg.entropy_coef);
+        }
+        let value = out.loss.clone().into_scalar::<f32>() as f64;
+        Ok((out.loss, [value, out.clip_fraction, out.approx_kl, entropy_value]))
+    }
+
     /// Mean reward-model score of the policy's samples on the held-out prompts.
-    fn evaluate(&self, pool: &mut WorkerPool, actor: &CausalLm, critic: &dyn CriticClient) -> Result<f64> {
+    fn evaluate(
+        &self,
+        pool: &mut WorkerPool,
+        actor: &CausalLm,
+        critic: Option<&dyn CriticClient>,
+    ) -> Result<f64> {
         let limit = match self.config.ppo.eval_prompts {
             0 => self.eval_prompts.len(),
             n => n.min(self.eval_prompts.len()),
         };
         pool.refit(actor)?;
         let requests = self.requests(&self.eval_prompts[..limit], 0, true);
-        let (generations, _) = pool.generate(&requests, &|_| {})?;
+        let (generations, _) = self.generate(pool, &requests)?;
         let sequences = Sequence::from_generations(&requests, &generations);
         let rewards = match &self.local_reward {
-            Some(rm) => rewards_in_batches(rm, &sequences, self.config.ppo.mini_batch, &self.device)?,
-            None => critic.infer(sequences).wait()?.rewards,
+            Some(rm) => self.local_rewards(rm, &sequences)?,
+            None => {
+                let reply = critic.map(|c| c.infer(sequences).wait()).transpose()?;
+                self.from_root(reply.map(|r| r.rewards))?
+            }
         };
         Ok(mean(&rewards))
     }

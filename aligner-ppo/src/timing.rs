@@ -14,6 +14,9 @@ pub struct StepTimes {
     pub total: f64,
     /// The critic's own compute (inference + training), overlapped with the actor's work.
     pub critic_compute: f64,
+    /// Data parallel: each rank's generation seconds (empty with one process).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub generation_per_rank: Vec<f64>,
 }
 
 impl StepTimes {
@@ -25,6 +28,39 @@ impl StepTimes {
         self.train += other.train;
         self.total += other.total;
         self.critic_compute += other.critic_compute;
+        self.generation_per_rank.resize(
+            other
+                .generation_per_rank
+                .len()
+                .max(self.generation_per_rank.len()),
+            0.0,
+        );
+        for (total, t) in self
+            .generation_per_rank
+            .iter_mut()
+            .zip(&other.generation_per_rank)
+        {
+            *total += t;
+        }
+    }
+
+    /// Slowest minus fastest rank's generation seconds (0 with one process).
+    pub fn generation_imbalance(&self) -> f64 {
+        let max = self
+            .generation_per_rank
+            .iter()
+            .cloned()
+            .fold(f64::NEG_INFINITY, f64::max);
+        let min = self
+            .generation_per_rank
+            .iter()
+            .cloned()
+            .fold(f64::INFINITY, f64::min);
+        if self.generation_per_rank.is_empty() {
+            0.0
+        } else {
+            max - min
+        }
     }
 
     /// The mean over `steps` steps.
@@ -38,6 +74,7 @@ impl StepTimes {
             train: self.train / n,
             total: self.total / n,
             critic_compute: self.critic_compute / n,
+            generation_per_rank: self.generation_per_rank.iter().map(|t| t / n).collect(),
         }
     }
 
@@ -57,6 +94,16 @@ impl StepTimes {
             out.push_str(&format!(
                 "| {name} | {secs:.3} | {:.0}% |\n",
                 100.0 * secs / self.total.max(1e-9)
+            ));
+        }
+        if !self.generation_per_rank.is_empty() {
+            out.push_str("\n| rank | generation seconds |\n|---:|---:|\n");
+            for (rank, secs) in self.generation_per_rank.iter().enumerate() {
+                out.push_str(&format!("| {rank} | {secs:.3} |\n"));
+            }
+            out.push_str(&format!(
+                "\nGeneration imbalance (slowest − fastest rank): {:.3} s per step.\n",
+                self.generation_imbalance()
             ));
         }
         out

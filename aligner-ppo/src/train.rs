@@ -58,19 +58,22 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     let store = reward_folder.store();
     let reward = single_output(reward_folder)?;
     let combined = config.ppo.combine_rm_and_critic;
-    let critic: Box<dyn CriticClient> = match &config.ppo.critic_url {
-        Some(url) => Box::new(crate::server::RemoteCritic::connect(
+    // Data parallel: rank 0 alone talks to the critic (server or in process) and shares its
+    // replies with the other ranks.
+    let critic: Option<Box<dyn CriticClient>> = match &config.ppo.critic_url {
+        _ if !run.is_writer() => None,
+        Some(url) => Some(Box::new(crate::server::RemoteCritic::connect(
             url,
             config.ppo.critic_retry_seconds,
             &run.checkpoints(),
-        )?),
+        )?)),
         // The critic starts from the reward model (NeMo-Aligner's choice).
-        None => Box::new(LocalCritic::spawn(CriticWorker::new(
+        None => Some(Box::new(LocalCritic::spawn(CriticWorker::new(
             reward.clone(),
             combined.then(|| reward.clone()),
             store,
             device,
-        ))),
+        )))),
     };
     let mut model = lm.model;
     let actor_store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
@@ -92,8 +95,10 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         device: device.clone(),
         local_reward: (!combined).then_some(reward),
     };
-    let summary = runner.run(model, critic.as_ref())?;
-    aligner_core::checkpoint::write_atomic(&run.join("timing.md"), summary.mean_times.table().as_bytes())?;
+    let summary = runner.run(model, critic.as_deref())?;
+    run.write_shared(|| {
+        aligner_core::checkpoint::write_atomic(&run.join("timing.md"), summary.mean_times.table().as_bytes())
+    })?;
     Ok(summary)
 }
 
@@ -116,7 +121,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         reward: &reward,
         train_prompts: &train_prompts,
         eval_prompts: &eval_prompts,
-        out_dir: run.path(),
+        run,
         device: device.clone(),
     };
     sampling.run(model)

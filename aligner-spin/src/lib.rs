@@ -148,7 +148,7 @@ pub fn train(
         llama: &lm.config,
         tokenizer: &lm.tokenizer,
         store: store.as_ref(),
-        out_dir: run.path(),
+        run,
         device: device.clone(),
     };
     spin.run(model)
@@ -162,7 +162,8 @@ pub struct Spin<'a> {
     pub llama: &'a LlamaConfig,
     pub tokenizer: &'a TextTokenizer,
     pub store: &'a dyn ModelStore<CausalLm>,
-    pub out_dir: &'a Path,
+    /// The SPIN run's folder (each iteration is a run of its own inside it).
+    pub run: &'a RunDir,
     pub device: Device,
 }
 
@@ -178,8 +179,9 @@ impl Spin<'_> {
         let mut earlier: Vec<DpoRow> = Vec::new();
         let mut engine = None;
         for k in 1..=self.config.spin.iterations {
-            let dir = self.out_dir.join(format!("iter-{k}"));
-            if dir.join("final/config.json").exists() {
+            let iteration = self.run.child(&format!("iter-{k}"));
+            let dir = iteration.path().to_path_buf();
+            if iteration.agree(&dir.join("final/config.json").exists())? {
                 policy = self.store.load(&dir.join("final"), &self.device)?;
                 tracing::info!(iteration = k, "already done; continuing from its final model");
                 // A resumed run mixes in the answers the finished iteration saved.
@@ -193,7 +195,9 @@ impl Spin<'_> {
                 earlier.extend(pairs(&train_rows, saved));
                 continue;
             }
-            std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+            if self.run.is_writer() {
+                std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+            }
             // The snapshot that answers the prompts and scores the pairs for this iteration.
             let reference = policy.valid();
             let (engine, refit) =
@@ -214,13 +218,21 @@ impl Spin<'_> {
             let batch = train_config.batch_size.max(1) * 2;
             let max_len = self.config.data.max_seq_len;
             let mut train = self.examples(&rows, max_len)?;
-            attach_reference(&mut train, &reference, &dir.join("reference_train.jsonl"), batch)?;
+            let comm = self.run.comm();
+            attach_reference(
+                &mut train,
+                &reference,
+                &dir.join("reference_train.jsonl"),
+                batch,
+                comm,
+            )?;
             let mut validation = self.examples(&eval_rows, max_len)?;
             attach_reference(
                 &mut validation,
                 &reference,
                 &dir.join("reference_validation.jsonl"),
                 batch,
+                comm,
             )?;
             // The margin of this iteration's own generations (the mixed-in earlier ones were
             // the earlier references' answers).
@@ -238,7 +250,7 @@ impl Spin<'_> {
                 store: self.store,
                 train: &train,
                 validation: &validation,
-                run: &RunDir::new(&dir),
+                run: &iteration,
                 device: self.device.clone(),
             };
             let (trained, summary) = trainer.run(policy)?;
@@ -251,10 +263,13 @@ impl Spin<'_> {
                 margin_per_token,
                 eval: summary.final_eval,
             };
-            append_jsonl(&self.out_dir.join("spin.jsonl"), &report)?;
+            if self.run.is_writer() {
+                append_jsonl(&self.run.join("spin.jsonl"), &report)?;
+            }
             reports.push(report);
         }
-        self.store.save(&policy, &self.out_dir.join("final"))?;
+        self.run
+            .write_shared(|| self.store.save(&policy, &self.run.final_dir()))?;
         Ok(reports)
     }
 
@@ -283,7 +298,8 @@ impl Spin<'_> {
             .iter()
             .map(|r| r.prompt.render(self.tokenizer))
             .collect::<Result<_, _>>()?;
-        let answers: Vec<String> = match saved_answers(file, rows.len()) {
+        let saved = self.run.agree(&saved_answers(file, rows.len()))?;
+        let answers: Vec<String> = match saved {
             Some(saved) => saved,
             None => {
                 let requests = prompts
@@ -306,18 +322,30 @@ impl Spin<'_> {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let outputs = reference.generate(&requests)?;
-                let answers = requests
-                    .iter()
-                    .zip(&outputs)
-                    .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
-                    .collect::<Result<Vec<_>, _>>()?;
+                // Data parallel: the ranks' engines take the prompts a batch at a time.
+                let chunk = reference.slots().max(1);
+                let (answers, work) =
+                    aligner_core::parallel::map_balanced(self.run.comm(), requests.len(), chunk, |range| {
+                        let requests = &requests[range];
+                        let outputs = reference.generate(requests)?;
+                        requests
+                            .iter()
+                            .zip(&outputs)
+                            .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
+                            .collect::<Result<Vec<_>, _>>()
+                            .map_err(SpinError::from)
+                    })?;
+                if work.len() > 1 {
+                    tracing::info!(?work, "self-play answers per rank");
+                }
                 let text: String = rows
                     .iter()
                     .zip(&answers)
                     .map(|(r, a)| format!("{}\n", json!({"prompt": r.prompt, "response": a})))
                     .collect();
-                aligner_core::checkpoint::write_atomic(file, text.as_bytes())?;
+                if self.run.is_writer() {
+                    aligner_core::checkpoint::write_atomic(file, text.as_bytes())?;
+                }
                 answers
             }
         };

@@ -107,6 +107,14 @@ impl Objective<RewardModel> for AttributeObjective {
         })
     }
 
+    /// The loss is a mean over rated attributes.
+    fn loss_weight(&self, batch: &[&AttributeExample]) -> f64 {
+        batch
+            .iter()
+            .map(|e| e.mask.iter().map(|&m| m as f64).sum::<f64>())
+            .sum()
+    }
+
     /// Per attribute: mean absolute error and exact-bucket accuracy over rated examples.
     fn evaluate(
         &self,

@@ -153,6 +153,7 @@ pub fn sample(
     settings: &[BTreeMap<String, f64>],
     section: &BootstrapSection,
     progress: &dyn Fn(),
+    comm: &dyn aligner_core::Communicator,
 ) -> Result<Vec<AttributeRow>> {
     let negative = guidance_negative(section, conditioning)?;
     let mut requests = Vec::with_capacity(prompts.len() * settings.len());
@@ -181,7 +182,11 @@ pub fn sample(
             });
         }
     }
-    let generated = engine.generate_with(&requests, &|_| progress())?;
+    // Data parallel: the ranks' engines take the requests a batch at a time.
+    let chunk = engine.slots().max(1);
+    let (generated, _) = aligner_core::parallel::map_balanced(comm, requests.len(), chunk, |range| {
+        Ok::<_, crate::error::SteerError>(engine.generate_with(&requests[range], &|_| progress())?)
+    })?;
     let mut rows = Vec::with_capacity(generated.len());
     for ((request, out), prompt) in requests.iter().zip(&generated).zip(
         prompts
@@ -304,6 +309,7 @@ mod tests {
                 settings,
                 section,
                 &|| {},
+                aligner_core::parallel::world().as_ref(),
             )
             .unwrap()
             .into_iter()

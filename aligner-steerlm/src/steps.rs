@@ -112,20 +112,28 @@ impl AttributeModel {
     }
 
     /// `rows` labelled with every attribute (rounded, clamped to 0..4), with a progress bar.
-    pub fn annotate(&self, rows: &[AttributeRow], batch_size: usize) -> Result<Vec<AttributeRow>> {
+    /// Data parallel: each rank of `comm` labels its shard; every rank gets all rows.
+    pub fn annotate(
+        &self,
+        rows: &[AttributeRow],
+        batch_size: usize,
+        comm: &dyn aligner_core::Communicator,
+    ) -> Result<Vec<AttributeRow>> {
         let bar = progress_bar(
             rows.len() as u64,
             "{bar:30} {pos}/{len} rows annotated [{elapsed} < {eta}]",
         );
-        let annotated = crate::attribute_model::annotate(
-            &self.model,
-            &self.names,
-            rows,
-            &self.tokenizer,
-            self.max_len,
-            batch_size,
-            &|n| bar.inc(n as u64),
-        )?;
+        let annotated = aligner_core::parallel::map_sharded(comm, rows, |mine| {
+            crate::attribute_model::annotate(
+                &self.model,
+                &self.names,
+                mine,
+                &self.tokenizer,
+                self.max_len,
+                batch_size,
+                &|n| bar.inc(n as u64),
+            )
+        })?;
         bar.finish_and_clear();
         Ok(annotated)
     }
@@ -133,7 +141,8 @@ impl AttributeModel {
 
 /// Step 2: the attribute model in `model_dir` labels the `{"prompt", "response"}` lines of
 /// `data`; the labelled rows are written to `out` (the attribute data format). Returns the
-/// rows and the attribute names.
+/// rows and the attribute names. Under `mpirun` the ranks label a shard each and rank 0
+/// writes `out`.
 pub fn annotate(
     model_dir: &Path,
     data: &Path,
@@ -143,8 +152,11 @@ pub fn annotate(
 ) -> Result<(Vec<AttributeRow>, Vec<String>)> {
     let labeller = AttributeModel::load(model_dir, device)?;
     let rows: Vec<AttributeRow> = read_jsonl(data)?;
-    let annotated = labeller.annotate(&rows, batch_size)?;
-    write_attribute_rows(out, &annotated)?;
+    let world = aligner_core::parallel::world();
+    let annotated = labeller.annotate(&rows, batch_size, world.as_ref())?;
+    if world.is_root() {
+        write_attribute_rows(out, &annotated)?;
+    }
     Ok((annotated, labeller.names))
 }
 
@@ -222,7 +234,7 @@ fn conditioned_sft(
         device,
     )?;
     // Generation applies the same template and order.
-    conditioning.save(&summary.final_dir)?;
+    run.write_shared(|| conditioning.save(&summary.final_dir))?;
     Ok(summary)
 }
 
@@ -243,7 +255,7 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
     };
     let conditioning = Conditioning::load(&policy)?;
     let samples_path = run.join("bootstrap.jsonl");
-    let samples: Vec<AttributeRow> = if samples_path.exists() {
+    let samples: Vec<AttributeRow> = if run.agree(&samples_path.exists())? {
         read_jsonl(&samples_path)?
     } else {
         let attribute_dir = match &section.attribute_model {
@@ -286,10 +298,13 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
             &settings,
             section,
             &|| bar.inc(1),
+            run.comm(),
         )?;
         bar.finish_and_clear();
-        let labelled = labeller.annotate(&unlabelled, 32)?;
-        write_attribute_rows(&samples_path, &labelled)?;
+        let labelled = labeller.annotate(&unlabelled, 32, run.comm())?;
+        if run.is_writer() {
+            write_attribute_rows(&samples_path, &labelled)?;
+        }
         labelled
     };
     for (name, counts) in crate::bootstrap::value_counts(&samples) {

@@ -62,7 +62,8 @@ pub struct TrainSection {
     /// Optimiser steps; 0 = run `epochs` over the data.
     pub max_steps: usize,
     pub epochs: usize,
-    /// Sequences (or pairs) per micro-batch.
+    /// Sequences (or pairs) per micro-batch on each rank (TRL's `per_device_train_batch_size`):
+    /// N data-parallel ranks with batch b train as one process with batch N·b.
     pub batch_size: usize,
     /// Micro-batches per optimiser step.
     pub grad_accum: usize,
@@ -82,6 +83,12 @@ pub struct TrainSection {
     pub log_every: usize,
     /// Validation examples used per evaluation; 0 = all.
     pub eval_examples: usize,
+    /// Data parallel: compare a checksum of every rank's weights every N steps (and at the
+    /// end), stopping with an error when they drift apart; 0 = only at the end.
+    pub sync_check_every: usize,
+    /// Data parallel: shard AdamW's moments across ranks (ZeRO stage 1): each rank updates its
+    /// share of the parameters, which are then broadcast to the others.
+    pub shard_optimizer: bool,
 }
 
 impl Default for TrainSection {
@@ -102,6 +109,8 @@ impl Default for TrainSection {
             eval_every: 0,
             log_every: 1,
             eval_examples: 0,
+            sync_check_every: 50,
+            shard_optimizer: false,
         }
     }
 }

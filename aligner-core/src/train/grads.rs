@@ -1,8 +1,11 @@
-//! Global gradient-norm clipping across every parameter, as `torch.nn.utils.clip_grad_norm_`.
+//! Global gradient-norm clipping across every parameter, as `torch.nn.utils.clip_grad_norm_`,
+//! and the data-parallel side of a step: gradients summed over ranks in buckets, the weights'
+//! checksum, and the sharded optimiser's parameter ownership.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use aligner_parallel::{CommError, Communicator, ReduceOp};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 
 struct SquaredNorm<'a> {
     grads: &'a GradientsParams,
@@ -56,4 +59,271 @@ pub fn clip_grad_norm<M: Module>(module: &M, grads: &mut GradientsParams, max_no
         module.visit(&mut scale);
     }
     norm
+}
+
+/// Elements per all-reduce bucket (16 MiB of f32): large enough to amortise latency, small
+/// enough that the copy in and out stays in cache-sized pieces.
+pub const BUCKET_ELEMENTS: usize = 1 << 22;
+
+/// The trainable parameters of a module, in visit order: what a data-parallel step
+/// synchronises.
+struct Trainable {
+    lens: Vec<usize>,
+}
+
+impl ModuleVisitor for Trainable {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if value.is_require_grad() {
+            self.lens.push(value.shape().num_elements());
+        }
+    }
+}
+
+fn trainable_lens<M: Module>(module: &M) -> Vec<usize> {
+    let mut visitor = Trainable { lens: Vec::new() };
+    module.visit(&mut visitor);
+    visitor.lens
+}
+
+/// Copies gradients (scaled) into a flat buffer: the values of every trainable parameter in
+/// visit order (zeros where this rank has none), then one presence flag per parameter.
+struct Flatten<'a> {
+    grads: &'a GradientsParams,
+    scale: f32,
+    values: Vec<f32>,
+    present: Vec<f32>,
+}
+
+impl ModuleVisitor for Flatten<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let n = value.shape().num_elements();
+        match self.grads.get::<D>(param.id) {
+            Some(g) => {
+                let data = g.into_data();
+                self.values.extend(data.iter::<f32>().map(|x| x * self.scale));
+                self.present.push(1.0);
+            }
+            None => {
+                self.values.extend(std::iter::repeat_n(0.0, n));
+                self.present.push(0.0);
+            }
+        }
+    }
+}
+
+/// Puts the reduced flat buffer back as gradients (only where some rank had one).
+struct Unflatten<'a> {
+    grads: &'a mut GradientsParams,
+    values: &'a [f32],
+    present: &'a [f32],
+    offset: usize,
+    index: usize,
+}
+
+impl ModuleVisitor for Unflatten<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let shape = value.shape();
+        let n = shape.num_elements();
+        let slice = &self.values[self.offset..self.offset + n];
+        if self.present[self.index] > 0.0 {
+            let device = value.device().inner();
+            let grad = Tensor::<D>::from_data(TensorData::new(slice.to_vec(), shape), &device);
+            self.grads.remove::<D>(param.id);
+            self.grads.register::<D>(param.id, grad);
+        }
+        self.offset += n;
+        self.index += 1;
+    }
+}
+
+/// Sums `scale` × each rank's gradients over the ranks of `comm`, in buckets of
+/// [`BUCKET_ELEMENTS`] (one all-reduce each), so every rank ends with the same gradients. A
+/// parameter only some ranks have a gradient for gets the sum of those.
+pub fn all_reduce_gradients<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    scale: f32,
+    comm: &dyn Communicator,
+) -> std::result::Result<(), CommError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut flat = Flatten {
+        grads,
+        scale,
+        values: Vec::new(),
+        present: Vec::new(),
+    };
+    module.visit(&mut flat);
+    let (mut values, mut present) = (flat.values, flat.present);
+    for bucket in values.chunks_mut(BUCKET_ELEMENTS) {
+        comm.all_reduce(bucket, ReduceOp::Sum)?;
+    }
+    comm.all_reduce(&mut present, ReduceOp::Sum)?;
+    let mut back = Unflatten {
+        grads,
+        values: &values,
+        present: &present,
+        offset: 0,
+        index: 0,
+    };
+    module.visit(&mut back);
+    Ok(())
+}
+
+/// A fingerprint of every float parameter of `module` (sum and sum of squares): equal on ranks
+/// whose weights are equal.
+pub fn weights_checksum<M: Module>(module: &M) -> [f64; 2] {
+    struct Sums([f64; 2]);
+    impl ModuleVisitor for Sums {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            for x in param.val().into_data().iter::<f32>() {
+                self.0[0] += x as f64;
+                self.0[1] += (x as f64) * (x as f64);
+            }
+        }
+    }
+    let mut sums = Sums([0.0; 2]);
+    module.visit(&mut sums);
+    sums.0
+}
+
+/// Which rank owns each trainable parameter when the optimiser is sharded (ZeRO stage 1):
+/// parameters in visit order, each to the rank with the fewest elements so far.
+pub fn optimizer_owners<M: Module>(module: &M, world: usize) -> Vec<usize> {
+    let mut load = vec![0usize; world.max(1)];
+    trainable_lens(module)
+        .into_iter()
+        .map(|n| {
+            let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+            load[rank] += n;
+            rank
+        })
+        .collect()
+}
+
+/// Keeps only the gradients of the parameters `rank` owns (the optimiser then updates only
+/// those, and keeps moments only for those).
+pub fn keep_owned_gradients<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    owners: &[usize],
+    rank: usize,
+) {
+    struct Drop<'a> {
+        grads: &'a mut GradientsParams,
+        owners: &'a [usize],
+        rank: usize,
+        index: usize,
+    }
+    impl ModuleVisitor for Drop<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.val().is_require_grad() {
+                return;
+            }
+            if self.owners.get(self.index) != Some(&self.rank) {
+                self.grads.remove::<D>(param.id);
+            }
+            self.index += 1;
+        }
+    }
+    module.visit(&mut Drop {
+        grads,
+        owners,
+        rank,
+        index: 0,
+    });
+}
+
+/// Every trainable parameter broadcast from the rank that owns it (after a sharded optimiser
+/// step), one broadcast per owner.
+pub fn broadcast_owned_parameters<M: Module>(
+    module: M,
+    owners: &[usize],
+    comm: &dyn Communicator,
+) -> std::result::Result<M, CommError> {
+    struct Collect<'a> {
+        owners: &'a [usize],
+        owner: usize,
+        index: usize,
+        values: Vec<f32>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            if !value.is_require_grad() {
+                return;
+            }
+            if self.owners.get(self.index) == Some(&self.owner) {
+                self.values.extend(value.into_data().iter::<f32>());
+            }
+            self.index += 1;
+        }
+    }
+    struct Replace<'a> {
+        owners: &'a [usize],
+        owner: usize,
+        index: usize,
+        values: &'a [f32],
+        offset: usize,
+    }
+    impl ModuleMapper for Replace<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if !param.val().is_require_grad() {
+                return param;
+            }
+            let owned = self.owners.get(self.index) == Some(&self.owner);
+            self.index += 1;
+            if !owned {
+                return param;
+            }
+            let (values, offset) = (self.values, &mut self.offset);
+            param.map(|tensor| {
+                let shape = tensor.shape();
+                let n = shape.num_elements();
+                let device = tensor.device();
+                let data = TensorData::new(values[*offset..*offset + n].to_vec(), shape);
+                *offset += n;
+                Tensor::<D>::from_data(data, &device).require_grad()
+            })
+        }
+    }
+    let mut module = module;
+    for owner in 0..comm.world_size() {
+        let mut collect = Collect {
+            owners,
+            owner,
+            index: 0,
+            values: Vec::new(),
+        };
+        if comm.rank() == owner {
+            module.visit(&mut collect);
+        }
+        let mut bytes: Vec<u8> = collect.values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        comm.broadcast(&mut bytes, owner)?;
+        if comm.rank() == owner {
+            continue;
+        }
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        module = module.map(&mut Replace {
+            owners,
+            owner,
+            index: 0,
+            values: &values,
+            offset: 0,
+        });
+    }
+    Ok(module)
 }

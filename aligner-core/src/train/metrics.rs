@@ -11,9 +11,23 @@ use crate::error::{CoreError, Result};
 /// Appends one JSON object per logged step to `metrics.jsonl`.
 pub struct MetricsLog {
     path: PathBuf,
+    /// Only rank 0 of a data-parallel run writes; the others' log is silent.
+    enabled: bool,
 }
 
 impl MetricsLog {
+    /// The run's log: [`MetricsLog::open`] on rank 0, a silent one on the other ranks.
+    pub fn for_run(run: &crate::run::RunDir, keep_through_step: Option<usize>) -> Result<Self> {
+        if run.is_writer() {
+            Self::open(run.path(), keep_through_step)
+        } else {
+            Ok(Self {
+                path: run.join("metrics.jsonl"),
+                enabled: false,
+            })
+        }
+    }
+
     /// Opens `dir/metrics.jsonl`, dropping rows after `keep_through_step` (rows a killed run
     /// wrote past its last checkpoint), so a resumed run continues the file exactly.
     pub fn open(dir: &Path, keep_through_step: Option<usize>) -> Result<Self> {
@@ -32,11 +46,14 @@ impl MetricsLog {
             _ => String::new(),
         };
         std::fs::write(&path, kept).map_err(|e| CoreError::io(&path, e))?;
-        Ok(Self { path })
+        Ok(Self { path, enabled: true })
     }
 
     /// Appends a row.
     pub fn write(&self, row: &Map<String, Value>) -> Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
         let mut file = std::fs::OpenOptions::new()
             .append(true)
             .open(&self.path)
@@ -44,8 +61,11 @@ impl MetricsLog {
         writeln!(file, "{}", Value::Object(row.clone())).map_err(|e| CoreError::io(&self.path, e))
     }
 
-    /// Every row written so far.
+    /// Every row written so far (none on a silent log).
     pub fn rows(&self) -> Result<Vec<Map<String, Value>>> {
+        if !self.enabled {
+            return Ok(Vec::new());
+        }
         let text = std::fs::read_to_string(&self.path).map_err(|e| CoreError::io(&self.path, e))?;
         Ok(text
             .lines()

@@ -4,6 +4,13 @@
 //! out); [`Trainer`] owns the rest: data order, gradient accumulation, global-norm clipping,
 //! AdamW with decoupled weight decay, the learning-rate schedule, validation, `metrics.jsonl`,
 //! checkpoints written atomically, exact resume, a progress bar and the final plot.
+//!
+//! Data parallel: every rank of the run's process group walks the same global order and takes
+//! its shard of each global batch (`train.batch_size` per rank). Each rank's loss is weighted
+//! by its share of the batch's [`Objective::loss_weight`], and the gradients are summed across
+//! ranks at one point per step ([`grads::all_reduce_gradients`]), so N ranks with batch b
+//! train as one process with batch N·b: the same clipping (the norm of the reduced
+//! gradients), schedule, validation (sharded, then summed) and metrics.
 
 pub mod config;
 pub mod grads;
@@ -29,6 +36,7 @@ pub use crate::store::ModelStore;
 
 use crate::error::{CoreError, Result};
 use crate::run::{RunDir, progress_bar};
+use aligner_parallel::shard_range;
 
 /// The file a trainer checkpoint writes last (its presence marks the checkpoint complete).
 pub const TRAINER_STATE: &str = "trainer_state.json";
@@ -84,6 +92,13 @@ pub trait Objective<M: Module> {
     /// Validation sums of a batch (no gradients).
     fn evaluate(&self, model: &M, batch: &[&Self::Example]) -> Result<Vec<EvalSum>>;
 
+    /// What a micro-batch's loss is the mean over (examples by default; SFT counts the trained
+    /// tokens): data-parallel ranks weigh their gradients and metrics by their share of it, so
+    /// that a batch split over ranks gives the loss of the whole batch.
+    fn loss_weight(&self, batch: &[&Self::Example]) -> f64 {
+        batch.len() as f64
+    }
+
     /// Metrics drawn in the run's plot besides the loss.
     fn plot_keys(&self) -> Vec<String> {
         Vec::new()
@@ -122,6 +137,10 @@ pub struct TrainerState {
     pub total_steps: usize,
     /// The seed the data order and step randomness derive from.
     pub seed: u64,
+    /// Ranks the optimiser state was sharded over (`optimizer-rank-R.bin`); 0 = one
+    /// `optimizer.bin`.
+    #[serde(default)]
+    pub optimizer_shards: usize,
 }
 
 /// The end of a run.
@@ -148,12 +167,17 @@ pub struct Trainer<'a, M: Module, O: Objective<M>> {
 }
 
 impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
+    /// Examples per micro-batch over all ranks.
+    fn global_batch(&self) -> usize {
+        self.config.batch_size.max(1) * self.run.comm().world_size()
+    }
+
     /// Optimiser steps of the whole run.
     pub fn total_steps(&self) -> usize {
         if self.config.max_steps > 0 {
             self.config.max_steps
         } else {
-            let per_epoch = self.train.len().div_ceil(self.config.batch_size.max(1));
+            let per_epoch = self.train.len().div_ceil(self.global_batch());
             (per_epoch * self.config.epochs.max(1)).div_ceil(self.config.grad_accum.max(1))
         }
     }
@@ -164,9 +188,15 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             0 => self.validation.len(),
             n => n.min(self.validation.len()),
         };
+        let comm = self.run.comm();
+        let (rank, world) = (comm.rank(), comm.world_size());
         let mut totals: Vec<(String, f64, f64)> = Vec::new();
         let refs: Vec<&O::Example> = self.validation[..limit].iter().collect();
-        for batch in refs.chunks(self.config.batch_size.max(1)) {
+        // Batches go to the ranks in turn; the sums are added up across ranks.
+        for (k, batch) in refs.chunks(self.config.batch_size.max(1)).enumerate() {
+            if k % world != rank {
+                continue;
+            }
             for s in self.objective.evaluate(&model, batch)? {
                 match totals.iter_mut().find(|t| t.0 == s.name) {
                     Some(t) => {
@@ -177,6 +207,9 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
                 }
             }
         }
+        if world > 1 {
+            totals = sum_by_name(crate::parallel::gather(comm, &totals)?);
+        }
         Ok(totals
             .into_iter()
             .map(|(name, sum, weight)| (format!("eval_{name}"), Value::from(sum / weight.max(1e-12))))
@@ -184,11 +217,38 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
     }
 
     fn save_checkpoint(&self, model: &M, optim: &ModuleOptimizer, state: &TrainerState) -> Result<()> {
+        // A sharded optimiser's state comes to rank 0 from every rank.
+        let shards = if state.optimizer_shards > 0 {
+            let bytes = optim
+                .into_bytes()
+                .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
+            self.run.comm().all_gather(&bytes)?
+        } else {
+            Vec::new()
+        };
         self.run.save_checkpoint(state.step, |tmp| {
             self.store.save(&model.valid(), tmp)?;
-            save_optimizer(optim, &tmp.join("optimizer.bin"))?;
+            if shards.is_empty() {
+                save_optimizer(optim, &tmp.join("optimizer.bin"))?;
+            }
+            for (rank, bytes) in shards.iter().enumerate() {
+                crate::checkpoint::write_atomic(&tmp.join(optimizer_shard(rank)), bytes)?;
+            }
             crate::checkpoint::write_json(&tmp.join(TRAINER_STATE), state)
         })?;
+        Ok(())
+    }
+
+    /// Every rank's weights checksum against rank 0's after `step`.
+    fn check_in_sync(&self, model: &M, step: usize) -> Result<()> {
+        let sums = crate::parallel::gather(self.run.comm(), &grads::weights_checksum(model))?;
+        if let Some(rank) = first_out_of_sync(&sums) {
+            return Err(CoreError::Invalid(format!(
+                "data parallel: rank {rank}'s weights differ from rank 0's after step {step} \
+                 (checksums {:?} and {:?}); the ranks no longer train one model",
+                sums[rank], sums[0]
+            )));
+        }
         Ok(())
     }
 
@@ -198,18 +258,42 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         self.config.check()?;
         let total = self.total_steps();
         let cfg = self.config;
+        let comm = self.run.comm();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let shards = if cfg.shard_optimizer && world > 1 {
+            world
+        } else {
+            0
+        };
         let train_device = self.device.clone().autodiff();
         let mut optim = adamw(cfg.weight_decay);
         let (mut model, start) = match self.run.resume_point(TRAINER_STATE)? {
             Some((step, dir)) => {
                 let model = self.store.load(&dir, &train_device)?.train();
-                optim = load_optimizer(optim, &dir.join("optimizer.bin"))?;
+                let state: TrainerState = crate::checkpoint::read_json(&dir.join(TRAINER_STATE))?;
+                if state.optimizer_shards != shards {
+                    return Err(CoreError::Invalid(format!(
+                        "--resume: {} holds the optimizer sharded over {} ranks, this run has {} \
+                         (train.shard_optimizer = {}, {world} ranks): resume with the same setting and world size",
+                        dir.display(),
+                        state.optimizer_shards,
+                        shards,
+                        cfg.shard_optimizer
+                    )));
+                }
+                let file = if shards > 0 {
+                    optimizer_shard(rank)
+                } else {
+                    "optimizer.bin".into()
+                };
+                optim = load_optimizer(optim, &dir.join(file))?;
                 tracing::info!(step, dir = %dir.display(), "resuming");
                 (model, step)
             }
             None => (model.fork(&train_device).train(), 0),
         };
-        let log = MetricsLog::open(self.run.path(), self.run.is_resumed().then_some(start))?;
+        let owners = (shards > 0).then(|| grads::optimizer_owners(&model, world));
+        let log = MetricsLog::for_run(self.run, self.run.is_resumed().then_some(start))?;
         let initial_eval = if start == 0 && !self.validation.is_empty() {
             let eval = self.evaluate(&model)?;
             let mut row = Map::new();
@@ -230,7 +314,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         let mut tokens_seen = 0usize;
         let accum = cfg.grad_accum.max(1);
         let mut order = EpochOrder::new(self.train.len(), cfg.shuffle, cfg.seed);
-        let batch_size = cfg.batch_size.max(1);
+        let global_batch = self.global_batch();
         for step in start..total {
             if self.run.stops_after().is_some_and(|s| step >= s) {
                 bar.abandon();
@@ -242,33 +326,82 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             let mut loss_sum = 0.0;
             let mut metric_sums: Vec<(String, f64)> = Vec::new();
             for micro in 0..accum {
-                let indices = order.batch(step * accum + micro, batch_size);
-                let batch: Vec<&O::Example> = indices.iter().map(|&i| &self.train[i]).collect();
+                let indices = order.batch(step * accum + micro, global_batch);
+                let shard = |r: usize| -> Vec<&O::Example> {
+                    indices[shard_range(indices.len(), r, world)]
+                        .iter()
+                        .map(|&i| &self.train[i])
+                        .collect()
+                };
+                let batch = shard(rank);
+                // This rank's share of what the whole micro-batch's loss is a mean over.
+                let share = if world == 1 {
+                    1.0
+                } else {
+                    let total: f64 = (0..world).map(|r| self.objective.loss_weight(&shard(r))).sum();
+                    self.objective.loss_weight(&batch) / total.max(1e-12)
+                };
+                if batch.is_empty() {
+                    continue;
+                }
                 let out = self.objective.step(&model, &batch)?;
                 let loss_value = out.loss.clone().into_scalar::<f32>() as f64;
-                if !loss_value.is_finite() {
+                if world == 1 && !loss_value.is_finite() {
                     bar.abandon();
-                    return Err(CoreError::Invalid(format!(
-                        "loss is {loss_value} at step {}; stopping. The last good checkpoint is kept in {}",
-                        step + 1,
-                        self.run.checkpoints().display()
-                    )));
+                    return Err(self.non_finite(loss_value, step));
                 }
-                loss_sum += loss_value;
+                loss_sum += share * loss_value;
                 tokens_seen += out.tokens;
                 for (name, v) in out.metrics {
                     match metric_sums.iter_mut().find(|m| m.0 == name) {
-                        Some(m) => m.1 += v,
-                        None => metric_sums.push((name, v)),
+                        Some(m) => m.1 += share * v,
+                        None => metric_sums.push((name, share * v)),
                     }
                 }
-                let grads = out.loss.div_scalar(accum as f64).backward();
-                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+                let mut loss = out.loss.div_scalar(accum as f64);
+                if world > 1 {
+                    loss = loss.mul_scalar(share);
+                }
+                accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
             }
             let mut grads = accumulator.grads();
+            if world > 1 {
+                // The one synchronisation point of a step: gradients, then the step's loss and
+                // metrics (so every rank stops together on a non-finite loss).
+                grads::all_reduce_gradients(&model, &mut grads, 1.0, comm)?;
+                let step_sums = (loss_sum, tokens_seen, metric_sums);
+                let all = crate::parallel::gather(comm, &step_sums)?;
+                loss_sum = all.iter().map(|s| s.0).sum();
+                tokens_seen = all.iter().map(|s| s.1).sum();
+                let by_rank: Vec<Vec<(String, f64, f64)>> = all
+                    .into_iter()
+                    .map(|s| s.2.into_iter().map(|(name, v)| (name, v, 0.0)).collect())
+                    .collect();
+                metric_sums = sum_by_name(by_rank)
+                    .into_iter()
+                    .map(|(name, v, _)| (name, v))
+                    .collect();
+                if !loss_sum.is_finite() {
+                    bar.abandon();
+                    return Err(self.non_finite(loss_sum, step));
+                }
+            }
             let grad_norm = grads::clip_grad_norm(&model, &mut grads, cfg.max_grad_norm);
             let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, total);
-            model = optim.step(lr, model, grads);
+            model = match &owners {
+                None => optim.step(lr, model, grads),
+                Some(owners) => {
+                    // ZeRO stage 1: each rank updates (and keeps moments for) its parameters.
+                    grads::keep_owned_gradients(&model, &mut grads, owners, rank);
+                    let updated = optim.step(lr, model, grads);
+                    grads::broadcast_owned_parameters(updated, owners, comm)?
+                }
+            };
+            if world > 1
+                && (step + 1 == total || (cfg.sync_check_every > 0 && (step + 1) % cfg.sync_check_every == 0))
+            {
+                self.check_in_sync(&model, step + 1)?;
+            }
 
             let done = step + 1;
             let loss = loss_sum / accum as f64;
@@ -296,29 +429,32 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
                     step: done,
                     total_steps: total,
                     seed: cfg.seed,
+                    optimizer_shards: shards,
                 };
                 self.save_checkpoint(&model, &optim, &state)?;
             }
         }
         bar.finish_and_clear();
-        self.store.save(&model.valid(), &self.run.final_dir())?;
-        let rows = log.rows()?;
-        let final_eval = rows
-            .iter()
-            .rev()
-            .find(|r| r.keys().any(|k| k.starts_with("eval_")))
-            .map(|r| {
-                r.iter()
-                    .filter(|(k, _)| k.starts_with("eval_"))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect()
-            })
-            .unwrap_or_default();
         let mut keys = vec!["loss".to_string()];
         keys.extend(self.objective.plot_keys());
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        plot_metrics(&rows, &key_refs, &self.run.join("metrics.svg"))?;
+        let mut final_eval = Map::new();
+        self.run.write_shared(|| {
+            self.store.save(&model.valid(), &self.run.final_dir())?;
+            let rows = log.rows()?;
+            final_eval = last_eval(&rows);
+            plot_metrics(&rows, &key_refs, &self.run.join("metrics.svg"))
+        })?;
+        let final_eval = self.run.agree(&final_eval)?;
         Ok((model, self.summary(total, initial_eval, final_eval)))
+    }
+
+    fn non_finite(&self, loss: f64, step: usize) -> CoreError {
+        CoreError::Invalid(format!(
+            "loss is {loss} at step {}; stopping. The last good checkpoint is kept in {}",
+            step + 1,
+            self.run.checkpoints().display()
+        ))
     }
 
     fn summary(
@@ -333,5 +469,69 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             initial_eval,
             final_eval,
         }
+    }
+}
+
+/// The first rank whose weights checksum differs from rank 0's (ranks apply the same reduced
+/// gradients, so their weights are equal bit for bit unless something went wrong).
+fn first_out_of_sync(sums: &[[f64; 2]]) -> Option<usize> {
+    sums.iter().position(|s| s != &sums[0])
+}
+
+/// The file rank `rank`'s share of a sharded optimiser state is saved in.
+pub fn optimizer_shard(rank: usize) -> String {
+    format!("optimizer-rank-{rank}.bin")
+}
+
+/// `(name, sum, weight)` triples of several ranks added up by name, in order of first
+/// appearance.
+fn sum_by_name(parts: Vec<Vec<(String, f64, f64)>>) -> Vec<(String, f64, f64)> {
+    let mut out: Vec<(String, f64, f64)> = Vec::new();
+    for (name, sum, weight) in parts.into_iter().flatten() {
+        match out.iter_mut().find(|t| t.0 == name) {
+            Some(t) => {
+                t.1 += sum;
+                t.2 += weight;
+            }
+            None => out.push((name, sum, weight)),
+        }
+    }
+    out
+}
+
+/// The validation metrics of the last row that has any.
+fn last_eval(rows: &[Map<String, Value>]) -> Map<String, Value> {
+    rows.iter()
+        .rev()
+        .find(|r| r.keys().any(|k| k.starts_with("eval_")))
+        .map(|r| {
+            r.iter()
+                .filter(|(k, _)| k.starts_with("eval_"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drifting_ranks_are_found_and_metrics_add_up_by_name() {
+        assert_eq!(first_out_of_sync(&[[1.0, 2.0], [1.0, 2.0]]), None);
+        assert_eq!(
+            first_out_of_sync(&[[1.0, 2.0], [1.0, 2.0], [1.0, 2.000001]]),
+            Some(2)
+        );
+        let parts = vec![
+            vec![("nll".to_string(), 3.0, 2.0)],
+            vec![],
+            vec![("acc".to_string(), 1.0, 1.0), ("nll".to_string(), 1.0, 2.0)],
+        ];
+        assert_eq!(
+            sum_by_name(parts),
+            vec![("nll".to_string(), 4.0, 4.0), ("acc".to_string(), 1.0, 1.0)]
+        );
     }
 }

@@ -1,0 +1,327 @@
+//! The MPI world: the processes `mpirun` / `srun` started, on one node or many.
+//!
+//! MPI is initialised with `MPI_THREAD_SERIALIZED` and every call goes through one mutex, so
+//! rank 0's work-queue dispatcher thread and its main thread never call MPI at once.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mpi::Threading;
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::point_to_point::MatchedReceiveVec;
+use mpi::topology::Communicator as _;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use super::queue::{LocalQueue, WorkQueue};
+use super::{CommError, CommResult, Communicator, ReduceOp, Traffic, TrafficMeter};
+
+struct Handles {
+    /// `None` once finalised.
+    universe: Option<Universe>,
+    world: SimpleCommunicator,
+}
+
+// SAFETY: MPI handles are plain integers or pointers owned by the MPI library; MPI is
+// initialised at MPI_THREAD_SERIALIZED and every use goes through the mutex around `Handles`,
+// so no two threads call MPI at once.
+unsafe impl Send for Handles {}
+
+struct Inner {
+    handles: Mutex<Handles>,
+    rank: usize,
+    size: usize,
+    traffic: TrafficMeter,
+    queues: AtomicU64,
+}
+
+impl Inner {
+    fn lock(&self) -> CommResult<MutexGuard<'_, Handles>> {
+        let guard = self
+            .handles
+            .lock()
+            .map_err(|_| CommError::Failed("MPI state poisoned by a panic".into()))?;
+        if guard.universe.is_none() {
+            return Err(CommError::Failed("MPI is already finalised".into()));
+        }
+        Ok(guard)
+    }
+}
+
+static STARTED: OnceLock<Arc<Inner>> = OnceLock::new();
+
+/// The MPI world of this process.
+pub(crate) struct Mpi {
+    inner: Arc<Inner>,
+}
+
+impl Mpi {
+    pub(crate) fn init() -> CommResult<Self> {
+        if let Some(inner) = STARTED.get() {
+            return Ok(Self { inner: inner.clone() });
+        }
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| CommError::Failed("MPI was initialised elsewhere".into()))?;
+        if threading < Threading::Serialized {
+            return Err(CommError::Failed(format!(
+                "this MPI library gives thread level {threading:?}; aligner needs Serialized"
+            )));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let inner = Arc::new(Inner {
+            handles: Mutex::new(Handles {
+                universe: Some(universe),
+                world,
+            }),
+            rank,
+            size,
+            traffic: TrafficMeter::default(),
+            queues: AtomicU64::new(0),
+        });
+        let _ = STARTED.set(inner.clone());
+        Ok(Self { inner })
+    }
+}
+
+/// Finalises MPI (after a barrier, so no rank leaves while another still needs it).
+pub(crate) fn finalize() {
+    if let Some(inner) = STARTED.get()
+        && let Ok(mut handles) = inner.handles.lock()
+    {
+        if handles.universe.is_some() {
+            handles.world.barrier();
+        }
+        drop(handles.universe.take());
+    }
+}
+
+/// `MPI_Abort` on the world: mpirun ends every rank.
+pub(crate) fn abort(code: i32) {
+    if let Some(inner) = STARTED.get() {
+        // The lock may be held by a rank stuck in a collective; abort does not need it.
+        let handles = match inner.handles.try_lock() {
+            Ok(handles) => handles,
+            Err(_) => std::process::exit(code),
+        };
+        if handles.universe.is_some() {
+            handles.world.abort(code);
+        }
+    }
+}
+
+fn reduce<T>(world: &SimpleCommunicator, buf: &mut [T], op: ReduceOp)
+where
+    T: Copy + Equivalence,
+{
+    let send = buf.to_vec();
+    match op {
+        ReduceOp::Max => world.all_reduce_into(&send[..], buf, SystemOperation::max()),
+        ReduceOp::Sum | ReduceOp::Mean => world.all_reduce_into(&send[..], buf, SystemOperation::sum()),
+    }
+}
+
+impl Communicator for Mpi {
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.size
+    }
+
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
+        let started = Instant::now();
+        reduce(&self.inner.lock()?.world, buf, op);
+        if op == ReduceOp::Mean {
+            let inv = 1.0 / self.inner.size as f32;
+            buf.iter_mut().for_each(|x| *x *= inv);
+        }
+        self.inner
+            .traffic
+            .record(std::mem::size_of_val(buf), started.elapsed());
+        Ok(())
+    }
+
+    fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> CommResult<()> {
+        reduce(&self.inner.lock()?.world, buf, op);
+        if op == ReduceOp::Mean {
+            let n = self.inner.size as f64;
+            buf.iter_mut().for_each(|x| *x /= n);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()> {
+        let handles = self.inner.lock()?;
+        let root = handles.world.process_at_rank(root as i32);
+        let mut len = bytes.len() as u64;
+        root.broadcast_into(&mut len);
+        bytes.resize(len as usize, 0);
+        root.broadcast_into(&mut bytes[..]);
+        Ok(())
+    }
+
+    fn all_gather(&self, bytes: &[u8]) -> CommResult<Vec<Vec<u8>>> {
+        let handles = self.inner.lock()?;
+        let mut lengths = vec![0u64; self.inner.size];
+        handles
+            .world
+            .all_gather_into(&(bytes.len() as u64), &mut lengths[..]);
+        let counts: Vec<i32> = lengths
+            .iter()
+            .map(|&n| i32::try_from(n))
+            .collect::<Result<_, _>>()
+            .map_err(|_| CommError::Failed("all-gather of more than 2 GiB from one rank".into()))?;
+        let displs: Vec<i32> = counts
+            .iter()
+            .scan(0i32, |acc, &n| {
+                let at = *acc;
+                *acc += n;
+                Some(at)
+            })
+            .collect();
+        let total: usize = lengths.iter().map(|&n| n as usize).sum();
+        let mut all = vec![0u8; total];
+        {
+            let mut partition = PartitionMut::new(&mut all[..], counts, &displs[..]);
+            handles.world.all_gather_varcount_into(bytes, &mut partition);
+        }
+        let mut out = Vec::with_capacity(self.inner.size);
+        let mut at = 0usize;
+        for n in lengths {
+            out.push(all[at..at + n as usize].to_vec());
+            at += n as usize;
+        }
+        Ok(out)
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.inner.lock()?.world.barrier();
+        Ok(())
+    }
+
+    fn work_queue(&self, items: usize, chunk: usize) -> CommResult<Box<dyn WorkQueue + '_>> {
+        // Each queue has its own tag, so a request for the next queue is never answered by
+        // this one's dispatcher.
+        let tag = 1000 + (self.inner.queues.fetch_add(1, Ordering::SeqCst) % 30_000) as i32;
+        if self.inner.size == 1 {
+            return Ok(Box::new(LocalQueue::new(items, chunk)));
+        }
+        if self.inner.rank == 0 {
+            let local = LocalQueue::new(items, chunk);
+            let (inner, shared) = (self.inner.clone(), local.clone());
+            let dispatcher = std::thread::spawn(move || dispatch(&inner, &shared, tag));
+            Ok(Box::new(RootQueue {
+                local,
+                dispatcher: Some(dispatcher),
+            }))
+        } else {
+            Ok(Box::new(RemoteQueue {
+                inner: self.inner.clone(),
+                tag,
+                done: false,
+            }))
+        }
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.traffic.read()
+    }
+}
+
+/// Rank 0's dispatcher: answers each request with the next chunk until every other rank has
+/// been told the queue is empty.
+fn dispatch(inner: &Inner, queue: &LocalQueue, tag: i32) -> CommResult<()> {
+    let mut finished = 0;
+    while finished + 1 < inner.size {
+        let answered = {
+            let handles = inner.lock()?;
+            match handles.world.any_process().immediate_matched_probe_with_tag(tag) {
+                Some(message) => {
+                    let (_, status): (Vec<u64>, _) = message.matched_receive_vec();
+                    let chunk = queue.take();
+                    let reply = chunk.clone().map_or([0, 0], |r| [r.start as u64, r.end as u64]);
+                    handles
+                        .world
+                        .process_at_rank(status.source_rank())
+                        .send_with_tag(&reply[..], tag);
+                    Some(chunk.is_none())
+                }
+                None => None,
+            }
+        };
+        match answered {
+            Some(true) => finished += 1,
+            Some(false) => {}
+            None => std::thread::sleep(Duration::from_micros(200)),
+        }
+    }
+    Ok(())
+}
+
+struct RootQueue {
+    local: LocalQueue,
+    dispatcher: Option<JoinHandle<CommResult<()>>>,
+}
+
+impl RootQueue {
+    fn join(&mut self) -> CommResult<()> {
+        match self.dispatcher.take() {
+            Some(handle) => handle
+                .join()
+                .map_err(|_| CommError::Failed("work-queue dispatcher panicked".into()))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl WorkQueue for RootQueue {
+    fn next_chunk(&mut self) -> CommResult<Option<Range<usize>>> {
+        match self.local.take() {
+            Some(chunk) => Ok(Some(chunk)),
+            None => {
+                // Every other rank has been told the queue is empty once this returns, so the
+                // next collective cannot cross a request.
+                self.join()?;
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Drop for RootQueue {
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
+}
+
+struct RemoteQueue {
+    inner: Arc<Inner>,
+    tag: i32,
+    done: bool,
+}
+
+impl WorkQueue for RemoteQueue {
+    fn next_chunk(&mut self) -> CommResult<Option<Range<usize>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let handles = self.inner.lock()?;
+        let root = handles.world.process_at_rank(0);
+        root.send_with_tag(&[self.inner.rank as u64][..], self.tag);
+        let (reply, _) = root.receive_vec_with_tag::<u64>(self.tag);
+        match reply.as_slice() {
+            [start, end] if start < end => Ok(Some(*start as usize..*end as usize)),
+            _ => {
+                self.done = true;
+                Ok(None)
+            }
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! Data parallel under `mpirun`: N ranks with batch b train exactly like one process with batch
+//! N·b (weights and metrics within 1e-5), a sharded optimiser gives the same weights, an
+//! interrupted multi-rank run resumes to where the uninterrupted one ends, and PPO, KTO, SPIN,
+//! rejection sampling and SteerLM run across ranks.
+//!
+//! Needs OpenMPI (`mpirun`) and the binary built with the `mpi` feature:
+//! `cargo test --release --workspace --features aligner-cli/mpi,aligner-tests/mpi`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use aligner_tests::{aligner, aligner_exe, metrics, repo};
+use serde_json::Value;
+
+/// `mpirun -np N` around a program, one thread per rank (the CI machine has two cores).
+fn mpirun(np: usize, program: &Path) -> Command {
+    let mut command = Command::new("mpirun");
+    command
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-x",
+            "RAYON_NUM_THREADS=1",
+            "-np",
+        ])
+        .arg(np.to_string())
+        .arg(program)
+        .current_dir(repo());
+    command
+}
+
+/// Runs `aligner args` on `np` ranks (one process without mpirun for `np == 1`).
+fn ranks(np: usize, args: &[&str]) {
+    let out = if np == 1 {
+        Command::new(aligner_exe())
+            .env("RAYON_NUM_THREADS", "1")
+            .args(args)
+            .current_dir(repo())
+            .output()
+            .unwrap()
+    } else {
+        mpirun(np, &aligner_exe()).args(args).output().unwrap()
+    };
+    assert!(
+        out.status.success(),
+        "{np} ranks: aligner {args:?}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn tensors(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
+
+/// Largest absolute difference between the weights of two model folders.
+fn weights_diff(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (tensors(a), tensors(b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+/// The two runs logged the same rows (same steps, same keys) with values within `tol`.
+fn same_metrics(a: &Path, b: &Path, tol: f64) {
+    let (ra, rb) = (metrics(a), metrics(b));
+    assert_eq!(
+        ra.len(),
+        rb.len(),
+        "metrics rows of {} and {}",
+        a.display(),
+        b.display()
+    );
+    for (x, y) in ra.iter().zip(&rb) {
+        let (x, y) = (x.as_object().unwrap(), y.as_object().unwrap());
+        assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
+        for (key, value) in x {
+            if x["step"].as_u64().unwrap() <= 1 && key.contains("accuracy") {
+                // Until the first update (the initial validation and step 1's own batch) the
+                // policy is the reference: each margin is rounding noise (~1e-7) and its sign,
+                // which accuracy counts, is noise too.
+                continue;
+            }
+            let (p, q) = (value.as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!((p - q).abs() <= tol * (1.0 + p.abs()), "{key}: {p} against {q}");
+        }
+    }
+}
+
+/// The first `n` lines of a shipped data file, as a file of its own.
+fn head(file: &str, n: usize, out: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(repo().join("assets/tinystories_sentiment").join(file)).unwrap();
+    let lines: String = text.lines().take(n).map(|l| format!("{l}\n")).collect();
+    std::fs::write(out, lines).unwrap();
+    out.to_path_buf()
+}
+
+/// `command` with global batch `global` trained by 1, 2 and 3 ranks (batch `global / N`
+/// each): the weights and metrics of the multi-rank runs equal the one-process run's.
+fn trains_as_one_process(command: &[&str], global: usize, sets: &[String], tmp: &Path) {
+    let run_of = |np: usize| tmp.join(format!("{}-np{np}", command.join("-")));
+    for np in [1, 2, 3] {
+        let out = run_of(np);
+        let batch = format!("train.batch_size={}", global / np);
+        let mut args: Vec<&str> = command.to_vec();
+        args.extend(["--out", out.to_str().unwrap(), "--set", &batch]);
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        ranks(np, &args);
+    }
+    for np in [2, 3] {
+        let diff = weights_diff(&run_of(1).join("final"), &run_of(np).join("final"));
+        assert!(
+            diff <= 1e-5,
+            "{command:?}: {np} ranks end {diff} from one process"
+        );
+        same_metrics(&run_of(1), &run_of(np), 1e-5);
+    }
+}
+
+#[test]
+fn collectives_hold_on_two_and_three_ranks() {
+    let example = aligner_exe().parent().unwrap().join("examples/collectives");
+    assert!(
+        example.exists(),
+        "{} is built by `cargo test --workspace`",
+        example.display()
+    );
+    for np in [2, 3] {
+        let out = mpirun(np, &example).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout.matches("collectives ok").count(), np, "{stdout}");
+    }
+}
+
+#[test]
+fn sft_on_two_and_three_ranks_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    // 26 examples in global batches of 12: the last batch of each epoch has 2, so with three
+    // ranks one rank's shard is empty; 30 validation examples in batches of 4 per rank are
+    // shared out unevenly too.
+    let train = head("train.sft.jsonl", 26, &dir.path().join("train.jsonl"));
+    let sets = [
+        format!("data.train={}", train.display()),
+        "train.epochs=2".into(),
+        // AdamW divides by √v: a weight whose gradient is near zero moves by up to lr × (its
+        // gradient's relative rounding), so the 1e-5 bound holds at lr 5e-4 (3.9e-6 measured;
+        // 1.6e-5 at the default 2e-3).
+        "train.lr=5e-4".into(),
+        "train.grad_accum=2".into(),
+        "train.eval_every=1".into(),
+        "train.eval_examples=30".into(),
+        "train.sync_check_every=1".into(),
+    ];
+    trains_as_one_process(&["sft"], 12, &sets, dir.path());
+}
+
+#[test]
+fn rm_and_dpo_on_two_and_three_ranks_train_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "train.max_steps=5".to_string(),
+        "train.eval_examples=20".into(),
+        "train.eval_every=5".into(),
+    ];
+    trains_as_one_process(&["rm"], 12, &sets, dir.path());
+    // DPO's reference log-probs are computed a shard per rank and gathered into one cache.
+    trains_as_one_process(&["dpo"], 12, &sets, dir.path());
+    let single = std::fs::read_to_string(dir.path().join("dpo-np1/reference_train.jsonl")).unwrap();
+    let three = std::fs::read_to_string(dir.path().join("dpo-np3/reference_train.jsonl")).unwrap();
+    let parse = |t: &str| t.lines().map(|l| l.parse::<f64>().unwrap()).collect::<Vec<_>>();
+    let (a, b) = (parse(&single), parse(&three));
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4));
+}
+
+#[test]
+fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["--set", "train.max_steps=8", "--set", "train.save_every=3"];
+    let whole = dir.path().join("whole");
+    let mut args = vec![
+        "sft",
+        "--out",
+        whole.to_str().unwrap(),
+        "--set",
+        "train.batch_size=8",
+    ];
+    args.extend(sets);
+    ranks(1, &args);
+
+    let split = dir.path().join("split");
+    let mut args = vec![
+        "sft",
+        "--out",
+        split.to_str().unwrap(),
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.shard_optimizer=true",
+        "--stop-after",
+        "4",
+    ];
+    args.extend(sets);
+    ranks(2, &args);
+    // Each rank's share of AdamW's moments is in the checkpoint; nothing else is per rank.
+    let checkpoint = split.join("checkpoints/step-3");
+    for file in [
+        "optimizer-rank-0.bin",
+        "optimizer-rank-1.bin",
+        "trainer_state.json",
+    ] {
+        assert!(checkpoint.join(file).exists(), "{file}");
+    }
+    assert!(!checkpoint.join("optimizer.bin").exists());
+    assert!(!split.join("final").exists());
+    ranks(2, &["sft", "--resume", split.to_str().unwrap()]);
+    let diff = weights_diff(&whole.join("final"), &split.join("final"));
+    assert!(diff <= 1e-5, "resumed sharded run ends {diff} away");
+    same_metrics(&whole, &split, 1e-5);
+
+    // The optimiser's shards belong to two ranks: three cannot resume them.
+    let out = mpirun(3, &aligner_exe())
+        .args(["sft", "--resume", split.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("shard_optimizer"), "{err}");
+}
+
+#[test]
+fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let rm = dir.path().join("rm");
+    let (ok, err) = aligner(&["rm", "--out", rm.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let rm_set = format!("reward_model.path={}", rm.join("final").display());
+    let eval_rewards = |np: usize| -> Vec<f64> {
+        let run = dir.path().join(format!("ppo-np{np}"));
+        ranks(
+            np,
+            &[
+                "ppo",
+                "--out",
+                run.to_str().unwrap(),
+                "--set",
+                "ppo.steps=8",
+                "--set",
+                &rm_set,
+            ],
+        );
+        if np > 1 {
+            let timing = std::fs::read_to_string(run.join("timing.md")).unwrap();
+            assert!(
+                timing.contains("| rank | generation seconds |") && timing.contains("imbalance"),
+                "{timing}"
+            );
+        }
+        metrics(&run)
+            .iter()
+            .filter_map(|r| r.get("eval_reward").and_then(Value::as_f64))
+            .collect()
+    };
+    let (one, two) = (eval_rewards(1), eval_rewards(2));
+    assert!((one[0] - two[0]).abs() < 1e-6, "same start: {one:?} {two:?}");
+    let (gain_one, gain_two) = (one.last().unwrap() - one[0], two.last().unwrap() - two[0]);
+    assert!(gain_one > 2.0 && gain_two > 2.0, "{one:?} {two:?}");
+    assert!((gain_one - gain_two).abs() < 1.0, "{one:?} {two:?}");
+}
+
+#[test]
+fn kto_spin_rejection_sampling_and_annotation_run_on_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    ranks(2, &["kto", "--out", &out("kto"), "--set", "train.max_steps=4"]);
+    assert!(dir.path().join("kto/final/model.safetensors").exists());
+    ranks(
+        2,
+        &[
+            "spin",
+            "--out",
+            &out("spin"),
+            "--set",
+            "spin.iterations=1",
+            "--set",
+            "train.max_steps=3",
+        ],
+    );
+    // Rank 0 wrote one answer per prompt, generated across both ranks' engines.
+    let answers = std::fs::read_to_string(dir.path().join("spin/iter-1/generations.jsonl")).unwrap();
+    let prompts =
+        std::fs::read_to_string(repo().join("assets/tinystories_sentiment/train.sft.jsonl")).unwrap();
+    assert_eq!(answers.lines().count(), prompts.lines().count());
+    let attributes = out("attributes");
+    ranks(
+        2,
+        &[
+            "steerlm",
+            "attributes",
+            "--out",
+            &attributes,
+            "--set",
+            "train.max_steps=3",
+        ],
+    );
+    let labelled = out("labelled.jsonl");
+    ranks(
+        2,
+        &[
+            "steerlm",
+            "annotate",
+            "--model",
+            &format!("{attributes}/final"),
+            "--data",
+            "assets/tinystories_sentiment/test.sft.jsonl",
+            "--out",
+            &labelled,
+        ],
+    );
+    let rows = std::fs::read_to_string(&labelled).unwrap();
+    let test = std::fs::read_to_string(repo().join("assets/tinystories_sentiment/test.sft.jsonl")).unwrap();
+    assert_eq!(rows.lines().count(), test.lines().count());
+    let rm = out("rm");
+    ranks(1, &["rm", "--out", &rm, "--set", "train.max_steps=20"]);
+    ranks(
+        2,
+        &[
+            "rs",
+            "--out",
+            &out("rs"),
+            "--set",
+            "rs.rounds=1",
+            "--set",
+            &format!("reward_model.path={rm}/final"),
+        ],
+    );
+    assert!(dir.path().join("rs/final/model.safetensors").exists());
+}
