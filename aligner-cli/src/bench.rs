@@ -30,6 +30,8 @@ pub enum BenchCommand {
         iters: usize,
     },
     /// SFT training tokens/s (forward + backward + AdamW step) at batch × seq tokens per step.
+    /// Under `mpirun -np N` the batch is split over the ranks (batch / N each) and the
+    /// gradients are all-reduced every step; the table adds the all-reduce's time and bytes.
     Train {
         #[arg(long, default_value_t = 8)]
         batch: usize,
@@ -198,11 +200,15 @@ fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
     use burn::module::Module;
     use burn::optim::{AdamWConfig, GradientsParams};
 
+    let comm = aligner_parallel::world();
     let mut model = model.fork(&device.clone().autodiff()).train();
     let mut optim = AdamWConfig::new().init();
     let mut step = |model: CausalLm| -> Result<CausalLm> {
         let out = objective.step(&model, batch)?;
-        let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+        let mut grads = GradientsParams::from_grads(out.loss.backward(), &model);
+        // Data parallel: the step's one synchronisation (a no-op in one process).
+        let share = 1.0 / comm.world_size() as f32;
+        aligner_core::train::grads::all_reduce_gradients(&model, &mut grads, share, comm.as_ref())?;
         Ok(optim.step(1e-4, model, grads))
     };
     model = step(model)?;
@@ -223,10 +229,21 @@ fn synthetic_ids(salt: usize, len: usize, vocab: usize) -> Vec<u32> {
 fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) -> Result<()> {
     use aligner_core::sft::{SftExample, SftObjective};
 
-    println!("| model | params | batch × seq | ms / step | tokens/s |");
-    println!("|---|---:|---:|---:|---:|");
+    let comm = aligner_parallel::world();
+    let ranks = comm.world_size();
+    if batch % ranks != 0 {
+        anyhow::bail!("--batch {batch} does not split evenly over {ranks} ranks");
+    }
+    let per_rank = batch / ranks;
+    if comm.is_root() {
+        println!(
+            "| model | params | ranks × threads | batch × seq | ms / step | steps/s | tokens/s | all-reduce ms / step | all-reduce MB / step |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    }
     for (name, config, model) in models(device, only)? {
-        let examples: Vec<SftExample> = (0..batch)
+        // This rank's rows of the global batch.
+        let examples: Vec<SftExample> = (comm.rank() * per_rank..(comm.rank() + 1) * per_rank)
             .map(|b| SftExample {
                 ids: synthetic_ids(b, seq, config.vocab_size),
                 trained: (0..seq).map(|t| t > 0).collect(),
@@ -235,12 +252,22 @@ fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) ->
             .collect();
         let refs: Vec<&SftExample> = examples.iter().collect();
         let params = parameter_count(&model);
+        let before = comm.traffic();
         let per = seconds_per_step(model, device, &SftObjective, &refs, steps)?;
-        println!(
-            "| {name} | {params} | {batch} × {seq} | {:.1} | {:.0} |",
-            per * 1e3,
-            (batch * seq) as f64 / per
-        );
+        let after = comm.traffic();
+        // The warm-up step's all-reduce is counted too.
+        let timed = (steps.max(1) + 1) as f64;
+        let threads = rayon::current_num_threads();
+        if comm.is_root() {
+            println!(
+                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {:.1} | {:.2} | {:.0} | {:.1} | {:.1} |",
+                per * 1e3,
+                1.0 / per,
+                (batch * seq) as f64 / per,
+                (after.seconds - before.seconds) / timed * 1e3,
+                (after.bytes - before.bytes) as f64 / timed / 1e6,
+            );
+        }
     }
     Ok(())
 }

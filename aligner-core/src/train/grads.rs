@@ -104,8 +104,15 @@ impl ModuleVisitor for Flatten<'_> {
         let n = value.shape().num_elements();
         match self.grads.get::<D>(param.id) {
             Some(g) => {
+                let start = self.values.len();
                 let data = g.into_data();
-                self.values.extend(data.iter::<f32>().map(|x| x * self.scale));
+                match data.as_slice::<f32>() {
+                    Ok(slice) => self.values.extend_from_slice(slice),
+                    Err(_) => self.values.extend(data.iter::<f32>()),
+                }
+                if self.scale != 1.0 {
+                    self.values[start..].iter_mut().for_each(|x| *x *= self.scale);
+                }
                 self.present.push(1.0);
             }
             None => {
