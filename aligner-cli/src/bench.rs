@@ -231,7 +231,7 @@ fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) ->
 
     let comm = aligner_parallel::world();
     let ranks = comm.world_size();
-    if batch % ranks != 0 {
+    if !batch.is_multiple_of(ranks) {
         anyhow::bail!("--batch {batch} does not split evenly over {ranks} ranks");
     }
     let per_rank = batch / ranks;

@@ -177,7 +177,7 @@ impl PpoRunner<'_> {
             let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
             times.logprobs = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let critic_out: InferReply = self.from_root(pending.map(|p| p.wait()).transpose()?)?;
+            let critic_out: InferReply = self.shared_by_root(pending.map(|p| p.wait()).transpose()?)?;
             times.critic_wait = t.elapsed().as_secs_f64();
             times.critic_compute = critic_out.seconds;
 
@@ -204,7 +204,8 @@ impl PpoRunner<'_> {
             if train_values {
                 let t = Instant::now();
                 let reply = value_ticket.map(|t| t.wait()).transpose()?;
-                let (loss, seconds): (f64, f64) = self.from_root(reply.map(|r| (r.value_loss, r.seconds)))?;
+                let (loss, seconds): (f64, f64) =
+                    self.shared_by_root(reply.map(|r| (r.value_loss, r.seconds)))?;
                 times.critic_wait += t.elapsed().as_secs_f64();
                 times.critic_compute += seconds;
                 value_loss = Some(loss);
@@ -410,7 +411,7 @@ impl PpoRunner<'_> {
     }
 
     /// Rank 0's `value` (a critic reply only rank 0 asked for) on every rank.
-    fn from_root<T: Serialize + DeserializeOwned>(&self, value: Option<T>) -> Result<T> {
+    fn shared_by_root<T: Serialize + DeserializeOwned>(&self, value: Option<T>) -> Result<T> {
         self.run
             .agree(&value)?
             .ok_or_else(|| PpoError::Critic("rank 0 holds no critic".into()))
@@ -642,7 +643,7 @@ impl PpoRunner<'_> {
             Some(rm) => self.local_rewards(rm, &sequences)?,
             None => {
                 let reply = critic.map(|c| c.infer(sequences).wait()).transpose()?;
-                self.from_root(reply.map(|r| r.rewards))?
+                self.shared_by_root(reply.map(|r| r.rewards))?
             }
         };
         Ok(mean(&rewards))

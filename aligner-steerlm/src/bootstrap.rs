@@ -145,6 +145,7 @@ pub fn guidance_negative(
 /// One response per prompt and setting (prompt-major), each prompt conditioned on its setting
 /// by the model's own template. The rows carry the plain prompt and no attributes yet: the
 /// attribute model labels them.
+#[allow(clippy::too_many_arguments)] // the sampling inputs, the progress hook and the process group
 pub fn sample(
     engine: &mut Engine,
     tokenizer: &TextTokenizer,
