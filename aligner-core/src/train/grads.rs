@@ -105,11 +105,7 @@ impl ModuleVisitor for Flatten<'_> {
         match self.grads.get::<D>(param.id) {
             Some(g) => {
                 let start = self.values.len();
-                let data = g.into_data();
-                match data.as_slice::<f32>() {
-                    Ok(slice) => self.values.extend_from_slice(slice),
-                    Err(_) => self.values.extend(data.iter::<f32>()),
-                }
+                extend_with_values(&mut self.values, g);
                 if self.scale != 1.0 {
                     self.values[start..].iter_mut().for_each(|x| *x *= self.scale);
                 }
@@ -120,6 +116,16 @@ impl ModuleVisitor for Flatten<'_> {
                 self.present.push(0.0);
             }
         }
+    }
+}
+
+/// Appends a tensor's values as f32 (one copy when they already are f32, as gradients and
+/// weights are).
+fn extend_with_values<const D: usize>(out: &mut Vec<f32>, tensor: Tensor<D>) {
+    let data = tensor.into_data();
+    match data.as_slice::<f32>() {
+        Ok(slice) => out.extend_from_slice(slice),
+        Err(_) => out.extend(data.iter::<f32>()),
     }
 }
 
@@ -193,7 +199,9 @@ pub fn weights_checksum<M: Module>(module: &M) -> [f64; 2] {
     struct Sums([f64; 2]);
     impl ModuleVisitor for Sums {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            for x in param.val().into_data().iter::<f32>() {
+            let mut values = Vec::new();
+            extend_with_values(&mut values, param.val());
+            for x in values {
                 self.0[0] += x as f64;
                 self.0[1] += (x as f64) * (x as f64);
             }
@@ -271,7 +279,7 @@ pub fn broadcast_owned_parameters<M: Module>(
                 return;
             }
             if self.owners.get(self.index) == Some(&self.owner) {
-                self.values.extend(value.into_data().iter::<f32>());
+                extend_with_values(&mut self.values, value);
             }
             self.index += 1;
         }
