@@ -21,7 +21,8 @@ use clap::{Parser, Subcommand};
     about = "Align language models with human preferences"
 )]
 struct Cli {
-    /// Compute device: `cpu`, or `cuda` / `cuda:N` in builds with the `cuda` feature.
+    /// Compute device: `cpu`; `wgpu`, `wgpu:cpu`, `wgpu:N` in builds with the `wgpu` feature;
+    /// `cuda`, `cuda:N` in builds with the `cuda` feature.
     #[arg(long, global = true, default_value = "cpu")]
     device: String,
     #[command(subcommand)]
@@ -62,22 +63,44 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// The device `--device` names: `cpu`, and in GPU builds `wgpu` (Burn's wgpu backend: Vulkan,
+/// Metal or DX12; `wgpu:cpu` for a software adapter such as lavapipe, `wgpu:N` for the N-th
+/// discrete GPU) and `cuda` / `cuda:N`.
 fn device(name: &str) -> Result<Device> {
+    let index = |prefix: &str| -> Result<Option<usize>> {
+        name.strip_prefix(prefix)
+            .map(|rest| {
+                rest.parse()
+                    .map_err(|_| anyhow::anyhow!("--device {name:?}: {rest:?} is not a device index"))
+            })
+            .transpose()
+    };
     match name {
         "cpu" | "flex" => Ok(Device::flex()),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(feature = "wgpu")]
+        "wgpu:cpu" => Ok(Device::wgpu(burn::tensor::DeviceKind::Cpu)),
+        #[cfg(feature = "wgpu")]
+        wgpu if wgpu.starts_with("wgpu:") => Ok(Device::wgpu(burn::tensor::DeviceKind::DiscreteGpu(
+            index("wgpu:")?.unwrap_or(0),
+        ))),
         #[cfg(feature = "cuda")]
-        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => {
-            let index: usize = cuda
-                .strip_prefix("cuda:")
-                .map(str::parse)
-                .transpose()?
-                .unwrap_or(0);
-            Ok(Device::cuda(index))
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => Ok(Device::cuda(index("cuda:")?.unwrap_or(0))),
+        other => {
+            let _ = index;
+            let mut have = vec!["cpu"];
+            if cfg!(feature = "wgpu") {
+                have.push("wgpu, wgpu:cpu, wgpu:N");
+            }
+            if cfg!(feature = "cuda") {
+                have.push("cuda, cuda:N");
+            }
+            bail!(
+                "unknown device {other:?} (this build has: {}; GPU devices need the `wgpu` or `cuda` feature)",
+                have.join(", ")
+            )
         }
-        other => bail!(
-            "unknown device {other:?} (this build has: cpu{})",
-            if cfg!(feature = "cuda") { ", cuda" } else { "" }
-        ),
     }
 }
 

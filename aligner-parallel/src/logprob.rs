@@ -40,8 +40,9 @@ pub fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>, chunk_tokens: 
 ///
 /// The projection itself is chunked too, so neither `[batch, seq, vocab]` logits nor their
 /// log-softmax are ever materialised at once. Differentiable with respect to `hidden` and
-/// `weight`. On the Flex CPU backend each chunk is one [`crate::fused_token_logprobs`] node
-/// (hand-written backward); elsewhere it is composed from Burn ops.
+/// `weight`. On the Flex CPU backend and on Cube devices (wgpu, CUDA) each chunk is one
+/// [`crate::fused_token_logprobs`] node (hand-written backward); elsewhere it is composed from
+/// Burn ops.
 pub fn token_logprobs_from_hidden(
     hidden: Tensor<3>,
     weight: Tensor<2>,
@@ -52,7 +53,8 @@ pub fn token_logprobs_from_hidden(
     let rows = batch * seq;
     let flat = hidden.reshape([rows, d_model]);
     let flat_targets = targets.reshape([rows, 1]);
-    let fused = crate::fused_available(&flat.device());
+    let device = flat.device();
+    let fused = crate::fused_available(&device) || crate::cube_kernels_available(&device);
     let out = chunked_rows(rows, chunk_tokens, |start, end| {
         let chunk = flat.clone().slice([start..end, 0..d_model]);
         let ids = flat_targets.clone().slice([start..end, 0..1]);

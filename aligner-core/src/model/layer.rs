@@ -34,8 +34,9 @@ impl Mlp {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let gate = self.gate_proj.forward(x.clone());
         let up = self.up_proj.forward(x);
-        // Training on CPU: one fused node instead of sigmoid, two products and their backward.
-        let hidden = if gate.is_autodiff() && aligner_parallel::fused_available(&gate.device()) {
+        // Training on CPU, and on GPUs: one fused node instead of sigmoid, two products and
+        // their backward.
+        let hidden = if fused_here(&gate) {
             aligner_parallel::fused_swiglu(gate, up)
         } else {
             silu(gate) * up
@@ -56,11 +57,19 @@ pub struct DecoderLayer {
 /// `norm.forward(x)`, as one fused node when training on CPU (Burn's is seven: casts, square,
 /// mean, add, sqrt, div, mul).
 pub fn norm(norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
-    if x.is_autodiff() && aligner_parallel::fused_available(&x.device()) {
+    if fused_here(&x) {
         aligner_parallel::fused_rms_norm(x, norm.gamma.val(), norm.epsilon)
     } else {
         norm.forward(x)
     }
+}
+
+/// Whether `x`'s ops take the fused path: training on the CPU (its inference has its own
+/// kernels in aligner-gen), and always on Cube devices (aligner's CubeCL kernels).
+fn fused_here(x: &Tensor<3>) -> bool {
+    let device = x.device();
+    (x.is_autodiff() && aligner_parallel::fused_available(&device))
+        || aligner_parallel::cube_kernels_available(&device)
 }
 
 /// An HF-style RMSNorm (`x · rsqrt(mean(x²) + ε) · w`) of width `d`.

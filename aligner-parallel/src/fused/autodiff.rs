@@ -8,7 +8,8 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::{Autodiff, Backend, TensorMetadata, tensor::FloatTensor, tensor::IntTensor};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, tensor::FloatTensor, tensor::IntTensor};
 use burn::tensor::TensorData;
 
 use super::host::{self, AttentionShape, SoftmaxRows};
@@ -192,14 +193,14 @@ impl<B: Backend> Backward<B, 2> for RmsNorm {
     }
 }
 
-impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
     fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         let nodes = [x.node(), gamma.node()];
         let device = x.primitive().device();
-        let (xs, dims) = host_values::<B>(x.into_primitive());
-        let (w, _) = host_values::<B>(gamma.into_primitive());
+        let (xs, dims) = host_values::<Flex>(x.into_primitive());
+        let (w, _) = host_values::<Flex>(gamma.into_primitive());
         let (y, inv) = host::rms_norm_forward(&xs, &w, eps);
-        let y = B::float_from_data(TensorData::new(y, dims.clone()), &device);
+        let y = Flex::float_from_data(TensorData::new(y, dims.clone()), &device);
         match RmsNorm.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(Arc::new(RmsNormState { x: xs, w, inv, dims }), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
@@ -209,10 +210,10 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let nodes = [gate.node(), up.node()];
         let device = gate.primitive().device();
-        let (g, dims) = host_values::<B>(gate.into_primitive());
-        let (u, _) = host_values::<B>(up.into_primitive());
+        let (g, dims) = host_values::<Flex>(gate.into_primitive());
+        let (u, _) = host_values::<Flex>(up.into_primitive());
         let out = host::swiglu_forward(&g, &u);
-        let out = B::float_from_data(TensorData::new(out, dims.clone()), &device);
+        let out = Flex::float_from_data(TensorData::new(out, dims.clone()), &device);
         match Swiglu.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(Arc::new(SwigluState { gate: g, up: u, dims }), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
@@ -226,12 +227,12 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     ) -> FloatTensor<Self> {
         let nodes = [hidden.node(), weight.node()];
         let device = hidden.primitive().device();
-        let (h, [_, d]) = host_floats::<B, 2>(hidden.into_primitive());
-        let (w, [_, v]) = host_floats::<B, 2>(weight.into_primitive());
-        let t = host_ints::<B>(targets);
+        let (h, [_, d]) = host_floats::<Flex, 2>(hidden.into_primitive());
+        let (w, [_, v]) = host_floats::<Flex, 2>(weight.into_primitive());
+        let t = host_ints::<Flex>(targets);
         let n = t.len();
         let (out, rows) = host::token_logprobs_forward(&h, &w, &t, d, v);
-        let out = B::float_from_data(TensorData::new(out, [n]), &device);
+        let out = Flex::float_from_data(TensorData::new(out, [n]), &device);
         match TokenLogprobs.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let state = LogprobState {
@@ -255,32 +256,45 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         mask: Option<Arc<Vec<bool>>>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        let nodes = [q.node(), k.node(), v.node()];
-        let device = q.primitive().device();
-        let (q, q_dims) = host_floats::<B, 4>(q.into_primitive());
-        let (k, k_dims) = host_floats::<B, 4>(k.into_primitive());
-        let (v, _) = host_floats::<B, 4>(v.into_primitive());
-        let shape = attention_shape(q_dims, k_dims);
-        let (out, lse) =
-            host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
-        let output = |values: Vec<f32>| B::float_from_data(TensorData::new(values, q_dims), &device);
-        match Attention.prepare::<C>(nodes).compute_bound().stateful() {
-            // The backward needs the output on the host too, so only then is it copied.
-            OpsKind::Tracked(prep) => {
-                let tensor = output(out.clone());
-                let state = AttentionState {
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    mask,
-                    shape,
-                    scale,
-                };
-                prep.finish(Arc::new(state), tensor)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(output(out)),
+        host_attention::<Flex, C>(q, k, v, mask, scale)
+    }
+}
+
+/// Attention through the host with its hand-written backward, for autodiff over any backend
+/// `B`: the Flex path, and on Cube devices a correct (if slow, copying through the host)
+/// implementation for callers that ask for it; the model composes Burn's ops there.
+pub(super) fn host_attention<B: Backend, C: CheckpointStrategy>(
+    q: FloatTensor<Autodiff<B, C>>,
+    k: FloatTensor<Autodiff<B, C>>,
+    v: FloatTensor<Autodiff<B, C>>,
+    mask: Option<Arc<Vec<bool>>>,
+    scale: f32,
+) -> FloatTensor<Autodiff<B, C>> {
+    let nodes = [q.node(), k.node(), v.node()];
+    let device = q.primitive().device();
+    let (q, q_dims) = host_floats::<B, 4>(q.into_primitive());
+    let (k, k_dims) = host_floats::<B, 4>(k.into_primitive());
+    let (v, _) = host_floats::<B, 4>(v.into_primitive());
+    let shape = attention_shape(q_dims, k_dims);
+    let (out, lse) =
+        host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
+    let output = |values: Vec<f32>| B::float_from_data(TensorData::new(values, q_dims), &device);
+    match Attention.prepare::<C>(nodes).compute_bound().stateful() {
+        // The backward needs the output on the host too, so only then is it copied.
+        OpsKind::Tracked(prep) => {
+            let tensor = output(out.clone());
+            let state = AttentionState {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                mask,
+                shape,
+                scale,
+            };
+            prep.finish(Arc::new(state), tensor)
         }
+        OpsKind::UnTracked(prep) => prep.finish(output(out)),
     }
 }

@@ -11,6 +11,8 @@
 //! devices keep the composed ops.
 
 mod autodiff;
+#[cfg(feature = "cube")]
+pub mod cube;
 pub mod host;
 pub mod infer;
 pub mod panels;
@@ -24,10 +26,11 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 pub use host::AttentionShape;
 
-/// Fused ops of aligner, as a Burn backend extension (Flex and autodiff over Flex).
+/// Fused ops of aligner, as a Burn backend extension: Flex, Cube (wgpu and CUDA, with the
+/// `wgpu` / `cuda` features; see [`cube`]) and autodiff over each.
 ///
-/// The default bodies compute on the host; the autodiff implementation adds the backward.
-#[backend_extension(Flex, Autodiff)]
+/// The default bodies compute on the host; the autodiff implementations add the backward.
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait FusedOps: Backend {
     /// `log softmax(hidden · weight)[target]` per row: `hidden: [n, d]`, `weight: [d, vocab]`,
     /// `targets: [n]` → `[n]`.
@@ -82,11 +85,18 @@ pub trait FusedOps: Backend {
 
 impl FusedOps for Flex {}
 
-/// Whether the fused ops run on `device` (the Flex CPU backend, with or without autodiff).
+/// Whether all the fused ops, attention included, run natively on `device` (the Flex CPU
+/// backend, with or without autodiff).
 pub fn fused_available(device: &Device) -> bool {
     // Devices print as `Flex` or `Autodiff { .. Flex .. }`; the enum is behind cargo features
     // that vary by build, so its name is the stable thing to test.
     format!("{device:?}").contains("Flex")
+}
+
+/// Whether `device` is one of Burn's Cube devices (wgpu, CUDA), where the token log-probs,
+/// RMS norm and SwiGLU run as aligner's CubeCL kernels ([`cube`]).
+pub fn cube_kernels_available(device: &Device) -> bool {
+    cfg!(feature = "cube") && format!("{device:?}").contains("Cube(")
 }
 
 /// [`FusedOps::fused_token_logprobs`] on tensors: `hidden: [n, d]`, `weight: [d, vocab]`,

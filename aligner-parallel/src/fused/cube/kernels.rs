@@ -1,0 +1,205 @@
+//! The `#[cube]` kernels behind [`super`]: written once in CubeCL, compiled at run time for
+//! the device's runtime (SPIR-V / WGSL on wgpu, PTX on CUDA).
+//!
+//! Buffers are contiguous and row-major. Every float kernel takes its element type at launch
+//! (`#[define(F)]`), so one kernel serves f32, f16 and bf16; reductions accumulate in f32.
+//! Row kernels give one cube to each row and reduce across the cube through shared memory.
+
+use cubecl::prelude::*;
+
+/// Units per cube in the row kernels (a power of two: the reduction halves it).
+pub const ROW_THREADS: u32 = 128;
+
+/// Sum (or maximum) of `value` over the cube's units; every unit gets the result.
+#[cube]
+fn cube_reduce(value: f32, #[comptime] threads: usize, #[comptime] take_max: bool) -> f32 {
+    let mut shared = Shared::<[f32]>::new_slice(threads);
+    let unit = UNIT_POS as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            let mine = shared[unit];
+            let other = shared[unit + stride];
+            let combined = if take_max { mine.max(other) } else { mine + other };
+            shared[unit] = combined;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    shared[0]
+}
+
+/// Per row of `logits: [rows, vocab]`: `lse = logsumexp(row)` and `out = row[target] - lse`.
+#[cube(launch)]
+pub fn logprob_rows<F: Float>(
+    logits: &[F],
+    targets: &[i32],
+    out: &mut [F],
+    lse: &mut [f32],
+    vocab: usize,
+    rows: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let threads = CUBE_DIM as usize;
+    let base = row * vocab;
+    let mut local_max = f32::new(-3.0e38);
+    for i in range_stepped(unit, vocab, threads) {
+        local_max = local_max.max(f32::cast_from(logits[base + i]));
+    }
+    let row_max = cube_reduce(local_max, ROW_THREADS as usize, true);
+    let mut local_sum = f32::new(0.0);
+    for i in range_stepped(unit, vocab, threads) {
+        local_sum += (f32::cast_from(logits[base + i]) - row_max).exp();
+    }
+    let total = cube_reduce(local_sum, ROW_THREADS as usize, false);
+    if unit == 0 {
+        let row_lse = row_max + total.ln();
+        lse[row] = row_lse;
+        // A target outside the vocabulary (−100 for padding) scores 0 and gets no gradient.
+        let target = targets[row];
+        if target >= 0 && usize::cast_from(target) < vocab {
+            out[row] = F::cast_from(f32::cast_from(logits[base + usize::cast_from(target)]) - row_lse);
+        } else {
+            out[row] = F::new(0.0);
+        }
+    }
+}
+
+/// In place, per element of `logits: [rows, vocab]`: the gradient of `out[row]` scaled by
+/// `grad[row]`, `grad · (onehot(target) − softmax)` (0 for a padding target).
+#[cube(launch)]
+pub fn logprob_grad<F: Float>(
+    logits: &mut [F],
+    targets: &[i32],
+    lse: &[f32],
+    grad: &[F],
+    vocab: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= logits.len() {
+        terminate!();
+    }
+    let row = pos / vocab;
+    let target = targets[row];
+    let mut d = f32::new(0.0);
+    if target >= 0 && usize::cast_from(target) < vocab {
+        let g = f32::cast_from(grad[row]);
+        d = -g * (f32::cast_from(logits[pos]) - lse[row]).exp();
+        if pos - row * vocab == usize::cast_from(target) {
+            d += g;
+        }
+    }
+    logits[pos] = F::cast_from(d);
+}
+
+/// Per row of `x: [rows, width]`: `y = x · gamma / √(mean(x²) + eps)`, and `inv = 1/√(…)`.
+#[cube(launch)]
+pub fn rms_norm_rows<F: Float>(
+    x: &[F],
+    gamma: &[F],
+    y: &mut [F],
+    inv: &mut [f32],
+    width: usize,
+    rows: usize,
+    eps: f32,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let threads = CUBE_DIM as usize;
+    let base = row * width;
+    let mut local = f32::new(0.0);
+    for i in range_stepped(unit, width, threads) {
+        let v = f32::cast_from(x[base + i]);
+        local += v * v;
+    }
+    let total = cube_reduce(local, ROW_THREADS as usize, false);
+    let r = (total / f32::cast_from(width) + eps).inverse_sqrt();
+    for i in range_stepped(unit, width, threads) {
+        y[base + i] = F::cast_from(f32::cast_from(x[base + i]) * r * f32::cast_from(gamma[i]));
+    }
+    if unit == 0 {
+        inv[row] = r;
+    }
+}
+
+/// RMS norm backward per row: `dx = r·γ·dy − x·r³·Σ(γ·dy·x)/width`, and each row's share of
+/// the weight gradient, `dy·x·r` (summed over rows by the caller).
+#[cube(launch)]
+pub fn rms_norm_grad_rows<F: Float>(
+    x: &[F],
+    gamma: &[F],
+    inv: &[f32],
+    dy: &[F],
+    dx: &mut [F],
+    dgamma_rows: &mut [F],
+    width: usize,
+    rows: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let threads = CUBE_DIM as usize;
+    let base = row * width;
+    let r = inv[row];
+    let mut local = f32::new(0.0);
+    for i in range_stepped(unit, width, threads) {
+        local += f32::cast_from(gamma[i]) * f32::cast_from(dy[base + i]) * f32::cast_from(x[base + i]);
+    }
+    let total = cube_reduce(local, ROW_THREADS as usize, false);
+    let c = total * r * r * r / f32::cast_from(width);
+    for i in range_stepped(unit, width, threads) {
+        let xv = f32::cast_from(x[base + i]);
+        let g = f32::cast_from(dy[base + i]);
+        dx[base + i] = F::cast_from(r * f32::cast_from(gamma[i]) * g - xv * c);
+        dgamma_rows[base + i] = F::cast_from(g * xv * r);
+    }
+}
+
+/// `out = silu(gate) · up`, elementwise.
+#[cube(launch)]
+pub fn swiglu_forward<F: Float>(gate: &[F], up: &[F], out: &mut [F], #[define(F)] _dtype: ElemType) {
+    let pos = ABSOLUTE_POS;
+    if pos >= out.len() {
+        terminate!();
+    }
+    let g = f32::cast_from(gate[pos]);
+    let sigmoid = 1.0 / (1.0 + (-g).exp());
+    out[pos] = F::cast_from(g * sigmoid * f32::cast_from(up[pos]));
+}
+
+/// SwiGLU backward: `d_gate = dy·up·σ(g)·(1 + g·(1 − σ(g)))`, `d_up = dy·g·σ(g)`.
+#[cube(launch)]
+pub fn swiglu_backward<F: Float>(
+    gate: &[F],
+    up: &[F],
+    dy: &[F],
+    d_gate: &mut [F],
+    d_up: &mut [F],
+    #[define(F)] _dtype: ElemType,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= d_gate.len() {
+        terminate!();
+    }
+    let g = f32::cast_from(gate[pos]);
+    let u = f32::cast_from(up[pos]);
+    let grad = f32::cast_from(dy[pos]);
+    let sigmoid = 1.0 / (1.0 + (-g).exp());
+    d_gate[pos] = F::cast_from(grad * u * sigmoid * (1.0 + g * (1.0 - sigmoid)));
+    d_up[pos] = F::cast_from(grad * g * sigmoid);
+}

@@ -1,0 +1,149 @@
+//! aligner's CubeCL kernels on a wgpu device (Mesa's lavapipe in CI) against the same maths
+//! composed from Burn ops on that device: values, and gradients of a random weighting of the
+//! outputs with respect to every input, on ragged shapes (row widths below, between and above
+//! the kernels' 128 units per row) and with padding targets.
+//!
+//! Run with `cargo test -p aligner-parallel --features wgpu --test cube`.
+
+use aligner_parallel::{cube_kernels_available, fused_available, fused_rms_norm, fused_swiglu, fused_token_logprobs};
+use burn::tensor::activation::{log_softmax, silu};
+use burn::tensor::{Device, DeviceKind, Distribution, Int, Tensor};
+
+fn gpu() -> Device {
+    Device::wgpu(DeviceKind::DefaultDevice).autodiff()
+}
+
+fn normal<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 values")
+}
+
+fn assert_close<const D: usize>(got: Tensor<D>, want: Tensor<D>, tol: f32, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let (g, w) = (values(got), values(want));
+    let worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst <= tol, "{what}: max |difference| {worst} (tolerance {tol})");
+}
+
+/// The same tensor on the GPU and on the CPU, from one set of values.
+fn both<const D: usize>(shape: [usize; D], gpu: &Device) -> (Tensor<D>, Tensor<D>) {
+    let cpu = normal(shape, &Device::flex().autodiff());
+    (Tensor::from_data(cpu.to_data(), gpu), cpu)
+}
+
+#[test]
+fn kernels_are_chosen_on_cube_devices_only() {
+    let device = gpu();
+    assert!(cube_kernels_available(&device));
+    assert!(!fused_available(&device));
+    assert!(!cube_kernels_available(&Device::flex()));
+}
+
+#[test]
+fn swiglu_values_and_gradients_match_composed_ops() {
+    let device = gpu();
+    device.seed(3);
+    let gate = normal([3, 5, 37], &device);
+    let up = normal([3, 5, 37], &device);
+    let weights = normal([3, 5, 37], &device);
+    let run = |fused: bool| {
+        let (g, u) = (gate.clone().detach().require_grad(), up.clone().detach().require_grad());
+        let out = if fused { fused_swiglu(g.clone(), u.clone()) } else { silu(g.clone()) * u.clone() };
+        let grads = (out.clone() * weights.clone()).sum().backward();
+        (out, g.grad(&grads).expect("gate grad"), u.grad(&grads).expect("up grad"))
+    };
+    let (out_k, dg_k, du_k) = run(true);
+    let (out_c, dg_c, du_c) = run(false);
+    assert_close(out_k, out_c, 1e-5, "swiglu");
+    assert_close(dg_k, dg_c, 1e-4, "d gate");
+    assert_close(du_k, du_c, 1e-4, "d up");
+}
+
+#[test]
+fn rms_norm_values_and_gradients_match_composed_ops() {
+    let device = gpu();
+    device.seed(5);
+    // Widths below, at and above the 128 units each row's cube has.
+    for width in [48, 128, 301] {
+        let x = normal([2, 7, width], &device);
+        let gamma = normal([width], &device);
+        let weights = normal([2, 7, width], &device);
+        let eps = 1e-5;
+        let run = |fused: bool| {
+            let (xs, g) = (x.clone().detach().require_grad(), gamma.clone().detach().require_grad());
+            let out = if fused {
+                fused_rms_norm(xs.clone(), g.clone(), eps)
+            } else {
+                let ms = xs.clone().powi_scalar(2).mean_dim(2);
+                xs.clone() / (ms + eps).sqrt() * g.clone().reshape([1, 1, width])
+            };
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            (out, xs.grad(&grads).expect("x grad"), g.grad(&grads).expect("gamma grad"))
+        };
+        let (out_k, dx_k, dg_k) = run(true);
+        let (out_c, dx_c, dg_c) = run(false);
+        assert_close(out_k, out_c, 1e-5, &format!("rms norm, width {width}"));
+        assert_close(dx_k, dx_c, 1e-4, &format!("d x, width {width}"));
+        assert_close(dg_k, dg_c, 1e-4, &format!("d gamma, width {width}"));
+    }
+}
+
+#[test]
+fn token_logprobs_values_and_gradients_match_composed_ops() {
+    let device = gpu();
+    device.seed(11);
+    // A vocabulary that is not a multiple of the 128 units, one row a padding target.
+    let (n, d, v) = (37, 16, 301);
+    let hidden = normal([n, d], &device);
+    let weight = normal([d, v], &device);
+    let mut ids: Vec<i64> = (0..n as i64).map(|i| (i * 37 + 11) % v as i64).collect();
+    ids[4] = -100;
+    let targets = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(ids.clone(), [n]), &device);
+    let weights = normal([n], &device);
+    let kept = Tensor::<1>::from_data(
+        burn::tensor::TensorData::new(ids.iter().map(|&t| if t < 0 { 0.0f32 } else { 1.0 }).collect(), [n]),
+        &device,
+    );
+    let safe = targets.clone().clamp_min(0);
+    let run = |fused: bool| {
+        let (h, w) = (hidden.clone().detach().require_grad(), weight.clone().detach().require_grad());
+        let out = if fused {
+            fused_token_logprobs(h.clone(), w.clone(), targets.clone())
+        } else {
+            log_softmax(h.clone().matmul(w.clone()), 1)
+                .gather(1, safe.clone().reshape([n, 1]))
+                .reshape([n])
+                * kept.clone()
+        };
+        let grads = (out.clone() * weights.clone()).sum().backward();
+        (out, h.grad(&grads).expect("hidden grad"), w.grad(&grads).expect("weight grad"))
+    };
+    let (out_k, dh_k, dw_k) = run(true);
+    let (out_c, dh_c, dw_c) = run(false);
+    assert_eq!(values(out_k.clone())[4], 0.0, "a padding target scores 0");
+    assert_close(out_k, out_c, 1e-4, "log-probs");
+    assert_close(dh_k, dh_c, 1e-4, "d hidden");
+    assert_close(dw_k, dw_c, 1e-4, "d weight");
+}
+
+#[test]
+fn kernels_on_the_gpu_match_the_cpu_fused_ops() {
+    let device = gpu();
+    let (x_g, x_c) = both([4, 9, 64], &device);
+    let (gamma_g, gamma_c) = both([64], &device);
+    let on = |x: Tensor<3>, gamma: Tensor<1>| {
+        let x = x.require_grad();
+        let y = fused_rms_norm(x.clone(), gamma, 1e-6);
+        let grads = (y.clone() * y.clone()).sum().backward();
+        let dx = x.grad(&grads).expect("x grad");
+        (values(y), values(dx))
+    };
+    let (y_g, dx_g) = on(x_g, gamma_g);
+    let (y_c, dx_c) = on(x_c, gamma_c);
+    let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+    assert!(worst(&y_g, &y_c) < 1e-5, "rms norm values, gpu vs cpu: {}", worst(&y_g, &y_c));
+    assert!(worst(&dx_g, &dx_c) < 1e-4, "rms norm grads, gpu vs cpu: {}", worst(&dx_g, &dx_c));
+}
