@@ -61,17 +61,19 @@ fn matches_cpu(command: &str, keys: &[&str]) {
     train(command, "cpu", &cpu);
     let (gpu_rows, cpu_rows) = (metrics(&gpu), metrics(&cpu));
     assert_eq!(gpu_rows.len(), cpu_rows.len(), "{command}: metrics rows");
-    let mut compared = 0;
+    let (mut compared, mut worst) = (0, 0.0f64);
     for (g, c) in gpu_rows.iter().zip(&cpu_rows) {
         assert_eq!(g["step"], c["step"]);
         for key in keys {
             if let (Some(a), Some(b)) = (g[*key].as_f64(), c[*key].as_f64()) {
                 assert!((a - b).abs() < 1e-3, "{command} step {}: {key} wgpu {a} vs cpu {b}", g["step"]);
                 compared += 1;
+                worst = worst.max((a - b).abs());
             }
         }
     }
     assert!(compared >= 10, "{command}: only {compared} values compared");
+    eprintln!("{command}: worst |wgpu - cpu| {worst:.2e} over {compared} values");
 }
 
 #[test]

@@ -87,8 +87,10 @@ impl Attention {
             return aligner_parallel::fused_attention(q, k, v, mask);
         }
         // Flex's inference kernel shares KV heads itself and broadcasts the mask; autodiff
-        // elsewhere runs the generic fallback, which needs both materialised to full size.
-        let (k, v, mask) = if q.is_autodiff() {
+        // and the Cube backends run Burn's generic attention, which needs both materialised
+        // to full size.
+        let flex_inference = !q.is_autodiff() && aligner_parallel::fused_available(&q.device());
+        let (k, v, mask) = if !flex_inference {
             let full = [batch, self.n_heads, seq, keys];
             (
                 self.repeat_kv(k),
