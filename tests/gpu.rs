@@ -11,7 +11,15 @@ use serde_json::Value;
 /// What `aligner --device wgpu generate` prints, greedy.
 fn greedy_on_wgpu(prompt: &str, new_tokens: u64) -> String {
     let out = std::process::Command::new(aligner_tests::aligner_exe())
-        .args(["--device", "wgpu", "generate", "--prompt", prompt, "--temperature", "0"])
+        .args([
+            "--device",
+            "wgpu",
+            "generate",
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+        ])
         .args(["--max-new-tokens", &new_tokens.to_string()])
         .current_dir(repo())
         .output()
@@ -30,7 +38,11 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
         let prompt = case["prompt"].as_str().unwrap();
         let new_tokens = case["max_new_tokens"].as_u64().unwrap();
         let expected = format!("{prompt} {}", case["text"].as_str().unwrap());
-        assert_eq!(greedy_on_wgpu(prompt, new_tokens), expected.trim_end(), "prompt {prompt:?}");
+        assert_eq!(
+            greedy_on_wgpu(prompt, new_tokens),
+            expected.trim_end(),
+            "prompt {prompt:?}"
+        );
     }
 }
 
@@ -66,7 +78,11 @@ fn matches_cpu(command: &str, keys: &[&str]) {
         assert_eq!(g["step"], c["step"]);
         for key in keys {
             if let (Some(a), Some(b)) = (g[*key].as_f64(), c[*key].as_f64()) {
-                assert!((a - b).abs() < 1e-3, "{command} step {}: {key} wgpu {a} vs cpu {b}", g["step"]);
+                assert!(
+                    (a - b).abs() < 1e-3,
+                    "{command} step {}: {key} wgpu {a} vs cpu {b}",
+                    g["step"]
+                );
                 compared += 1;
                 worst = worst.max((a - b).abs());
             }

@@ -5,6 +5,7 @@
 //! library holds what they share: where the binary and the repository are, running it, and
 //! reading what it wrote.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -122,4 +123,30 @@ pub fn sample_sentiment_seeded(model: &Path, out: &Path, seed: u64, extra: &[&st
     let (ok, err) = aligner(&args);
     assert!(ok, "{err}");
     mean_lexicon(out)
+}
+
+/// The f32 tensors of a model folder's `model.safetensors`, by name.
+pub fn tensors(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
+
+/// Largest absolute difference between the weights of two model folders.
+pub fn weights_diff(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (tensors(a), tensors(b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
 }

@@ -1,16 +1,16 @@
 //! Data parallel under `mpirun`: N ranks with batch b train exactly like one process with batch
-//! N·b (weights and metrics within 1e-5), a sharded optimiser gives the same weights, an
-//! interrupted multi-rank run resumes to where the uninterrupted one ends, and PPO, KTO, SPIN,
+//! N·b (weights and metrics within 1e-5), a sharded optimiser gives the same weights, a
+//! multi-rank run stopped (or killed with SIGKILL) resumes to where the uninterrupted one ends,
+//! and PPO, KTO, SPIN,
 //! rejection sampling and SteerLM run across ranks.
 //!
 //! Needs OpenMPI (`mpirun`) and the binary built with the `mpi` feature:
 //! `cargo test --release --workspace --features aligner-cli/mpi,aligner-tests/mpi`.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use aligner_tests::{aligner, aligner_exe, metrics, repo};
+use aligner_tests::{aligner, aligner_exe, metrics, repo, weights_diff};
 use serde_json::Value;
 
 /// `mpirun -np N` around a program, one thread per rank (the CI machine has two cores).
@@ -47,31 +47,6 @@ fn ranks(np: usize, args: &[&str]) {
         "{np} ranks: aligner {args:?}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn tensors(dir: &Path) -> BTreeMap<String, Vec<f32>> {
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            (name, values)
-        })
-        .collect()
-}
-
-/// Largest absolute difference between the weights of two model folders.
-fn weights_diff(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (tensors(a), tensors(b));
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    a.iter()
-        .flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs()))
-        .fold(0.0, f32::max)
 }
 
 /// The two runs logged the same rows (same steps, same keys) with values within `tol`.
@@ -245,6 +220,78 @@ fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("shard_optimizer"), "{err}");
+}
+
+#[test]
+fn a_two_rank_run_killed_with_sigkill_resumes_to_where_the_uninterrupted_run_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["--set", "train.max_steps=14", "--set", "train.save_every=2"];
+    let whole = dir.path().join("whole");
+    let mut args = vec![
+        "sft",
+        "--out",
+        whole.to_str().unwrap(),
+        "--set",
+        "train.batch_size=8",
+    ];
+    args.extend(sets);
+    ranks(1, &args);
+
+    let killed = dir.path().join("killed");
+    let mut args = vec![
+        "sft",
+        "--out",
+        killed.to_str().unwrap(),
+        "--set",
+        "train.batch_size=4",
+    ];
+    args.extend(sets);
+    let mut job = mpirun(2, &aligner_exe())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for a checkpoint past the first, then kill -9 one rank mid-run: no rank gets to
+    // clean up, and the launcher takes the other down.
+    let checkpoint = killed.join("checkpoints/step-4/trainer_state.json");
+    let started = std::time::Instant::now();
+    while !checkpoint.exists() {
+        assert!(job.try_wait().unwrap().is_none(), "the run ended before step 4");
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "no checkpoint at step 4 after 5 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let children = Command::new("pgrep")
+        .args(["-P", &job.id().to_string()])
+        .output()
+        .unwrap();
+    let rank = String::from_utf8_lossy(&children.stdout)
+        .lines()
+        .next()
+        .expect("mpirun has rank processes")
+        .trim()
+        .to_owned();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &rank])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = job.wait().unwrap();
+    assert!(!status.success(), "a job with a killed rank fails");
+    assert!(!killed.join("final").exists(), "killed before the end");
+
+    ranks(2, &["sft", "--resume", killed.to_str().unwrap()]);
+    let diff = weights_diff(&whole.join("final"), &killed.join("final"));
+    assert!(
+        diff <= 1e-5,
+        "the resumed run ends {diff} away from the uninterrupted one"
+    );
+    same_metrics(&whole, &killed, 1e-5);
 }
 
 #[test]

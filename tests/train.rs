@@ -539,3 +539,32 @@ fn default_dpo_makes_the_policys_own_samples_more_positive() {
         "mean lexicon score of own samples: base {base}, after DPO {aligned}"
     );
 }
+
+#[test]
+fn activation_checkpointing_trains_to_the_same_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, checkpointing: bool| {
+        let out = dir.path().join(name);
+        let (ok, err) = aligner(&[
+            "sft",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "train.max_steps=6",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            &format!("train.activation_checkpointing={checkpointing}"),
+        ]);
+        assert!(ok, "{err}");
+        out.join("final")
+    };
+    let (plain, recomputed) = (run("plain", false), run("recomputed", true));
+    let diff = aligner_tests::weights_diff(&plain, &recomputed);
+    assert!(
+        diff <= 1e-6,
+        "recomputing activations moved the weights by {diff}"
+    );
+    let config = std::fs::read_to_string(dir.path().join("recomputed/config.toml")).unwrap();
+    assert!(config.contains("activation_checkpointing = true"), "{config}");
+}

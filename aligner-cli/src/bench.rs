@@ -40,6 +40,13 @@ pub enum BenchCommand {
         /// Timed steps after one warm-up step.
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// Recompute activations in the backward (`train.activation_checkpointing`).
+        #[arg(long)]
+        activation_checkpointing: bool,
+        /// The device's peak dense TFLOP/s (990 for an H200 in bf16): adds model FLOPs
+        /// utilisation (6 · params + attention, per token) to the table.
+        #[arg(long)]
+        peak_tflops: Option<f64>,
     },
     /// DPO step time (policy forward + backward + AdamW on chosen and rejected; reference
     /// log-probs are cached before training, so they cost nothing per step).
@@ -75,6 +82,13 @@ pub fn random_16m_config() -> LlamaConfig {
     config
 }
 
+/// A random ~1.1B-parameter Llama for GPU benchmarks (TinyLlama's shape: hidden 2048, 22
+/// layers, 32 heads, 4 KV heads, FFN 5632, vocabulary 32000); built only when asked for by
+/// name (`--only random-1B`).
+pub fn random_1b_config() -> LlamaConfig {
+    LlamaConfig::llama(32000, 2048, 22, 32, 4, 5632)
+}
+
 /// The benchmark models whose name contains `only`; the others are not built.
 fn models(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
     let mut out = Vec::new();
@@ -88,6 +102,12 @@ fn models(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, Causa
         let random = CausalLm::new(&config, device);
         out.push(("random-16M".to_string(), config, random));
     }
+    if only == "random-1B" {
+        let config = random_1b_config();
+        device.seed(0);
+        let random = CausalLm::new(&config, device);
+        out.push(("random-1B".to_string(), config, random));
+    }
     Ok(out)
 }
 
@@ -95,7 +115,21 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
     let only = args.only.as_str();
     match args.what {
         BenchCommand::Forward { batch, seq, iters } => forward(device, only, batch, seq, iters),
-        BenchCommand::Train { batch, seq, steps } => train(device, only, batch, seq, steps),
+        BenchCommand::Train {
+            batch,
+            seq,
+            steps,
+            activation_checkpointing,
+            peak_tflops,
+        } => train(
+            device,
+            only,
+            batch,
+            seq,
+            steps,
+            activation_checkpointing,
+            peak_tflops,
+        ),
         BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
         BenchCommand::Generate {
             prompts,
@@ -197,11 +231,22 @@ fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
     batch: &[&O::Example],
     steps: usize,
 ) -> Result<f64> {
+    seconds_per_step_on(model, &device.clone().autodiff(), objective, batch, steps)
+}
+
+/// [`seconds_per_step`] on a given autodiff device (with or without gradient checkpointing).
+fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
+    model: CausalLm,
+    train_device: &Device,
+    objective: &O,
+    batch: &[&O::Example],
+    steps: usize,
+) -> Result<f64> {
     use burn::module::Module;
     use burn::optim::{AdamWConfig, GradientsParams};
 
     let comm = aligner_parallel::world();
-    let mut model = model.fork(&device.clone().autodiff()).train();
+    let mut model = model.fork(train_device).train();
     let mut optim = AdamWConfig::new().init();
     let mut step = |model: CausalLm| -> Result<CausalLm> {
         let out = objective.step(&model, batch)?;
@@ -226,7 +271,30 @@ fn synthetic_ids(salt: usize, len: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) -> Result<()> {
+/// The process's peak resident memory in MB (Linux `VmHWM`), when known.
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Model FLOPs per trained token: 6 per parameter (forward and backward) plus attention's
+/// 12 · layers · seq · hidden (PaLM's accounting).
+fn flops_per_token(config: &LlamaConfig, params: usize, seq: usize) -> f64 {
+    6.0 * params as f64 + 12.0 * (config.num_hidden_layers * seq * config.hidden_size) as f64
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train(
+    device: &Device,
+    only: &str,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    activation_checkpointing: bool,
+    peak_tflops: Option<f64>,
+) -> Result<()> {
     use aligner_core::sft::{SftExample, SftObjective};
 
     let comm = aligner_parallel::world();
@@ -237,9 +305,9 @@ fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) ->
     let per_rank = batch / ranks;
     if comm.is_root() {
         println!(
-            "| model | params | ranks × threads | batch × seq | ms / step | steps/s | tokens/s | all-reduce ms / step | all-reduce MB / step |"
+            "| model | params | ranks × threads | batch × seq | activation checkpointing | ms / step | steps/s | tokens/s | MFU | all-reduce ms / step | all-reduce MB / step | peak RSS MB |"
         );
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     }
     for (name, config, model) in models(device, only)? {
         // This rank's rows of the global batch.
@@ -253,17 +321,35 @@ fn train(device: &Device, only: &str, batch: usize, seq: usize, steps: usize) ->
         let refs: Vec<&SftExample> = examples.iter().collect();
         let params = parameter_count(&model);
         let before = comm.traffic();
-        let per = seconds_per_step(model, device, &SftObjective, &refs, steps)?;
+        let train_device = aligner_core::train::TrainSection {
+            activation_checkpointing,
+            ..Default::default()
+        }
+        .autodiff_device(device);
+        let per = seconds_per_step_on(model, &train_device, &SftObjective, &refs, steps)?;
         let after = comm.traffic();
+        let tokens_per_s = (batch * seq) as f64 / per;
+        let mfu = peak_tflops
+            .map(|peak| {
+                format!(
+                    "{:.1}%",
+                    100.0 * tokens_per_s * flops_per_token(&config, params, seq) / (peak * 1e12)
+                )
+            })
+            .unwrap_or_else(|| "–".into());
+        let rss = peak_rss_mb()
+            .map(|mb| format!("{mb:.0}"))
+            .unwrap_or_else(|| "–".into());
         // The warm-up step's all-reduce is counted too.
         let timed = (steps.max(1) + 1) as f64;
         let threads = rayon::current_num_threads();
         if comm.is_root() {
             println!(
-                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {:.1} | {:.2} | {:.0} | {:.1} | {:.1} |",
+                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {} | {:.1} | {:.2} | {:.0} | {mfu} | {:.1} | {:.1} | {rss} |",
+                if activation_checkpointing { "on" } else { "off" },
                 per * 1e3,
                 1.0 / per,
-                (batch * seq) as f64 / per,
+                tokens_per_s,
                 (after.seconds - before.seconds) / timed * 1e3,
                 (after.bytes - before.bytes) as f64 / timed / 1e6,
             );

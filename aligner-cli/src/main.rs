@@ -104,6 +104,37 @@ fn device(name: &str) -> Result<Device> {
     }
 }
 
+/// A GPU device that cannot start (no driver, no adapter) panics inside Burn at its first
+/// tensor; one tiny tensor here turns that into an error naming the device.
+fn probe(device: &Device, name: &str) -> Result<()> {
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(|| {
+        burn::tensor::Tensor::<1>::ones([4], device)
+            .sum()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+    });
+    std::panic::set_hook(quiet);
+    match result {
+        Ok(Ok(values)) if values == [4.0] => Ok(()),
+        Ok(other) => bail!("--device {name}: the device computed 1+1+1+1 = {other:?}"),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic without a message");
+            bail!(
+                "--device {name}: the device did not start ({why}); a CUDA device needs the driver's \
+                 libcuda.so and libdevice under CUDA_PATH, a wgpu one a Vulkan, Metal or DX12 adapter \
+                 (Mesa's lavapipe on a machine without a GPU)"
+            )
+        }
+    }
+}
+
 /// mimalloc keeps freed pages for reuse: a training step allocates and frees the same large
 /// buffers (logits, gradients, optimizer moments) every time, which glibc hands back to the
 /// kernel and faults in again.
@@ -136,6 +167,9 @@ fn main() -> Result<()> {
 
 fn run(cli: Cli) -> Result<()> {
     let device = device(&cli.device)?;
+    if !matches!(cli.device.as_str(), "cpu" | "flex") {
+        probe(&device, &cli.device)?;
+    }
     match cli.command {
         Command::Sft(args) => train::sft(args, &device),
         Command::Rm(args) => train::rm(args, &device),

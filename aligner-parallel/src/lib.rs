@@ -31,5 +31,8 @@ pub use comm::{
     CommError, Communicator, Launch, ReduceOp, Single, Traffic, WorkQueue, launch, launched_by_mpi,
     shard_range, world,
 };
-pub use fused::{cube_kernels_available, fused_attention, fused_available, fused_rms_norm, fused_swiglu, fused_token_logprobs};
+pub use fused::{
+    cube_kernels_available, fused_attention, fused_available, fused_rms_norm, fused_rope, fused_swiglu,
+    fused_token_logprobs,
+};
 pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};

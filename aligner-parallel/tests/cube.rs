@@ -3,14 +3,33 @@
 //! outputs with respect to every input, on ragged shapes (row widths below, between and above
 //! the kernels' 128 units per row) and with padding targets.
 //!
-//! Run with `cargo test -p aligner-parallel --features wgpu --test cube`.
+//! Run with `cargo test -p aligner-parallel --features wgpu --test cube` (or `--features cuda`;
+//! `ALIGNER_TEST_DEVICE=cuda:0`, `wgpu` or `wgpu:cpu` picks the device).
 
-use aligner_parallel::{cube_kernels_available, fused_available, fused_rms_norm, fused_swiglu, fused_token_logprobs};
+use aligner_parallel::{
+    cube_kernels_available, fused_available, fused_rms_norm, fused_rope, fused_swiglu, fused_token_logprobs,
+};
 use burn::tensor::activation::{log_softmax, silu};
-use burn::tensor::{Device, DeviceKind, Distribution, Int, Tensor};
+use burn::tensor::{Device, Distribution, Int, Tensor};
 
+/// The device under test, as autodiff: `ALIGNER_TEST_DEVICE`, else wgpu's default adapter
+/// (in a build with `wgpu`), else CUDA device 0.
 fn gpu() -> Device {
-    Device::wgpu(DeviceKind::DefaultDevice).autodiff()
+    let name = std::env::var("ALIGNER_TEST_DEVICE").unwrap_or_default();
+    let device = match name.as_str() {
+        #[cfg(feature = "wgpu")]
+        "" | "wgpu" => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        #[cfg(feature = "wgpu")]
+        "wgpu:cpu" => Device::wgpu(burn::tensor::DeviceKind::Cpu),
+        #[cfg(feature = "cuda")]
+        cuda if cuda.is_empty() || cuda.starts_with("cuda") => Device::cuda(
+            cuda.strip_prefix("cuda:")
+                .and_then(|i| i.parse::<usize>().ok())
+                .unwrap_or(0),
+        ),
+        other => panic!("ALIGNER_TEST_DEVICE={other:?} is not a device of this build"),
+    };
+    device.autodiff()
 }
 
 fn normal<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
@@ -18,13 +37,20 @@ fn normal<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 values")
+    t.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32 values")
 }
 
 fn assert_close<const D: usize>(got: Tensor<D>, want: Tensor<D>, tol: f32, what: &str) {
     assert_eq!(got.dims(), want.dims(), "{what}: shapes");
     let (g, w) = (values(got), values(want));
-    let worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let worst = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
     assert!(worst <= tol, "{what}: max |difference| {worst} (tolerance {tol})");
 }
 
@@ -50,16 +76,56 @@ fn swiglu_values_and_gradients_match_composed_ops() {
     let up = normal([3, 5, 37], &device);
     let weights = normal([3, 5, 37], &device);
     let run = |fused: bool| {
-        let (g, u) = (gate.clone().detach().require_grad(), up.clone().detach().require_grad());
-        let out = if fused { fused_swiglu(g.clone(), u.clone()) } else { silu(g.clone()) * u.clone() };
+        let (g, u) = (
+            gate.clone().detach().require_grad(),
+            up.clone().detach().require_grad(),
+        );
+        let out = if fused {
+            fused_swiglu(g.clone(), u.clone())
+        } else {
+            silu(g.clone()) * u.clone()
+        };
         let grads = (out.clone() * weights.clone()).sum().backward();
-        (out, g.grad(&grads).expect("gate grad"), u.grad(&grads).expect("up grad"))
+        (
+            out,
+            g.grad(&grads).expect("gate grad"),
+            u.grad(&grads).expect("up grad"),
+        )
     };
     let (out_k, dg_k, du_k) = run(true);
     let (out_c, dg_c, du_c) = run(false);
     assert_close(out_k, out_c, 1e-5, "swiglu");
     assert_close(dg_k, dg_c, 1e-4, "d gate");
     assert_close(du_k, du_c, 1e-4, "d up");
+}
+
+#[test]
+fn rope_values_and_gradients_match_composed_ops() {
+    let device = gpu();
+    device.seed(7);
+    // Angles per sequence, and one set shared by the batch.
+    for angle_batch in [2, 1] {
+        let x = normal([2, 3, 5, 8], &device);
+        let angles = normal([angle_batch, 1, 5, 8], &device);
+        let (cos, sin) = (angles.clone().cos(), angles.sin());
+        let weights = normal([2, 3, 5, 8], &device);
+        let run = |fused: bool| {
+            let xs = x.clone().detach().require_grad();
+            let out = if fused {
+                fused_rope(xs.clone(), cos.clone(), sin.clone())
+            } else {
+                let first = xs.clone().narrow(3, 0, 4);
+                let second = xs.clone().narrow(3, 4, 4);
+                xs.clone() * cos.clone() + Tensor::cat(vec![second.neg(), first], 3) * sin.clone()
+            };
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            (out, xs.grad(&grads).expect("x grad"))
+        };
+        let (out_k, dx_k) = run(true);
+        let (out_c, dx_c) = run(false);
+        assert_close(out_k, out_c, 1e-5, &format!("rope, angle batch {angle_batch}"));
+        assert_close(dx_k, dx_c, 1e-5, &format!("d x, angle batch {angle_batch}"));
+    }
 }
 
 #[test]
@@ -73,7 +139,10 @@ fn rms_norm_values_and_gradients_match_composed_ops() {
         let weights = normal([2, 7, width], &device);
         let eps = 1e-5;
         let run = |fused: bool| {
-            let (xs, g) = (x.clone().detach().require_grad(), gamma.clone().detach().require_grad());
+            let (xs, g) = (
+                x.clone().detach().require_grad(),
+                gamma.clone().detach().require_grad(),
+            );
             let out = if fused {
                 fused_rms_norm(xs.clone(), g.clone(), eps)
             } else {
@@ -81,7 +150,11 @@ fn rms_norm_values_and_gradients_match_composed_ops() {
                 xs.clone() / (ms + eps).sqrt() * g.clone().reshape([1, 1, width])
             };
             let grads = (out.clone() * weights.clone()).sum().backward();
-            (out, xs.grad(&grads).expect("x grad"), g.grad(&grads).expect("gamma grad"))
+            (
+                out,
+                xs.grad(&grads).expect("x grad"),
+                g.grad(&grads).expect("gamma grad"),
+            )
         };
         let (out_k, dx_k, dg_k) = run(true);
         let (out_c, dx_c, dg_c) = run(false);
@@ -104,12 +177,18 @@ fn token_logprobs_values_and_gradients_match_composed_ops() {
     let targets = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(ids.clone(), [n]), &device);
     let weights = normal([n], &device);
     let kept = Tensor::<1>::from_data(
-        burn::tensor::TensorData::new(ids.iter().map(|&t| if t < 0 { 0.0f32 } else { 1.0 }).collect(), [n]),
+        burn::tensor::TensorData::new(
+            ids.iter().map(|&t| if t < 0 { 0.0f32 } else { 1.0 }).collect(),
+            [n],
+        ),
         &device,
     );
     let safe = targets.clone().clamp_min(0);
     let run = |fused: bool| {
-        let (h, w) = (hidden.clone().detach().require_grad(), weight.clone().detach().require_grad());
+        let (h, w) = (
+            hidden.clone().detach().require_grad(),
+            weight.clone().detach().require_grad(),
+        );
         let out = if fused {
             fused_token_logprobs(h.clone(), w.clone(), targets.clone())
         } else {
@@ -119,7 +198,11 @@ fn token_logprobs_values_and_gradients_match_composed_ops() {
                 * kept.clone()
         };
         let grads = (out.clone() * weights.clone()).sum().backward();
-        (out, h.grad(&grads).expect("hidden grad"), w.grad(&grads).expect("weight grad"))
+        (
+            out,
+            h.grad(&grads).expect("hidden grad"),
+            w.grad(&grads).expect("weight grad"),
+        )
     };
     let (out_k, dh_k, dw_k) = run(true);
     let (out_c, dh_c, dw_c) = run(false);
@@ -144,6 +227,14 @@ fn kernels_on_the_gpu_match_the_cpu_fused_ops() {
     let (y_g, dx_g) = on(x_g, gamma_g);
     let (y_c, dx_c) = on(x_c, gamma_c);
     let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
-    assert!(worst(&y_g, &y_c) < 1e-5, "rms norm values, gpu vs cpu: {}", worst(&y_g, &y_c));
-    assert!(worst(&dx_g, &dx_c) < 1e-4, "rms norm grads, gpu vs cpu: {}", worst(&dx_g, &dx_c));
+    assert!(
+        worst(&y_g, &y_c) < 1e-5,
+        "rms norm values, gpu vs cpu: {}",
+        worst(&y_g, &y_c)
+    );
+    assert!(
+        worst(&dx_g, &dx_c) < 1e-4,
+        "rms norm grads, gpu vs cpu: {}",
+        worst(&dx_g, &dx_c)
+    );
 }

@@ -89,6 +89,10 @@ pub struct TrainSection {
     /// Data parallel: shard AdamW's moments across ranks (ZeRO stage 1): each rank updates its
     /// share of the parameters, which are then broadcast to the others.
     pub shard_optimizer: bool,
+    /// Recompute activations in the backward pass instead of keeping them (Burn's balanced
+    /// gradient checkpointing: memory-bound ops are recomputed, compute-bound ones such as the
+    /// matmuls and aligner's fused ops keep their outputs). Less memory, more time per step.
+    pub activation_checkpointing: bool,
 }
 
 impl Default for TrainSection {
@@ -111,11 +115,23 @@ impl Default for TrainSection {
             eval_examples: 0,
             sync_check_every: 50,
             shard_optimizer: false,
+            activation_checkpointing: false,
         }
     }
 }
 
 impl TrainSection {
+    /// The autodiff device training runs on: `device` with gradients, and with gradient
+    /// checkpointing when `activation_checkpointing` is set.
+    pub fn autodiff_device(&self, device: &burn::tensor::Device) -> burn::tensor::Device {
+        let train = device.clone().autodiff();
+        if self.activation_checkpointing {
+            train.gradient_checkpointing()
+        } else {
+            train
+        }
+    }
+
     /// Refuses settings the loop cannot run with, naming the key.
     pub fn check(&self) -> Result<()> {
         if self.batch_size == 0 || self.grad_accum == 0 {

@@ -265,7 +265,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         } else {
             0
         };
-        let train_device = self.device.clone().autodiff();
+        let train_device = cfg.autodiff_device(&self.device);
         let mut optim = adamw(cfg.weight_decay);
         let (mut model, start) = match self.run.resume_point(TRAINER_STATE)? {
             Some((step, dir)) => {

@@ -276,8 +276,7 @@ pub(super) fn host_attention<B: Backend, C: CheckpointStrategy>(
     let (k, k_dims) = host_floats::<B, 4>(k.into_primitive());
     let (v, _) = host_floats::<B, 4>(v.into_primitive());
     let shape = attention_shape(q_dims, k_dims);
-    let (out, lse) =
-        host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
+    let (out, lse) = host::attention_forward(&q, &k, &v, mask.as_deref().map(Vec::as_slice), shape, scale);
     let output = |values: Vec<f32>| B::float_from_data(TensorData::new(values, q_dims), &device);
     match Attention.prepare::<C>(nodes).compute_bound().stateful() {
         // The backward needs the output on the host too, so only then is it copied.

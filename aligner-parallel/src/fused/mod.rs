@@ -74,6 +74,14 @@ pub trait FusedOps: Backend {
         Self::float_from_data(TensorData::new(host::swiglu_forward(&g, &u), dims), &device)
     }
 
+    /// Rotary embedding (rotate-half): `x · cos + rotate_half(x) · sin` with `x: [b, heads, s,
+    /// dim]` and `cos, sin: [b or 1, 1, s, dim]`, differentiable in `x` (the angles are
+    /// constants). The default body composes the backend's own ops, so autodiff over any
+    /// backend differentiates it; the Cube backend runs a kernel.
+    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed_rope::<Self>(x, cos, sin)
+    }
+
     /// RMS normalisation over the last axis: `x · gamma / √(mean(x²) + eps)`.
     fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         let device = x.device();
@@ -84,6 +92,27 @@ pub trait FusedOps: Backend {
 }
 
 impl FusedOps for Flex {}
+
+/// [`FusedOps::fused_rope`] from the backend's slice, concatenation and arithmetic ops.
+fn composed_rope<B: Backend>(x: FloatTensor<B>, cos: FloatTensor<B>, sin: FloatTensor<B>) -> FloatTensor<B> {
+    use burn::tensor::Slice;
+    let dim = x.shape()[3];
+    let half = dim / 2;
+    let all = Slice {
+        start: 0,
+        end: None,
+        step: 1,
+    };
+    let part = |start: usize, end: usize| Slice {
+        start: start as isize,
+        end: Some(end as isize),
+        step: 1,
+    };
+    let first = B::float_slice(x.clone(), &[all, all, all, part(0, half)]);
+    let second = B::float_slice(x.clone(), &[all, all, all, part(half, dim)]);
+    let rotated = B::float_cat(vec![B::float_neg(second), first], 3);
+    B::float_add(B::float_mul(x, cos), B::float_mul(rotated, sin))
+}
 
 /// Whether all the fused ops, attention included, run natively on `device` (the Flex CPU
 /// backend, with or without autodiff).
@@ -126,6 +155,17 @@ pub fn fused_rms_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, eps: f64) 
         x.into_dispatch(),
         gamma.into_dispatch(),
         eps as f32,
+    ))
+}
+
+/// [`FusedOps::fused_rope`] on tensors: `x: [b, heads, s, dim]`, `cos, sin: [b or 1, 1, s,
+/// dim]`; differentiable in `x`.
+pub fn fused_rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
+    use burn::backend::Dispatch;
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rope(
+        x.into_dispatch(),
+        cos.into_dispatch(),
+        sin.into_dispatch(),
     ))
 }
 

@@ -203,3 +203,48 @@ pub fn swiglu_backward<F: Float>(
     d_gate[pos] = F::cast_from(grad * u * sigmoid * (1.0 + g * (1.0 - sigmoid)));
     d_up[pos] = F::cast_from(grad * g * sigmoid);
 }
+
+/// Rotary embedding (rotate-half convention) of `x: [batch, heads, seq, dim]` by the angles'
+/// `cos, sin: [angle_batch, 1, seq, dim]` (`angle_batch` 1 or `batch`):
+/// `y = x·cos + rotate_half(x)·sin`, `rotate_half(x) = [−x₂, x₁]`. With `transpose` it applies
+/// the transposed map, which is the backward: `dx = dy·cos + rotate_halfᵀ(dy·sin)`.
+#[cube(launch)]
+pub fn rope<F: Float>(
+    x: &[F],
+    cos: &[F],
+    sin: &[F],
+    out: &mut [F],
+    dim: usize,
+    heads: usize,
+    seq: usize,
+    angle_batch: usize,
+    #[comptime] transpose: bool,
+    #[define(F)] _dtype: ElemType,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= out.len() {
+        terminate!();
+    }
+    let d = pos % dim;
+    let s = (pos / dim) % seq;
+    let b = pos / (dim * seq * heads);
+    let mut angle_row = b;
+    if angle_batch == 1 {
+        angle_row = 0;
+    }
+    let a = (angle_row * seq + s) * dim + d;
+    let half = dim / 2;
+    let value = f32::cast_from(x[pos]) * f32::cast_from(cos[a]);
+    if transpose {
+        // rotate_halfᵀ(z)_j = z_{j+half} for j < half, −z_{j−half} after.
+        if d < half {
+            out[pos] = F::cast_from(value + f32::cast_from(x[pos + half]) * f32::cast_from(sin[a + half]));
+        } else {
+            out[pos] = F::cast_from(value - f32::cast_from(x[pos - half]) * f32::cast_from(sin[a - half]));
+        }
+    } else if d < half {
+        out[pos] = F::cast_from(value - f32::cast_from(x[pos + half]) * f32::cast_from(sin[a]));
+    } else {
+        out[pos] = F::cast_from(value + f32::cast_from(x[pos - half]) * f32::cast_from(sin[a]));
+    }
+}

@@ -8,6 +8,8 @@
 //! - RMS norm: one kernel per direction, each row reduced in shared memory; the forward keeps
 //!   `1/rms` per row for the backward.
 //! - SwiGLU: one elementwise kernel forward, one computing both input gradients.
+//! - Rotary embedding: one elementwise kernel; its backward is the same kernel applying the
+//!   transposed rotation.
 //! - Attention: the model composes Burn's ops on Cube devices (Burn's matmuls are autotuned
 //!   there); [`FusedOps::fused_attention`] still works, through the host.
 
@@ -21,13 +23,15 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::{FloatTensorOps, IntTensorOps};
-use burn::backend::{Autodiff, Cube, DType, IntDType, TensorMetadata, tensor::FloatTensor, tensor::IntTensor};
+use burn::backend::{
+    Autodiff, Cube, DType, IntDType, TensorMetadata, tensor::FloatTensor, tensor::IntTensor,
+};
 use burn::tensor::Shape;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::prelude::*;
 use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
 use cubecl::server::CubeCountSelection;
 
 use super::FusedOps;
@@ -100,6 +104,34 @@ pub fn swiglu_backward(gate: CubeTensor, up: CubeTensor, dy: CubeTensor) -> (Cub
         dtype,
     );
     (d_gate, d_up)
+}
+
+/// Rotary embedding of `x: [batch, heads, seq, dim]` by `cos, sin: [1 or batch, 1, seq, dim]`
+/// ([`kernels::rope`]); `transpose` applies the backward map to an output gradient.
+pub fn rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor, transpose: bool) -> CubeTensor {
+    let (x, cos, sin) = (into_contiguous(x), into_contiguous(cos), into_contiguous(sin));
+    let shape = x.shape();
+    let (heads, seq, dim) = (shape[1], shape[2], shape[3]);
+    let angle_batch = cos.shape()[0];
+    let out = empty(&x, x.shape(), x.dtype);
+    let (count, cube_dim) = per_element(&x, out.shape().num_elements());
+    let dtype = dtype_to_storage_type(x.dtype);
+    kernels::rope::launch(
+        &x.client.clone(),
+        count,
+        cube_dim,
+        x.into_buffer_arg(),
+        cos.into_buffer_arg(),
+        sin.into_buffer_arg(),
+        out.clone().into_buffer_arg(),
+        dim,
+        heads,
+        seq,
+        angle_batch,
+        transpose,
+        dtype,
+    );
+    out
 }
 
 /// RMS norm over the last axis: `(y, inv)` with `inv: [rows]` f32, each row's `1/rms`.
@@ -233,6 +265,10 @@ impl FusedOps for Cube {
     fn fused_rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         rms_norm_forward(x, gamma, eps).0
     }
+
+    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+        rope(x, cos, sin, false)
+    }
 }
 
 /// Registers `grad` for `node`, when that input tracks one.
@@ -293,7 +329,32 @@ impl Backward<Cube, 2> for Swiglu {
     }
 }
 
+#[derive(Debug)]
+struct Rope;
+
+impl Backward<Cube, 1> for Rope {
+    /// cos, sin (constants).
+    type State = (CubeTensor, CubeTensor);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [x_node] = ops.parents;
+        let dy = grads.consume::<Cube>(&ops.node);
+        let (cos, sin) = ops.state;
+        register(grads, x_node.map(|n| n.id), rope(dy, cos, sin, true));
+    }
+}
+
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Cube, C> {
+    fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
+        let nodes = [x.node()];
+        let (x, cos, sin) = (x.into_primitive(), cos.into_primitive(), sin.into_primitive());
+        let out = rope(x, cos.clone(), sin.clone(), false);
+        match Rope.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((cos, sin), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn fused_token_logprobs(
         hidden: FloatTensor<Self>,
         weight: FloatTensor<Self>,
