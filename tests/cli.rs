@@ -218,3 +218,178 @@ fn convert_llama2c_writes_a_loadable_folder() {
     ]);
     assert_eq!(stdout, shipped);
 }
+
+/// Bad values and files, each refused before work starts with a message naming the culprit,
+/// and none a panic (exit code 101).
+#[test]
+fn bad_inputs_are_refused_naming_the_culprit() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let blank = dir.path().join("blank.jsonl");
+    std::fs::write(&blank, "\n   \n\n").unwrap();
+    // Model folders: a tokenizer with ids past the model's vocabulary, and truncated weights.
+    let model_copy = |name: &str| {
+        let copy = dir.path().join(name);
+        std::fs::create_dir_all(&copy).unwrap();
+        for entry in std::fs::read_dir(repo().join("assets/stories260K")).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+        }
+        copy
+    };
+    let small_vocab = model_copy("small-vocab");
+    let config = std::fs::read_to_string(small_vocab.join("config.json")).unwrap();
+    let config = config.replace("\"vocab_size\": 512", "\"vocab_size\": 100");
+    assert!(config.contains("\"vocab_size\": 100"), "{config}");
+    std::fs::write(small_vocab.join("config.json"), config).unwrap();
+    let truncated = model_copy("truncated");
+    let weights = std::fs::read(truncated.join("model.safetensors")).unwrap();
+    std::fs::write(truncated.join("model.safetensors"), &weights[..weights.len() / 2]).unwrap();
+    let generate_with = |model: &std::path::Path| -> Vec<String> {
+        ["generate", "--model", model.to_str().unwrap(), "--prompt", "Once"]
+            .map(String::from)
+            .to_vec()
+    };
+    let out = dir.path().join("run");
+    let out = out.to_str().unwrap();
+    let data = |file: &std::path::Path| format!("data.train={}", file.display());
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "generate".into(),
+                "--prompt".into(),
+                "Once".into(),
+                "--temperature".into(),
+                "-1".into(),
+            ],
+            "--temperature",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "--prompt".into(),
+                "Once".into(),
+                "--temperature".into(),
+                "NaN".into(),
+            ],
+            "--temperature",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "--prompt".into(),
+                "Once".into(),
+                "--top-p".into(),
+                "1.5".into(),
+            ],
+            "--top-p",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "--prompt".into(),
+                "Once".into(),
+                "--max-new-tokens".into(),
+                "0".into(),
+            ],
+            "--max-new-tokens",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "--prompt".into(),
+                "Once".into(),
+                "--workers".into(),
+                "0".into(),
+            ],
+            "--workers",
+        ),
+        (
+            vec![
+                "sft".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                "train.lr=0".into(),
+            ],
+            "train.lr",
+        ),
+        (
+            vec![
+                "sft".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                "train.lr=nan".into(),
+            ],
+            "train.lr",
+        ),
+        (
+            vec![
+                "sft".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                "train.max_grad_norm=nan".into(),
+            ],
+            "train.max_grad_norm",
+        ),
+        (
+            vec![
+                "sft".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                data(&empty),
+            ],
+            "empty.jsonl",
+        ),
+        (
+            vec![
+                "rm".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                data(&blank),
+            ],
+            "blank.jsonl",
+        ),
+        (
+            vec![
+                "dpo".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                data(&empty),
+            ],
+            "empty.jsonl",
+        ),
+        (
+            vec![
+                "kto".into(),
+                "--out".into(),
+                out.into(),
+                "--set".into(),
+                data(&blank),
+            ],
+            "blank.jsonl",
+        ),
+        (generate_with(&small_vocab), "tokenizer.json"),
+        (generate_with(&truncated), "model.safetensors"),
+    ];
+    for (args, culprit) in cases {
+        let output = Command::new(aligner_tests::aligner_exe())
+            .args(&args)
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} was accepted");
+        assert_ne!(output.status.code(), Some(101), "{args:?} panicked: {stderr}");
+        assert!(
+            stderr.contains(culprit),
+            "{args:?}: the error does not name {culprit}: {stderr}"
+        );
+    }
+}

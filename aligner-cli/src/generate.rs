@@ -28,12 +28,12 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     temperature: f32,
     /// 0 = off.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Prompt i samples with seed + i, so its output does not depend on the batch.
     #[arg(long, default_value_t = 0)]
@@ -77,7 +77,31 @@ struct SteeredPrompt {
     negative_attributes: Option<BTreeMap<String, f64>>,
 }
 
+/// Refuses flag values no run can use, naming the flag, before anything is loaded.
+fn check_flags(args: &GenerateArgs) -> Result<()> {
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!(
+            "--temperature {}: must be a finite number of at least 0 (0 = greedy)",
+            args.temperature
+        );
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p {}: must be above 0 and at most 1 (1 = off)", args.top_p);
+    }
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens 0: must be at least 1");
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    if args.workers == 0 {
+        bail!("--workers 0: must be at least 1");
+    }
+    Ok(())
+}
+
 pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
+    check_flags(&args)?;
     let dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
@@ -91,9 +115,6 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         (None, None) => bail!("give --prompt TEXT or --prompts FILE.jsonl"),
         (Some(_), Some(_)) => unreachable!("clap rejects both"),
     };
-    if args.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
-    }
     let steered = args.attributes.is_some() || rows.iter().any(|r| r.attributes.is_some());
     let conditioning = match steered {
         true => Some(Conditioning::load(&dir)?),
@@ -184,7 +205,7 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
             ..EngineOptions::default()
         },
     );
-    let mut pool = WorkerPool::new(engine, args.workers.max(1));
+    let mut pool = WorkerPool::new(engine, args.workers);
     let bar = aligner_core::run::progress_bar(
         requests.len() as u64,
         "{bar:30} {pos}/{len} prompts {msg} [{elapsed} < {eta}]",

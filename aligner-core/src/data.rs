@@ -19,19 +19,32 @@ pub fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
 }
 
 /// [`read_jsonl`] with each row's line number in the file (from 1; blank lines count).
+///
+/// A UTF-8 byte-order mark is skipped; a line that is not UTF-8 or not a `T` is an error naming
+/// the file and the line, and a file with no rows at all (empty, or blank lines only) is an
+/// error naming the file.
 pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
-    let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
+    let bytes = std::fs::read(path).map_err(|e| CoreError::io(path, e))?;
+    let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&bytes);
+    let bad_line = |line: usize, message: String| DataError {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
     let mut rows = Vec::new();
-    for (i, line) in text.lines().enumerate() {
+    for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
+        let line = std::str::from_utf8(raw).map_err(|e| bad_line(i + 1, format!("not UTF-8 text ({e})")))?;
         if line.trim().is_empty() {
             continue;
         }
-        let row = serde_json::from_str(line).map_err(|e| DataError {
-            path: path.to_path_buf(),
-            line: i + 1,
-            message: e.to_string(),
-        })?;
+        let row = serde_json::from_str(line).map_err(|e| bad_line(i + 1, e.to_string()))?;
         rows.push((i + 1, row));
+    }
+    if rows.is_empty() {
+        return Err(CoreError::Config {
+            path: path.to_path_buf(),
+            message: "no rows: the file is empty or holds only blank lines".into(),
+        });
     }
     Ok(rows)
 }
@@ -132,6 +145,32 @@ mod tests {
         let err = read_jsonl::<PromptResponseRow>(&path).unwrap_err().to_string();
         assert!(err.contains("d.jsonl:3"), "{err}");
         assert!(err.contains("response"), "{err}");
+    }
+
+    #[test]
+    fn empty_files_are_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in [("empty.jsonl", ""), ("blank.jsonl", "\n  \n\n")] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            let err = read_jsonl::<PromptResponseRow>(&path).unwrap_err().to_string();
+            assert!(err.contains(name) && err.contains("no rows"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_skipped_and_bad_utf8_names_its_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bom.jsonl");
+        std::fs::write(&path, "\u{feff}{\"prompt\": \"a\", \"response\": \"b\"}\r\n").unwrap();
+        let rows = read_jsonl::<PromptResponseRow>(&path).unwrap();
+        assert_eq!(rows[0].prompt, Prompt::Text("a".into()));
+        let path = dir.path().join("latin1.jsonl");
+        let mut bytes = b"{\"prompt\": \"a\", \"response\": \"b\"}\n".to_vec();
+        bytes.extend_from_slice(b"{\"prompt\": \"caf\xe9\", \"response\": \"b\"}\n");
+        std::fs::write(&path, bytes).unwrap();
+        let err = read_jsonl::<PromptResponseRow>(&path).unwrap_err().to_string();
+        assert!(err.contains("latin1.jsonl:2") && err.contains("UTF-8"), "{err}");
     }
 
     #[test]

@@ -112,8 +112,23 @@ impl LoadedModel {
     /// Loads `config.json`, the safetensors weights and `tokenizer.json` of `dir`.
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
         let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-        let model = checkpoint::load_causal_lm(dir, &config, device)?;
         let tokenizer = TextTokenizer::from_dir(dir)?;
+        // A tokenizer with ids past the embedding table makes every later step index out of
+        // it; refuse the pair here, before the weights are read.
+        if let Some(max) = tokenizer.max_token_id()
+            && max as usize >= config.vocab_size
+        {
+            return Err(CoreError::Tokenizer {
+                path: dir.join("tokenizer.json"),
+                message: format!(
+                    "token id {max} is outside the model's vocabulary of {} (vocab_size in {}): \
+                     this tokenizer does not belong to this model",
+                    config.vocab_size,
+                    dir.join("config.json").display()
+                ),
+            });
+        }
+        let model = checkpoint::load_causal_lm(dir, &config, device)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             config,

@@ -162,6 +162,11 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The largest id any token (added tokens included) encodes to.
+    pub fn max_token_id(&self) -> Option<u32> {
+        self.inner.get_vocab(true).into_values().max()
+    }
+
     pub fn bos_id(&self) -> Option<u32> {
         self.bos_id
     }

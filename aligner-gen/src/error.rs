@@ -15,6 +15,8 @@ pub enum GenError {
     MixedForwardPaths,
     #[error("a guided request needs two cache rows (slots / --batch-size of at least 2)")]
     GuidanceNeedsTwoSlots,
+    #[error("request {request}: {why}")]
+    BadSampling { request: usize, why: String },
     #[error("request {request}: a guidance scale is a finite number of at least 0, not {scale}")]
     BadGuidanceScale { request: usize, scale: f32 },
     #[error("generation worker {0} panicked")]

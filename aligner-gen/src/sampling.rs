@@ -37,6 +37,27 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Refuses values no sampler can use, saying which: a temperature that is negative or not
+    /// finite, a `top_p` outside (0, 1], or no new tokens to generate.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!(
+                "temperature {}: must be a finite number of at least 0 (0 = greedy)",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!(
+                "top_p {}: must be above 0 and at most 1 (1 = off)",
+                self.top_p
+            ));
+        }
+        if self.max_new_tokens == 0 {
+            return Err("max_new_tokens 0: must be at least 1".into());
+        }
+        Ok(())
+    }
+
     /// Greedy decoding of `max_new_tokens`.
     pub fn greedy(max_new_tokens: usize) -> Self {
         Self {

@@ -139,6 +139,24 @@ impl TrainSection {
                 "train.batch_size and train.grad_accum must be at least 1".into(),
             ));
         }
+        let bad = |key: &str, value: f64, rule: &str| {
+            Err(CoreError::Invalid(format!(
+                "train.{key} = {value}: must be {rule}"
+            )))
+        };
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", self.lr, "a finite number above 0");
+        }
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
+            return bad(
+                "max_grad_norm",
+                self.max_grad_norm,
+                "a finite number of at least 0 (0 = no clipping)",
+            );
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("weight_decay", self.weight_decay, "a finite number of at least 0");
+        }
         Ok(())
     }
 
