@@ -246,6 +246,11 @@ fn bad_inputs_are_refused_naming_the_culprit() {
     let truncated = model_copy("truncated");
     let weights = std::fs::read(truncated.join("model.safetensors")).unwrap();
     std::fs::write(truncated.join("model.safetensors"), &weights[..weights.len() / 2]).unwrap();
+    let not_finite = model_copy("nan-weights");
+    let mut weights = std::fs::read(not_finite.join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    weights[8 + header..8 + header + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(not_finite.join("model.safetensors"), weights).unwrap();
     let generate_with = |model: &std::path::Path| -> Vec<String> {
         ["generate", "--model", model.to_str().unwrap(), "--prompt", "Once"]
             .map(String::from)
@@ -377,6 +382,7 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         ),
         (generate_with(&small_vocab), "tokenizer.json"),
         (generate_with(&truncated), "model.safetensors"),
+        (generate_with(&not_finite), "not finite"),
     ];
     for (args, culprit) in cases {
         let output = Command::new(aligner_tests::aligner_exe())

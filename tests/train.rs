@@ -167,6 +167,17 @@ fn a_diverging_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     ]);
     assert!(!ok);
     assert!(err.contains("loss is"), "{err}");
+    // The message names the checkpoint that is kept, and it exists.
+    let named = err
+        .split_whitespace()
+        .find(|w| w.contains("checkpoints/step-"))
+        .unwrap_or_else(|| panic!("no checkpoint named: {err}"));
+    assert!(
+        Path::new(named.trim_end_matches(['.', ',']))
+            .join("trainer_state.json")
+            .exists(),
+        "{err}"
+    );
     assert!(run.join("checkpoints/step-1/trainer_state.json").exists());
     assert!(!run.join("final").exists());
 }

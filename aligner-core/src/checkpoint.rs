@@ -170,7 +170,18 @@ impl TensorFiles {
                 found: view.shape().to_vec(),
             });
         }
-        decode_f32(name, view.dtype(), view.data())
+        let values = decode_f32(name, view.dtype(), view.data())?;
+        // A diverged run's weights: refused here rather than trained or sampled from.
+        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+            return Err(CoreError::Safetensors {
+                path: path.clone(),
+                message: format!(
+                    "tensor {name:?} holds {} at index {at}: the weights are not finite",
+                    values[at]
+                ),
+            });
+        }
+        Ok(values)
     }
 }
 

@@ -450,11 +450,11 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
     }
 
     fn non_finite(&self, loss: f64, step: usize) -> CoreError {
-        CoreError::Invalid(format!(
-            "loss is {loss} at step {}; stopping. The last good checkpoint is kept in {}",
-            step + 1,
-            self.run.checkpoints().display()
-        ))
+        let kept = match self.run.latest_checkpoint(TRAINER_STATE) {
+            Some((at, dir)) => format!("the last checkpoint, from step {at}, is {}", dir.display()),
+            None => "no checkpoint was written yet".to_string(),
+        };
+        CoreError::Invalid(format!("loss is {loss} at step {}; stopping: {kept}", step + 1))
     }
 
     fn summary(
