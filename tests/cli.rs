@@ -259,127 +259,37 @@ fn bad_inputs_are_refused_naming_the_culprit() {
     let out = dir.path().join("run");
     let out = out.to_str().unwrap();
     let data = |file: &std::path::Path| format!("data.train={}", file.display());
+    // `generate --prompt Once FLAG VALUE`, and `COMMAND --out run --set SETTING`.
+    let flag = |flag: &str, value: &str| -> Vec<String> {
+        ["generate", "--prompt", "Once", flag, value]
+            .map(String::from)
+            .to_vec()
+    };
+    let set = |command: &str, setting: String| -> Vec<String> {
+        vec![
+            command.into(),
+            "--out".into(),
+            out.into(),
+            "--set".into(),
+            setting,
+        ]
+    };
     let cases: Vec<(Vec<String>, &str)> = vec![
+        (flag("--temperature", "-1"), "--temperature"),
+        (flag("--temperature", "NaN"), "--temperature"),
+        (flag("--top-p", "1.5"), "--top-p"),
+        (flag("--max-new-tokens", "0"), "--max-new-tokens"),
+        (flag("--workers", "0"), "--workers"),
+        (set("sft", "train.lr=0".into()), "train.lr"),
+        (set("sft", "train.lr=nan".into()), "train.lr"),
         (
-            vec![
-                "generate".into(),
-                "--prompt".into(),
-                "Once".into(),
-                "--temperature".into(),
-                "-1".into(),
-            ],
-            "--temperature",
-        ),
-        (
-            vec![
-                "generate".into(),
-                "--prompt".into(),
-                "Once".into(),
-                "--temperature".into(),
-                "NaN".into(),
-            ],
-            "--temperature",
-        ),
-        (
-            vec![
-                "generate".into(),
-                "--prompt".into(),
-                "Once".into(),
-                "--top-p".into(),
-                "1.5".into(),
-            ],
-            "--top-p",
-        ),
-        (
-            vec![
-                "generate".into(),
-                "--prompt".into(),
-                "Once".into(),
-                "--max-new-tokens".into(),
-                "0".into(),
-            ],
-            "--max-new-tokens",
-        ),
-        (
-            vec![
-                "generate".into(),
-                "--prompt".into(),
-                "Once".into(),
-                "--workers".into(),
-                "0".into(),
-            ],
-            "--workers",
-        ),
-        (
-            vec![
-                "sft".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                "train.lr=0".into(),
-            ],
-            "train.lr",
-        ),
-        (
-            vec![
-                "sft".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                "train.lr=nan".into(),
-            ],
-            "train.lr",
-        ),
-        (
-            vec![
-                "sft".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                "train.max_grad_norm=nan".into(),
-            ],
+            set("sft", "train.max_grad_norm=nan".into()),
             "train.max_grad_norm",
         ),
-        (
-            vec![
-                "sft".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                data(&empty),
-            ],
-            "empty.jsonl",
-        ),
-        (
-            vec![
-                "rm".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                data(&blank),
-            ],
-            "blank.jsonl",
-        ),
-        (
-            vec![
-                "dpo".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                data(&empty),
-            ],
-            "empty.jsonl",
-        ),
-        (
-            vec![
-                "kto".into(),
-                "--out".into(),
-                out.into(),
-                "--set".into(),
-                data(&blank),
-            ],
-            "blank.jsonl",
-        ),
+        (set("sft", data(&empty)), "empty.jsonl"),
+        (set("rm", data(&blank)), "blank.jsonl"),
+        (set("dpo", data(&empty)), "empty.jsonl"),
+        (set("kto", data(&blank)), "blank.jsonl"),
         (generate_with(&small_vocab), "tokenizer.json"),
         (generate_with(&truncated), "model.safetensors"),
         (generate_with(&not_finite), "not finite"),

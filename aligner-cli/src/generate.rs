@@ -77,19 +77,28 @@ struct SteeredPrompt {
     negative_attributes: Option<BTreeMap<String, f64>>,
 }
 
-/// Refuses flag values no run can use, naming the flag, before anything is loaded.
+/// The sampling flags as the engine takes them, for prompt `i` (seed + i).
+fn sampling_params(args: &GenerateArgs, i: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed.wrapping_add(i as u64),
+        max_new_tokens: args.max_new_tokens,
+        stop_strings: args.stop.clone(),
+    }
+}
+
+/// Refuses flag values no run can use, naming the flag, before anything is loaded; the
+/// sampling values by the engine's own rules ([`SamplingParams::check`]).
 fn check_flags(args: &GenerateArgs) -> Result<()> {
-    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+    if let Err(bad) = sampling_params(args, 0).check() {
         bail!(
-            "--temperature {}: must be a finite number of at least 0 (0 = greedy)",
-            args.temperature
+            "--{} {}: must be {}",
+            bad.field.replace('_', "-"),
+            bad.value,
+            bad.rule
         );
-    }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        bail!("--top-p {}: must be above 0 and at most 1 (1 = off)", args.top_p);
-    }
-    if args.max_new_tokens == 0 {
-        bail!("--max-new-tokens 0: must be at least 1");
     }
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
@@ -178,14 +187,7 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         .map(|(i, (text, negative))| {
             Ok(GenerationRequest {
                 prompt_ids: lm.tokenizer.encode(text, true)?,
-                params: SamplingParams {
-                    temperature: args.temperature,
-                    top_k: args.top_k,
-                    top_p: args.top_p,
-                    seed: args.seed.wrapping_add(i as u64),
-                    max_new_tokens: args.max_new_tokens,
-                    stop_strings: args.stop.clone(),
-                },
+                params: sampling_params(&args, i),
                 guidance: match negative {
                     Some(negative) => Some(Guidance {
                         negative_prompt_ids: lm.tokenizer.encode(negative, true)?,

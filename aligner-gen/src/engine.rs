@@ -527,9 +527,10 @@ pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
 /// Rejects requests no engine can run.
 pub(crate) fn validate(requests: &[GenerationRequest], max_positions: usize) -> Result<()> {
     for (i, r) in requests.iter().enumerate() {
-        r.params
-            .check()
-            .map_err(|why| GenError::BadSampling { request: i, why })?;
+        r.params.check().map_err(|bad| GenError::BadSampling {
+            request: i,
+            why: bad.to_string(),
+        })?;
         if let Some(scale) = r.guidance.as_ref().map(|g| g.scale)
             && !(scale.is_finite() && scale >= 0.0)
         {

@@ -23,6 +23,21 @@ pub struct SamplingParams {
     pub stop_strings: Vec<String>,
 }
 
+/// A [`SamplingParams`] field whose value no sampler can use: which, what it was, and what it
+/// must be.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BadSamplingValue {
+    pub field: &'static str,
+    pub value: String,
+    pub rule: &'static str,
+}
+
+impl std::fmt::Display for BadSamplingValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: must be {}", self.field, self.value, self.rule)
+    }
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         Self {
@@ -39,21 +54,20 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Refuses values no sampler can use, saying which: a temperature that is negative or not
     /// finite, a `top_p` outside (0, 1], or no new tokens to generate.
-    pub fn check(&self) -> std::result::Result<(), String> {
+    pub fn check(&self) -> std::result::Result<(), BadSamplingValue> {
+        let bad = |field, value: String, rule| Err(BadSamplingValue { field, value, rule });
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!(
-                "temperature {}: must be a finite number of at least 0 (0 = greedy)",
-                self.temperature
-            ));
+            return bad(
+                "temperature",
+                self.temperature.to_string(),
+                "a finite number of at least 0 (0 = greedy)",
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!(
-                "top_p {}: must be above 0 and at most 1 (1 = off)",
-                self.top_p
-            ));
+            return bad("top_p", self.top_p.to_string(), "above 0 and at most 1 (1 = off)");
         }
         if self.max_new_tokens == 0 {
-            return Err("max_new_tokens 0: must be at least 1".into());
+            return bad("max_new_tokens", "0".into(), "at least 1");
         }
         Ok(())
     }

@@ -362,6 +362,8 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Cube, C> {
     ) -> FloatTensor<Self> {
         let nodes = [hidden.node(), weight.node()];
         let (hidden, weight) = (hidden.into_primitive(), weight.into_primitive());
+        // Cast once: the backward reuses the i32 targets (a no-op cast there).
+        let targets = targets_i32(targets);
         let (out, lse) = token_logprobs_forward(hidden.clone(), weight.clone(), targets.clone());
         match TokenLogprobs.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((hidden, weight, targets, lse), out),
