@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use std::collections::BTreeMap;
 
-use aligner_core::data::{Prompt, read_jsonl};
+use aligner_core::data::{Prompt, read_jsonl_numbered};
 use aligner_core::{Device, LoadedModel};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, Guidance, SamplingParams, WorkerPool};
 use aligner_steerlm::Conditioning;
@@ -114,13 +114,21 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     let dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
-    let rows: Vec<SteeredPrompt> = match (&args.prompt, &args.prompts) {
-        (Some(text), None) => vec![SteeredPrompt {
-            prompt: Prompt::Text(text.clone()),
-            attributes: None,
-            negative_attributes: None,
-        }],
-        (None, Some(path)) => read_jsonl::<SteeredPrompt>(path)?,
+    // Each prompt with the line of the prompts file it came from (1 for --prompt).
+    let (rows, lines): (Vec<SteeredPrompt>, Vec<usize>) = match (&args.prompt, &args.prompts) {
+        (Some(text), None) => (
+            vec![SteeredPrompt {
+                prompt: Prompt::Text(text.clone()),
+                attributes: None,
+                negative_attributes: None,
+            }],
+            vec![1],
+        ),
+        (None, Some(path)) => {
+            let numbered = read_jsonl_numbered::<SteeredPrompt>(path)?;
+            let lines = numbered.iter().map(|(line, _)| *line).collect();
+            (numbered.into_iter().map(|(_, row)| row).collect(), lines)
+        }
         (None, None) => bail!("give --prompt TEXT or --prompts FILE.jsonl"),
         (Some(_), Some(_)) => unreachable!("clap rejects both"),
     };
@@ -162,7 +170,8 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     };
     let mut texts: Vec<String> = Vec::with_capacity(rows.len());
     let mut negatives: Vec<Option<String>> = Vec::with_capacity(rows.len());
-    for (line, row) in rows.iter().enumerate() {
+    let source = args.prompts.clone().unwrap_or_else(|| "--prompt".into());
+    for (row, &line) in rows.iter().zip(&lines) {
         let text = row.prompt.render(&lm.tokenizer)?;
         let values = row.attributes.as_ref().or(given.as_ref());
         texts.push(steer(&text, values)?);
@@ -170,10 +179,10 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
             false => None,
             true => {
                 let Some(values) = values else {
-                    bail!("prompt {}: --guidance-scale needs its attributes", line + 1);
+                    bail!("{}:{line}: --guidance-scale needs the prompt's attributes", source.display());
                 };
                 let Some(negative) = row.negative_attributes.as_ref().or(given_negative.as_ref()) else {
-                    bail!("prompt {}: --guidance-scale needs --negative-attributes (or \"negative_attributes\" on the line)", line + 1);
+                    bail!("{}:{line}: --guidance-scale needs --negative-attributes (or \"negative_attributes\" on the line)", source.display());
                 };
                 Some(steer(&text, Some(&negative_values(values, negative)))?)
             }
@@ -185,8 +194,11 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         .zip(&negatives)
         .enumerate()
         .map(|(i, (text, negative))| {
+            let prompt_ids = lm.tokenizer.encode(text, true)?;
+            let context = lm.config.max_position_embeddings;
+            aligner_core::data::check_fits(&source, lines[i], "prompt", prompt_ids.len(), context, 1)?;
             Ok(GenerationRequest {
-                prompt_ids: lm.tokenizer.encode(text, true)?,
+                prompt_ids,
                 params: sampling_params(&args, i),
                 guidance: match negative {
                     Some(negative) => Some(Guidance {

@@ -2,10 +2,10 @@
 
 use std::path::PathBuf;
 
-use aligner_core::data::{PromptResponseRow, read_jsonl};
+use aligner_core::data::{PromptResponseRow, read_jsonl_numbered};
 use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::{Device, LoadedModel};
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
 
@@ -37,10 +37,9 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     }
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
-    let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
-    let seqs: Vec<ScoredSequence> = rows
-        .iter()
-        .map(|r| ScoredSequence::encode(&lm.tokenizer, &r.prompt.render(&lm.tokenizer)?, &r.response))
+    let seqs: Vec<ScoredSequence> = scored_rows(&args.data, &lm.tokenizer, &lm.config)?
+        .into_iter()
+        .map(|(prompt, response)| ScoredSequence::encode(&lm.tokenizer, &prompt, &response))
         .collect::<Result<_, _>>()?;
     let bar = aligner_core::run::progress_bar(
         seqs.len() as u64,
@@ -60,6 +59,34 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     crate::write_jsonl(args.out.as_deref(), &out)
 }
 
+/// The `(prompt as the model sees it, response)` of every line of `path`; a line with nothing
+/// to score, or longer than the model's context, is an error naming the file and line.
+fn scored_rows(
+    path: &std::path::Path,
+    tokenizer: &aligner_core::TextTokenizer,
+    config: &aligner_core::LlamaConfig,
+) -> Result<Vec<(String, String)>> {
+    let context = config.max_position_embeddings;
+    read_jsonl_numbered::<PromptResponseRow>(path)?
+        .into_iter()
+        .map(|(line, row)| {
+            let prompt = row.prompt.render(tokenizer)?;
+            if prompt.is_empty() && row.response.is_empty() {
+                bail!(
+                    "{}:{line}: the prompt and the response are empty: nothing to score",
+                    path.display()
+                );
+            }
+            let tokens = tokenizer
+                .encode(&format!("{prompt}{}", row.response), true)?
+                .len();
+            // The whole sequence is scored, so it must fit in the context (not just leave room).
+            aligner_core::data::check_fits(path, line, "prompt with its response", tokens, context, 0)?;
+            Ok((prompt, row.response))
+        })
+        .collect()
+}
+
 /// Rewards (one output) or attributes (several) of a sequence-classifier folder.
 fn score_rewards(
     args: &ScoreArgs,
@@ -72,7 +99,7 @@ fn score_rewards(
     let model = aligner_core::reward::RewardModel::load(dir, config, outputs, device)
         .with_context(|| format!("loading reward model {}", dir.display()))?;
     let tokenizer = aligner_core::TextTokenizer::from_dir(dir)?;
-    let rows = read_jsonl::<PromptResponseRow>(&args.data)?;
+    let rows = scored_rows(&args.data, &tokenizer, config)?;
     let mut out = Vec::with_capacity(rows.len());
     let bar = aligner_core::run::progress_bar(
         rows.len() as u64,
@@ -81,7 +108,7 @@ fn score_rewards(
     for chunk in rows.chunks(args.batch_size.max(1)) {
         let ids: Vec<Vec<u32>> = chunk
             .iter()
-            .map(|r| tokenizer.encode(&format!("{}{}", r.prompt.render(&tokenizer)?, r.response), true))
+            .map(|(prompt, response)| tokenizer.encode(&format!("{prompt}{response}"), true))
             .collect::<Result<_, _>>()?;
         let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
         let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();

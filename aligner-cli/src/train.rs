@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use aligner_core::Device;
 use aligner_core::run::RunDir;
-use aligner_core::train::{RunSummary, load_config};
-use anyhow::Result;
+use aligner_core::train::{ConfigChange, RunSummary, config_changes, load_config};
+use anyhow::{Result, bail};
 use clap::Args;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -27,6 +27,14 @@ pub struct TrainArgs {
     /// Continue the run in RUN_DIR from its newest checkpoint, with its config.toml.
     #[arg(long, value_name = "RUN_DIR", conflicts_with = "config")]
     pub(crate) resume: Option<PathBuf>,
+    /// Clear the `--out` folder when it already holds a run (without it, such a folder is
+    /// refused rather than mixed with the new run).
+    #[arg(long, conflicts_with = "resume")]
+    pub(crate) overwrite: bool,
+    /// With `--resume`: accept `--set` values that change what the run was trained with; each
+    /// change is recorded in RUN_DIR/config_changes.jsonl (without it they are refused).
+    #[arg(long, requires = "resume")]
+    pub(crate) allow_change: bool,
     /// Stop after this many optimizer steps as if interrupted (checkpoints stay resumable).
     #[arg(long, hide = true)]
     pub(crate) stop_after: Option<usize>,
@@ -41,25 +49,59 @@ pub(crate) fn prepare<T: Serialize + DeserializeOwned + Default>(
 }
 
 /// [`prepare`] from explicit defaults (commands whose steps default differently). A resumed
-/// run takes its own `config.toml`; a new one goes to `--out` or `runs/<command>`.
+/// run takes its own `config.toml` (a `--set` that changes it needs `--allow-change`); a new
+/// one goes to `--out` or `runs/<command>`.
 pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
     args: &TrainArgs,
     command: &str,
     defaults: &T,
 ) -> Result<(T, RunDir)> {
-    let (config_file, run) = match &args.resume {
-        Some(dir) => (Some(dir.join("config.toml")), RunDir::resuming(dir)),
-        None => (
-            args.config.clone(),
-            RunDir::new(
-                args.out
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from("runs").join(command)),
-            ),
-        ),
+    let Some(dir) = &args.resume else {
+        let out = args
+            .out
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("runs").join(command));
+        let config: T = load_config(defaults, args.config.as_deref(), &args.sets)?;
+        let run = RunDir::new(out).overwrite(args.overwrite);
+        return Ok((config, run.stop_after(args.stop_after)));
     };
-    let config: T = load_config(defaults, config_file.as_deref(), &args.sets)?;
-    Ok((config, run.stop_after(args.stop_after)))
+    let recorded_file = dir.join("config.toml");
+    if !recorded_file.exists() {
+        bail!(
+            "--resume {}: no config.toml there (is it a run folder?)",
+            dir.display()
+        );
+    }
+    let recorded: T = load_config(defaults, Some(&recorded_file), &[])?;
+    let config: T = load_config(defaults, Some(&recorded_file), &args.sets)?;
+    let changes = config_changes(&recorded, &config)?;
+    if !changes.is_empty() {
+        let listed: Vec<String> = changes.iter().map(ToString::to_string).collect();
+        if !args.allow_change {
+            bail!(
+                "--resume {}: --set changes what the run was trained with ({}); pass --allow-change \
+                 to continue with the change (it is recorded in config_changes.jsonl), or leave the --set out",
+                dir.display(),
+                listed.join("; ")
+            );
+        }
+        tracing::warn!(changes = %listed.join("; "), "--allow-change: the resumed run continues with changed settings");
+        if aligner_parallel::world().is_root() {
+            record_changes(dir, &changes)?;
+        }
+    }
+    Ok((config, RunDir::resuming(dir).stop_after(args.stop_after)))
+}
+
+/// Appends one line to `dir/config_changes.jsonl`: when, and which keys changed how.
+fn record_changes(dir: &Path, changes: &[ConfigChange]) -> Result<()> {
+    let seconds = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let row = serde_json::json!({ "resumed_at_unix_seconds": seconds, "changes": changes });
+    aligner_core::data::append_jsonl(&dir.join("config_changes.jsonl"), &row)?;
+    Ok(())
 }
 
 /// Logs the validation before and after a trainer run, and where its model is.

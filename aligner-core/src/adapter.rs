@@ -107,7 +107,7 @@ fn write_adapter(
     config: AdapterConfig,
     dir: &Path,
 ) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
     write_safetensors(&dir.join("adapter_model.safetensors"), &tensors)?;
     write_json(&dir.join("adapter_config.json"), &config)
 }

@@ -349,8 +349,14 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
         "{}.tmp",
         path.extension().and_then(|e| e.to_str()).unwrap_or("")
     ));
-    std::fs::write(&tmp, data).map_err(|e| CoreError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| CoreError::io(path, e))
+    let written = std::fs::write(&tmp, data)
+        .map_err(|e| CoreError::cannot_write(&tmp, e))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| CoreError::cannot_write(path, e)));
+    if written.is_err() {
+        // A full disk leaves a partial temporary file: it is removed, the old file stays.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Writes `value` as pretty-printed JSON to `path`, atomically ([`write_atomic`]).
@@ -379,7 +385,7 @@ pub fn save_causal_lm(
     dir: &Path,
     tokenizer_from: Option<&Path>,
 ) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
     let mut config = config.clone();
     if config.architectures.is_none() {
         config.architectures = Some(vec![default_architecture(&config.model_type).into()]);

@@ -165,6 +165,7 @@ impl LlamaConfig {
             ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if value == 0 {
                 return Err(err(format!("{key} must be positive")));
@@ -187,6 +188,12 @@ impl LlamaConfig {
             return Err(err(format!(
                 "head_dim ({}) must be even for rotary embeddings",
                 self.head_dim()
+            )));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(err(format!(
+                "rms_norm_eps must be a finite number above 0, got {}",
+                self.rms_norm_eps
             )));
         }
         self.rope_theta_value().map_err(err)?;

@@ -37,7 +37,7 @@ pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usiz
         if line.trim().is_empty() {
             continue;
         }
-        let row = serde_json::from_str(line).map_err(|e| bad_line(i + 1, e.to_string()))?;
+        let row = parse_line(line).map_err(|e| bad_line(i + 1, e))?;
         rows.push((i + 1, row));
     }
     if rows.is_empty() {
@@ -47,6 +47,21 @@ pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usiz
         });
     }
     Ok(rows)
+}
+
+/// One JSON line as a `T`; the error names the field it is about (`messages[1].role: ...`).
+fn parse_line<T: DeserializeOwned>(line: &str) -> std::result::Result<T, String> {
+    let mut json = serde_json::Deserializer::from_str(line);
+    let row: T = serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        match path.as_str() {
+            "." | "" => inner.to_string(),
+            field => format!("{field}: {inner}"),
+        }
+    })?;
+    json.end().map_err(|e| e.to_string())?;
+    Ok(row)
 }
 
 /// Every row of a JSON Lines file turned into a training example by `example`; a line that
@@ -94,16 +109,48 @@ pub fn append_jsonl<T: Serialize>(path: &Path, row: &T) -> Result<()> {
         .create(true)
         .append(true)
         .open(path)
-        .map_err(|e| CoreError::io(path, e))?;
-    writeln!(file, "{line}").map_err(|e| CoreError::io(path, e))
+        .map_err(|e| CoreError::cannot_write(path, e))?;
+    writeln!(file, "{line}").map_err(|e| CoreError::cannot_write(path, e))
 }
 
 /// A prompt given as text or as chat messages (rendered with the model's chat template).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Messages(Vec<ChatMessage>),
+}
+
+/// By the JSON type (not serde's untagged guessing), so an error inside the messages names
+/// the message and field, and any other type says what a prompt may be.
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct PromptVisitor;
+        impl<'de> serde::de::Visitor<'de> for PromptVisitor {
+            type Value = Prompt;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a prompt: a string, or a list of {\"role\", \"content\"} messages")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Prompt, E> {
+                Ok(Prompt::Text(v.to_string()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> std::result::Result<Prompt, E> {
+                Ok(Prompt::Text(v))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> std::result::Result<Prompt, A::Error> {
+                let messages =
+                    Vec::<ChatMessage>::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))?;
+                if messages.is_empty() {
+                    return Err(serde::de::Error::custom("the prompt's message list is empty"));
+                }
+                Ok(Prompt::Messages(messages))
+            }
+        }
+        d.deserialize_any(PromptVisitor)
+    }
 }
 
 impl Prompt {
@@ -122,8 +169,65 @@ pub struct PromptRow {
     pub prompt: Prompt,
 }
 
+/// Refuses `tokens` that do not fit in a model's `context` with `room` tokens to spare (1 for
+/// a prompt that is to be answered, 0 for a whole sequence that is scored), naming the file
+/// and line they came from.
+pub fn check_fits(
+    path: &Path,
+    line: usize,
+    what: &str,
+    tokens: usize,
+    context: usize,
+    room: usize,
+) -> Result<()> {
+    if tokens + room > context {
+        let why = match room {
+            0 => "longer than",
+            _ => "which leaves no room for a response in",
+        };
+        return Err(CoreError::Data(DataError {
+            path: path.to_path_buf(),
+            line,
+            message: format!(
+                "the {what} is {tokens} tokens, {why} the model's context of {context} (max_position_embeddings)"
+            ),
+        }));
+    }
+    Ok(())
+}
+
+/// A prompt of a `{"prompt": ...}` file: its line, its text as the model sees it (chat
+/// messages rendered) and its token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EncodedPrompt {
+    pub line: usize,
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+/// Every prompt of `path`, rendered and encoded, each checked to leave room for a response
+/// in `context` tokens; a bad line is an error naming the file and the line.
+pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer, context: usize) -> Result<Vec<EncodedPrompt>> {
+    read_jsonl_numbered::<PromptRow>(path)?
+        .into_iter()
+        .map(|(line, row)| {
+            let at_line = |e: CoreError| {
+                CoreError::Data(DataError {
+                    path: path.to_path_buf(),
+                    line,
+                    message: e.to_string(),
+                })
+            };
+            let text = row.prompt.render(tokenizer).map_err(at_line)?;
+            let ids = tokenizer.encode(&text, true).map_err(at_line)?;
+            check_fits(path, line, "prompt", ids.len(), context, 1)?;
+            Ok(EncodedPrompt { line, text, ids })
+        })
+        .collect()
+}
+
 /// `{"prompt": ..., "response": str}` — SFT data and `aligner score` input.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PromptResponseRow {
     pub prompt: Prompt,
     pub response: String,

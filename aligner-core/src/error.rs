@@ -11,6 +11,12 @@ pub enum CoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}: invalid JSON: {source}")]
     Json {
         path: PathBuf,
@@ -63,6 +69,14 @@ impl CoreError {
     /// An I/O error that names the file or folder.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// An I/O error while writing, creating, renaming or removing: names the file or folder.
+    pub fn cannot_write(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Write {
             path: path.into(),
             source,
         }

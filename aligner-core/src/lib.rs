@@ -13,6 +13,7 @@
 //! ```
 
 pub mod adapter;
+pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -75,7 +76,7 @@ pub fn default_model_dir() -> Result<PathBuf> {
         return Ok(in_repo);
     }
     let dir = std::env::temp_dir().join(concat!("aligner-stories260K-", env!("CARGO_PKG_VERSION")));
-    std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+    std::fs::create_dir_all(&dir).map_err(|e| CoreError::cannot_write(&dir, e))?;
     for (name, bytes) in EMBEDDED_MODEL {
         let path = dir.join(name);
         let fresh = std::fs::read(&path).map(|b| b == *bytes).unwrap_or(false);

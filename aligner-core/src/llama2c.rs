@@ -182,7 +182,7 @@ pub fn convert(model_bin: &Path, tokenizer_model: Option<&Path>, out: &Path) -> 
         tensors.push(("lm_head.weight".to_string(), vec![v, d], wcls));
     }
 
-    std::fs::create_dir_all(out).map_err(|e| CoreError::io(out, e))?;
+    std::fs::create_dir_all(out).map_err(|e| CoreError::cannot_write(out, e))?;
     write_safetensors(&out.join("model.safetensors"), &tensors)?;
     let mut config = LlamaConfig::llama(v, d, l, h.n_heads, h.n_kv_heads, f);
     config.head_dim = Some(head);

@@ -103,7 +103,7 @@ impl RewardModel {
         dir: &Path,
         tokenizer_from: Option<&Path>,
     ) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+        std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
         let mut this = self.clone();
         write_safetensors(&dir.join("model.safetensors"), &slot_tensors(this.slots()))?;
         let mut config = sequence_classification_config(config, labels);

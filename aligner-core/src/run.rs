@@ -31,6 +31,8 @@ use crate::train::config::{DataSection, to_toml};
 pub struct RunDir {
     path: PathBuf,
     resume: bool,
+    /// A new run may clear a folder that already holds a run (`--overwrite`).
+    overwrite: bool,
     stop_after: Option<usize>,
     comm: Arc<dyn Communicator>,
 }
@@ -40,6 +42,7 @@ impl std::fmt::Debug for RunDir {
         f.debug_struct("RunDir")
             .field("path", &self.path)
             .field("resume", &self.resume)
+            .field("overwrite", &self.overwrite)
             .field("stop_after", &self.stop_after)
             .field("rank", &self.comm.rank())
             .field("world_size", &self.comm.world_size())
@@ -59,6 +62,7 @@ impl RunDir {
         Self {
             path: path.into(),
             resume: false,
+            overwrite: false,
             stop_after: None,
             comm: aligner_parallel::world(),
         }
@@ -93,6 +97,13 @@ impl RunDir {
         }
     }
 
+    /// Whether a new run may clear a folder that already holds a run (`--overwrite`); without
+    /// it, [`RunDir::start`] refuses such a folder rather than mixing two runs in it.
+    pub fn overwrite(mut self, yes: bool) -> Self {
+        self.overwrite = yes;
+        self
+    }
+
     /// Stops after `steps` optimiser steps as if interrupted (checkpoints stay resumable);
     /// for tests of resume.
     pub fn stop_after(mut self, steps: Option<usize>) -> Self {
@@ -117,19 +128,94 @@ impl RunDir {
         self.stop_after
     }
 
-    /// The run of a step another run makes first (PPO's reward model, SteerLM bootstrap's
-    /// earlier steps) in `path/name`: a new run, stopped nowhere.
+    /// A run inside this one in `path/name` (PPO's reward model, SteerLM bootstrap's earlier
+    /// steps, a SPIN iteration, a rejection-sampling round): a new run, stopped nowhere. This
+    /// run owns the folder, so what an interrupted attempt left there is replaced.
     pub fn child(&self, name: &str) -> Self {
-        Self::new(self.join(name)).with_comm(self.comm.clone())
+        Self::new(self.join(name))
+            .with_comm(self.comm.clone())
+            .overwrite(true)
     }
 
-    /// Creates the folder and writes the resolved configuration as `config.toml` (rank 0).
+    /// Claims the folder for a new run (a resumed one keeps it) and writes the resolved
+    /// configuration as `config.toml` (rank 0). A folder that already holds files is refused
+    /// unless the run may overwrite, and then only when it is a run folder.
     pub fn start<T: Serialize>(&self, config: &T) -> Result<()> {
         if !self.is_writer() {
             return Ok(());
         }
-        std::fs::create_dir_all(&self.path).map_err(|e| CoreError::io(&self.path, e))?;
+        if !self.resume {
+            self.claim()?;
+        }
+        std::fs::create_dir_all(&self.path).map_err(|e| CoreError::cannot_write(&self.path, e))?;
         crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())
+    }
+
+    /// An empty (or missing) folder for a new run: another run's files are cleared when the
+    /// run may overwrite, else refused; a folder of other files is never cleared.
+    fn claim(&self) -> Result<()> {
+        let found: Vec<String> = match std::fs::read_dir(&self.path) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+                return Err(CoreError::Invalid(format!(
+                    "run folder {} is a file, not a folder",
+                    self.path.display()
+                )));
+            }
+            Err(e) => return Err(CoreError::io(&self.path, e)),
+        };
+        if found.is_empty() {
+            return Ok(());
+        }
+        let mut listed = found.clone();
+        listed.sort();
+        listed.truncate(6);
+        let path = self.path.display();
+        let is_run = ["config.toml", "metrics.jsonl", "checkpoints", "final"]
+            .iter()
+            .any(|name| found.iter().any(|f| f == name));
+        if !is_run {
+            return Err(CoreError::Invalid(format!(
+                "run folder {path} is not empty and holds no run (it has {}): choose an empty or new folder with --out",
+                listed.join(", ")
+            )));
+        }
+        if !self.overwrite {
+            return Err(CoreError::Invalid(format!(
+                "run folder {path} already holds a run ({}): pass --overwrite to replace it, \
+                 --resume {path} to continue it, or --out to choose another folder",
+                listed.join(", ")
+            )));
+        }
+        tracing::warn!(run = %path, "--overwrite: clearing the earlier run in the folder");
+        std::fs::remove_dir_all(&self.path).map_err(|e| CoreError::cannot_write(&self.path, e))
+    }
+
+    /// Before training starts: removes the temporary folders of checkpoints that were being
+    /// written when a run was killed, and, for a new run, checkpoints an earlier attempt in
+    /// this folder left (a child run whose parent owns the folder), so no stale checkpoint can
+    /// be resumed later (rank 0).
+    pub fn prepare_checkpoints(&self) -> Result<()> {
+        if !self.is_writer() {
+            return Ok(());
+        }
+        let dir = self.checkpoints();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Ok(());
+        };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let stale = name.starts_with(".tmp-step-") || (!self.resume && name.starts_with("step-"));
+            if stale {
+                std::fs::remove_dir_all(entry.path())
+                    .map_err(|e| CoreError::cannot_write(entry.path(), e))?;
+            }
+        }
+        Ok(())
     }
 
     /// Writes `name` in the run folder with `write` on rank 0 only; every rank returns once
@@ -221,11 +307,11 @@ impl RunDir {
         }
         let tmp = dir.join(format!(".tmp-step-{step}"));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(|e| CoreError::io(&tmp, e))?;
+        std::fs::create_dir_all(&tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
         write(&tmp)?;
         let _ = std::fs::remove_dir_all(&final_dir);
         // The rename is the commit point.
-        std::fs::rename(&tmp, &final_dir).map_err(|e| CoreError::io(&final_dir, e))?;
+        std::fs::rename(&tmp, &final_dir).map_err(|e| CoreError::cannot_write(&final_dir, e))?;
         Ok(final_dir)
     }
 }

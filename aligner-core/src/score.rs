@@ -27,6 +27,23 @@ impl ScoredSequence {
         Ok(Self { ids, prompt_len })
     }
 
+    /// Keeps the first `max_len` tokens; an error when that cuts away every response token
+    /// (a prompt of `max_len` tokens or more), which would train on nothing. An empty response
+    /// scores the prompt's last token, as it always has (a model's own empty answer in SPIN).
+    pub fn truncate(&mut self, max_len: usize) -> Result<()> {
+        let had_response = self.ids.len() > self.prompt_len.max(1);
+        self.ids.truncate(max_len.max(2));
+        if had_response && self.prompt_len.max(1) >= self.ids.len() {
+            return Err(CoreError::Invalid(format!(
+                "no response token is left within data.max_seq_len = {max_len}: the prompt alone is {} tokens \
+                 (raise data.max_seq_len, or shorten or drop the row)",
+                self.prompt_len
+            )));
+        }
+        self.prompt_len = self.prompt_len.min(self.ids.len() - 1);
+        Ok(())
+    }
+
     /// Number of response tokens that are scored (the first token has no context).
     pub fn n_response_tokens(&self) -> usize {
         self.ids.len() - self.prompt_len.max(1).min(self.ids.len())
@@ -114,8 +131,9 @@ pub fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<
 }
 
 /// Summed response log-probs of `seqs` under the frozen `reference`, one per line of `cache`:
-/// read back when the file has one value per sequence (a resumed run), else computed
-/// `batch_size` at a time and written there. The reference side of DPO, KTO and SPIN.
+/// read back when the file was computed from the same reference weights and sequences (its
+/// [`crate::cache`] key; a resumed run), else computed `batch_size` at a time and written
+/// there. The reference side of DPO, KTO and SPIN.
 ///
 /// Data parallel: rank 0 reads the cache; otherwise each rank scores its shard of `seqs`, the
 /// shards are gathered on every rank and rank 0 writes the one cache.
@@ -126,7 +144,15 @@ pub fn cached_reference_logprobs(
     batch_size: usize,
     comm: &dyn aligner_parallel::Communicator,
 ) -> Result<Vec<f32>> {
-    let cached = std::fs::read_to_string(cache).ok().and_then(|text| {
+    let key = comm.is_root().then(|| {
+        let sequences: Vec<(&[u32], usize)> = seqs.iter().map(|s| (s.ids.as_slice(), s.prompt_len)).collect();
+        crate::cache::CacheKey::builder("reference log-probs")
+            .weights(reference)
+            .value(&sequences)
+            .finish()
+    });
+    let cached = key.as_ref().and_then(|key| {
+        let text = crate::cache::read_fresh(cache, key)?;
         let values: Vec<f32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
         (values.len() == seqs.len()).then_some(values)
     });
@@ -141,9 +167,9 @@ pub fn cached_reference_logprobs(
                 .collect(),
         )
     })?;
-    if comm.is_root() {
+    if let Some(key) = &key {
         let text: String = values.iter().map(|v| format!("{v}\n")).collect();
-        crate::checkpoint::write_atomic(cache, text.as_bytes())?;
+        crate::cache::write(cache, key, &text)?;
     }
     Ok(values)
 }

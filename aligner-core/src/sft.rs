@@ -16,11 +16,59 @@ use crate::tokenizer::{ChatMessage, TextTokenizer};
 use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
 
 /// One SFT data line: prompt/response or a chat conversation.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum SftRow {
     PromptResponse { prompt: Prompt, response: String },
     Chat { messages: Vec<ChatMessage> },
+}
+
+/// By its fields: `{"prompt", "response"}` or `{"messages"}` (with an assistant turn to train
+/// on); a missing, mistyped or mixed field is named.
+impl<'de> Deserialize<'de> for SftRow {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        #[derive(Deserialize)]
+        struct Fields {
+            prompt: Option<Prompt>,
+            response: Option<String>,
+            messages: Option<Vec<ChatMessage>>,
+        }
+        let expected = "an SFT row is {\"prompt\", \"response\"} or {\"messages\": [...]}";
+        match Fields::deserialize(d)? {
+            Fields {
+                prompt: Some(prompt),
+                response: Some(response),
+                messages: None,
+            } => Ok(SftRow::PromptResponse { prompt, response }),
+            Fields {
+                prompt: None,
+                response: None,
+                messages: Some(messages),
+            } => {
+                if messages.is_empty() {
+                    return Err(D::Error::custom("messages is empty"));
+                }
+                if !messages.iter().any(|m| m.role == "assistant") {
+                    return Err(D::Error::custom(
+                        "messages has no assistant turn (SFT trains on the assistant's turns)",
+                    ));
+                }
+                Ok(SftRow::Chat { messages })
+            }
+            Fields {
+                messages: Some(_), ..
+            } => Err(D::Error::custom(format!(
+                "a row with messages has no prompt or response ({expected})"
+            ))),
+            Fields { prompt: Some(_), .. } => Err(D::Error::missing_field("response")),
+            Fields {
+                response: Some(_), ..
+            } => Err(D::Error::missing_field("prompt")),
+            _ => Err(D::Error::custom(format!(
+                "no prompt, response or messages field ({expected})"
+            ))),
+        }
+    }
 }
 
 /// A tokenized example: `ids`, and for each position whether that token is trained on.
@@ -234,7 +282,7 @@ pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSum
     run.start(config)?;
     let files = data_files(&config.data)?;
     let lm = load_model(&config.model, device)?;
-    let max_len = config.data.max_seq_len;
+    let max_len = config.data.max_len(&lm.config)?;
     let (mut train, validation) = files.load(|path, _| load_sft_examples(path, &lm.tokenizer, max_len))?;
     if config.sft.packing {
         let sequences = train.len();

@@ -10,8 +10,24 @@ use crate::error::{CoreError, Result};
 /// One chat message, as in HF chat data: `{"role": "user", "content": "..."}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
+    #[serde(deserialize_with = "known_role")]
     pub role: String,
     pub content: String,
+}
+
+/// The roles chat templates know.
+pub const CHAT_ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+fn known_role<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
+    let role = String::deserialize(d)?;
+    if CHAT_ROLES.contains(&role.as_str()) {
+        Ok(role)
+    } else {
+        Err(serde::de::Error::custom(format!(
+            "unknown role {role:?} (a message's role is one of {})",
+            CHAT_ROLES.join(", ")
+        )))
+    }
 }
 
 /// Used for chat data when the model folder has no `chat_template`: one `role: content` line

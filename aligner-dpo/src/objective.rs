@@ -5,7 +5,9 @@ use std::path::Path;
 
 use aligner_core::data::Prompt;
 use aligner_core::score::{ScoredSequence, cached_reference_logprobs, sequence_logprobs};
-use aligner_core::train::{DataSection, EvalSum, ModelSection, Objective, StepOutput, TrainSection};
+use aligner_core::train::{
+    DataSection, EvalSum, ModelSection, Objective, Range, StepOutput, TrainSection, check_values,
+};
 use aligner_core::{CausalLm, CoreError, TextTokenizer};
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -78,7 +80,18 @@ impl DpoSection {
 
     /// The loss `loss` names, from `registry`; an error for an unknown name or bad `params`.
     pub fn build_loss(&self, registry: &LossRegistry) -> Result<Box<dyn PreferenceLoss>, DpoError> {
+        self.check()?;
         registry.build(&self.loss, &self.spec())
+    }
+
+    /// Refuses knobs no loss can train with, naming the key.
+    pub fn check(&self) -> Result<(), CoreError> {
+        check_values(&[
+            ("dpo.beta", self.beta, Range::Positive),
+            ("dpo.label_smoothing", self.label_smoothing, Range::Fraction),
+            ("dpo.gt_reward_scale", self.gt_reward_scale, Range::NonNegative),
+            ("dpo.sft_weight", self.sft_weight, Range::NonNegative),
+        ])
     }
 }
 
@@ -123,13 +136,12 @@ pub fn dpo_example(row: &DpoRow, tokenizer: &TextTokenizer, max_len: usize) -> R
     let prompt = row.prompt.render(tokenizer)?;
     let encode = |response: &str| -> Result<ScoredSequence, CoreError> {
         let mut seq = ScoredSequence::encode(tokenizer, &prompt, response)?;
-        seq.ids.truncate(max_len.max(2));
-        seq.prompt_len = seq.prompt_len.min(seq.ids.len() - 1);
+        seq.truncate(max_len)?;
         Ok(seq)
     };
     Ok(DpoExample {
-        chosen: encode(&row.chosen)?,
-        rejected: encode(&row.rejected)?,
+        chosen: encode(&row.chosen).map_err(|e| CoreError::Invalid(format!("chosen: {e}")))?,
+        rejected: encode(&row.rejected).map_err(|e| CoreError::Invalid(format!("rejected: {e}")))?,
         reference: None,
         rewards: row.chosen_reward.zip(row.rejected_reward),
     })

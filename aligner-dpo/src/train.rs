@@ -20,11 +20,12 @@ pub fn train(
     run: &RunDir,
     device: &Device,
 ) -> Result<RunSummary, DpoError> {
+    // The loss (its name and knobs) is checked before the run folder is claimed.
+    let loss = config.dpo.build_loss(registry)?;
     run.start(config)?;
     let files = data_files(&config.data)?;
-    let loss = config.dpo.build_loss(registry)?;
     let lm = load_model(&config.model, device)?;
-    let max_len = config.data.max_seq_len;
+    let max_len = config.data.max_len(&lm.config)?;
     let batch = config.train.batch_size.max(1) * 2;
     let (train, validation) = files.load(|path, split| {
         let mut examples = load_dpo_examples(path, &lm.tokenizer, max_len)?;

@@ -141,8 +141,7 @@ pub fn load_kto_examples(
         .collect::<Result<_, _>>()?;
     let encode = |prompt: &str, completion: &str| -> Result<ScoredSequence, CoreError> {
         let mut seq = ScoredSequence::encode(tokenizer, prompt, completion)?;
-        seq.ids.truncate(max_len.max(2));
-        seq.prompt_len = seq.prompt_len.min(seq.ids.len() - 1);
+        seq.truncate(max_len)?;
         Ok(seq)
     };
     let n = rows.len();
@@ -169,11 +168,25 @@ pub fn load_kto_examples(
 /// unpaired completions into `run`; the start model is the reference, its log-probs cached in
 /// the run folder (`reference_train.jsonl`, `reference_validation.jsonl`).
 pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSummary, CoreError> {
+    let kto = &config.kto;
+    aligner_core::train::check_values(&[
+        ("kto.beta", kto.beta, aligner_core::train::Range::Positive),
+        (
+            "kto.desirable_weight",
+            kto.desirable_weight,
+            aligner_core::train::Range::Positive,
+        ),
+        (
+            "kto.undesirable_weight",
+            kto.undesirable_weight,
+            aligner_core::train::Range::Positive,
+        ),
+    ])?;
     run.start(config)?;
     let files = data_files(&config.data)?;
     let lm = load_model(&config.model, device)?;
     let batch = config.train.batch_size.max(1) * 2;
-    let max_len = config.data.max_seq_len;
+    let max_len = config.data.max_len(&lm.config)?;
     let (train, validation) = files.load(|path, split| {
         let cache = run.join(format!("reference_{}.jsonl", split.name()));
         load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &cache, batch, run.comm())

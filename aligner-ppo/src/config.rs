@@ -78,6 +78,42 @@ pub struct PpoSection {
     pub seed: u64,
 }
 
+impl PpoSection {
+    /// Refuses settings PPO cannot run with, naming the key.
+    pub fn check(&self) -> Result<(), aligner_core::CoreError> {
+        use aligner_core::train::Range::{Fraction, NonNegative, OpenFraction, Positive};
+        aligner_core::train::check_values(&[
+            ("ppo.temperature", self.temperature.into(), NonNegative),
+            ("ppo.top_p", self.top_p.into(), OpenFraction),
+            ("ppo.kl_coef", self.kl_coef.into(), NonNegative),
+            ("ppo.gamma", self.gamma.into(), Fraction),
+            ("ppo.lam", self.lam.into(), Fraction),
+            ("ppo.clip_eps", self.clip_eps, Positive),
+            ("ppo.value_clip_eps", self.value_clip_eps, NonNegative),
+            ("ppo.entropy_coef", self.entropy_coef, NonNegative),
+            ("ppo.actor_lr", self.actor_lr, Positive),
+            ("ppo.critic_lr", self.critic_lr, Positive),
+            ("ppo.max_grad_norm", self.max_grad_norm, NonNegative),
+            ("ppo.critic_retry_seconds", self.critic_retry_seconds, NonNegative),
+        ])?;
+        for (key, value) in [
+            ("ppo.steps", self.steps),
+            ("ppo.rollout_prompts", self.rollout_prompts),
+            ("ppo.samples_per_prompt", self.samples_per_prompt),
+            ("ppo.max_new_tokens", self.max_new_tokens),
+            ("ppo.epochs", self.epochs),
+            ("ppo.mini_batch", self.mini_batch),
+        ] {
+            if value == 0 {
+                return Err(aligner_core::CoreError::Invalid(format!(
+                    "{key} = 0: must be at least 1"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for PpoSection {
     fn default() -> Self {
         Self {

@@ -145,12 +145,13 @@ impl RejectionSampling<'_> {
             let round_run = self.run.child(&format!("round-{round}"));
             let dir = round_run.path();
             if self.run.is_writer() {
-                std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+                std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
             }
             if kept > 0 {
+                let max_len = self.config.data.max_len(self.llama)?;
                 let train: Vec<SftExample> = rows
                     .iter()
-                    .map(|r| SftExample::from_row(r, self.tokenizer, self.config.data.max_seq_len))
+                    .map(|r| SftExample::from_row(r, self.tokenizer, max_len))
                     .collect::<Result<_, _>>()?;
                 let trainer = Trainer {
                     config: &self.config.train,

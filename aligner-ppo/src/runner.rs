@@ -117,6 +117,7 @@ impl PpoRunner<'_> {
         let reference = (!lora).then(|| actor.valid());
         let mut optim = adamw(0.0);
         let mut start = 0;
+        self.run.prepare_checkpoints()?;
         if let Some((step, dir)) = self.run.resume_point(PPO_STATE)? {
             actor = self.store.load(&dir.join("actor"), &train_device)?.train();
             optim = load_optimizer(optim, &dir.join("actor_optimizer.bin"))?;

@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 
-use aligner_core::data::{PromptRow, read_jsonl};
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
@@ -19,19 +18,20 @@ use crate::rejection::{RejectionSampling, RoundReport, RsConfig};
 use crate::runner::{PpoRunner, PpoSummary};
 
 /// Prompt ids of a `{"prompt": ...}` file (messages rendered with the tokenizer's chat template).
-pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<Vec<u32>>> {
-    Ok(render_prompts(path, tokenizer)?
-        .iter()
-        .map(|p| tokenizer.encode(p, true))
-        .collect::<Result<_, _>>()?)
+pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer, context: usize) -> Result<Vec<Vec<u32>>> {
+    Ok(aligner_core::data::load_prompts(path, tokenizer, context)?
+        .into_iter()
+        .map(|p| p.ids)
+        .collect())
 }
 
-/// The prompt texts of a `{"prompt": ...}` file, as the model sees them.
-pub fn render_prompts(path: &Path, tokenizer: &TextTokenizer) -> Result<Vec<String>> {
-    Ok(read_jsonl::<PromptRow>(path)?
-        .iter()
-        .map(|row| row.prompt.render(tokenizer))
-        .collect::<Result<_, _>>()?)
+/// The prompt texts of a `{"prompt": ...}` file, as the model sees them (each checked to fit
+/// in `context` tokens).
+pub fn render_prompts(path: &Path, tokenizer: &TextTokenizer, context: usize) -> Result<Vec<String>> {
+    Ok(aligner_core::data::load_prompts(path, tokenizer, context)?
+        .into_iter()
+        .map(|p| p.text)
+        .collect())
 }
 
 /// The reward model folder: the configured one, or one trained now with `aligner rm`'s
@@ -49,11 +49,12 @@ pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Dev
 /// A PPO run: the actor of `[model]` against the reward model, with the critic in this process
 /// or at `ppo.critic_url`. The mean time breakdown is written to `<run>/timing.md`.
 pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSummary> {
+    config.ppo.check()?;
     run.start(config)?;
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let lm = load_model(&config.model, device)?;
-    let (train_prompts, eval_prompts) =
-        data_files(&config.data)?.load(|path, _| load_prompts(path, &lm.tokenizer))?;
+    let (train_prompts, eval_prompts) = data_files(&config.data)?
+        .load(|path, _| load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings))?;
     let reward_folder = LoadedRewardModel::from_dir(&rm_dir, device)?;
     let store = reward_folder.store();
     let reward = single_output(reward_folder)?;
@@ -105,12 +106,19 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
 /// Rejection sampling (best-of-n) rounds: samples of the policy of `[model]` scored by the
 /// reward model, the best kept, SFT on them; `<run>/rs.jsonl` records each round.
 pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> Result<Vec<RoundReport>> {
+    aligner_core::train::check_value(
+        "rs.temperature",
+        config.rs.temperature,
+        aligner_core::train::Range::NonNegative,
+    )?;
     run.start(config)?;
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let reward = single_output(LoadedRewardModel::from_dir(&rm_dir, device)?)?;
     let lm = load_model(&config.model, device)?;
-    let (train_prompts, eval_prompts) =
-        data_files(&config.data)?.load(|path, _| render_prompts(path, &lm.tokenizer))?;
+    // Checked before the first round's samples are drawn.
+    config.data.max_len(&lm.config)?;
+    let (train_prompts, eval_prompts) = data_files(&config.data)?
+        .load(|path, _| render_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings))?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     let sampling = RejectionSampling {

@@ -10,6 +10,7 @@
 
 use std::path::Path;
 
+use aligner_core::cache::CacheKey;
 use aligner_core::data::{PromptResponseRow, append_jsonl, read_jsonl};
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{load_model, policy_store};
@@ -138,8 +139,29 @@ pub fn train(
     run: &RunDir,
     device: &Device,
 ) -> Result<Vec<IterationReport>> {
+    let spin = &config.spin;
+    aligner_core::train::check_values(&[
+        ("spin.beta", spin.beta, aligner_core::train::Range::Positive),
+        (
+            "spin.beta_later",
+            spin.beta_later,
+            aligner_core::train::Range::Positive,
+        ),
+        (
+            "spin.temperature",
+            spin.temperature.into(),
+            aligner_core::train::Range::NonNegative,
+        ),
+        (
+            "spin.sft_weight",
+            spin.sft_weight,
+            aligner_core::train::Range::NonNegative,
+        ),
+    ])?;
     run.start(config)?;
     let lm = load_model(&config.model, device)?;
+    // Checked before the first iteration's answers are generated.
+    config.data.max_len(&lm.config)?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     let spin = Spin {
@@ -196,13 +218,14 @@ impl Spin<'_> {
                 continue;
             }
             if self.run.is_writer() {
-                std::fs::create_dir_all(&dir).map_err(|e| CoreError::io(&dir, e))?;
+                std::fs::create_dir_all(&dir).map_err(|e| CoreError::cannot_write(&dir, e))?;
             }
             // The snapshot that answers the prompts and scores the pairs for this iteration.
             let reference = policy.valid();
             let (engine, refit) =
                 Engine::refit_or_build(&mut engine, &reference, self.llama, Some(self.tokenizer))?;
-            let mut rows = self.self_play_rows(engine, &train_rows, &dir.join("generations.jsonl"), k)?;
+            let mut rows =
+                self.self_play_rows(engine, &train_rows, &dir.join("generations.jsonl"), k, &reference)?;
             let current = rows.clone();
             let current_len = current.len();
             if self.config.spin.mix_previous {
@@ -214,9 +237,10 @@ impl Spin<'_> {
                 &validation_rows,
                 &dir.join("generations_validation.jsonl"),
                 k,
+                &reference,
             )?;
             let batch = train_config.batch_size.max(1) * 2;
-            let max_len = self.config.data.max_seq_len;
+            let max_len = self.config.data.max_len(self.llama)?;
             let mut train = self.examples(&rows, max_len)?;
             let comm = self.run.comm();
             attach_reference(
@@ -286,19 +310,33 @@ impl Spin<'_> {
 
     /// Ground truth as chosen, the answer of `reference` (the engine holding this iteration's
     /// reference weights) as rejected; answers are written to `file` (and read back from it
-    /// when a resumed run already made them).
+    /// when a resumed run already made them from the same weights, rows and sampling settings:
+    /// `weights`, the reference's snapshot, keys the file).
     fn self_play_rows(
         &self,
         reference: &mut Engine,
         rows: &[PromptResponseRow],
         file: &Path,
         iteration: usize,
+        weights: &CausalLm,
     ) -> Result<Vec<DpoRow>> {
         let prompts: Vec<String> = rows
             .iter()
             .map(|r| r.prompt.render(self.tokenizer))
             .collect::<Result<_, _>>()?;
-        let saved = self.run.agree(&saved_answers(file, rows.len()))?;
+        let spin = &self.config.spin;
+        let key = self.run.is_writer().then(|| {
+            CacheKey::builder("spin answers")
+                .weights(weights)
+                .value(rows)
+                .value(&(iteration, spin.temperature, spin.seed, spin.max_new_tokens))
+                .finish()
+        });
+        let saved = key
+            .as_ref()
+            .filter(|key| aligner_core::cache::read_fresh(file, key).is_some())
+            .and_then(|_| saved_answers(file, rows.len()));
+        let saved = self.run.agree(&saved)?;
         let answers: Vec<String> = match saved {
             Some(saved) => saved,
             None => {
@@ -343,8 +381,8 @@ impl Spin<'_> {
                     .zip(&answers)
                     .map(|(r, a)| format!("{}\n", json!({"prompt": r.prompt, "response": a})))
                     .collect();
-                if self.run.is_writer() {
-                    aligner_core::checkpoint::write_atomic(file, text.as_bytes())?;
+                if let Some(key) = &key {
+                    aligner_core::cache::write(file, key, &text)?;
                 }
                 answers
             }

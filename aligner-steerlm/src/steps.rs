@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use aligner_core::cache::CacheKey;
 use aligner_core::data::{Prompt, PromptRow, read_jsonl, write_jsonl};
 use aligner_core::reward::RewardModel;
 use aligner_core::run::{RunDir, Split, data_files, progress_bar};
@@ -58,7 +59,7 @@ pub fn train_attributes(config: &SteerConfig, run: &RunDir, device: &Device) -> 
     let files = data_files(&config.data)?;
     let names = &config.steerlm.attributes;
     let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, names, device)?;
-    let max_len = config.data.max_seq_len;
+    let max_len = config.data.max_len(&start.config)?;
     let as_it_is = BalanceSection::default();
     let (train, validation) = files.load(|path, split| {
         // Oversampling reweights training only; validation keeps the data's own distribution.
@@ -208,7 +209,7 @@ fn conditioned_sft(
     device: &Device,
 ) -> Result<RunSummary> {
     let lm = LoadedModel::from_dir(policy, device)?;
-    let max_len = config.data.max_seq_len;
+    let max_len = config.data.max_len(&lm.config)?;
     let examples = |rows: &[AttributeRow]| -> Result<Vec<SftExample>> {
         conditioned_rows(rows, conditioning, &lm.tokenizer)?
             .iter()
@@ -244,6 +245,18 @@ fn conditioned_sft(
 /// defaults, into `<run>/sft` and `<run>/attributes`. The labelled samples are kept as
 /// `<run>/bootstrap.jsonl`; a resumed run trains on those, not on new ones.
 pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
+    aligner_core::train::check_values(&[
+        (
+            "bootstrap.temperature",
+            config.bootstrap.temperature.into(),
+            aligner_core::train::Range::NonNegative,
+        ),
+        (
+            "bootstrap.guidance_scale",
+            config.bootstrap.guidance_scale.into(),
+            aligner_core::train::Range::NonNegative,
+        ),
+    ])?;
     run.start(config)?;
     let files = data_files(&config.data)?;
     let section = &config.bootstrap;
@@ -255,7 +268,21 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
     };
     let conditioning = Conditioning::load(&policy)?;
     let samples_path = run.join("bootstrap.jsonl");
-    let samples: Vec<AttributeRow> = if run.agree(&samples_path.exists())? {
+    // The samples are kept under a key of the models, the prompts and the settings.
+    let samples_key = |attribute_dir: &Path| -> Result<CacheKey> {
+        Ok(CacheKey::builder("steerlm bootstrap")
+            .folder(&policy)?
+            .folder(attribute_dir)?
+            .file(&section.prompts)?
+            .value(section)
+            .finish())
+    };
+    let trained_attributes = run.join("attributes").join("final");
+    let known_attributes = section.attribute_model.clone().unwrap_or(trained_attributes);
+    let fresh = run.is_writer()
+        && known_attributes.join("config.json").exists()
+        && aligner_core::cache::read_fresh(&samples_path, &samples_key(&known_attributes)?).is_some();
+    let samples: Vec<AttributeRow> = if run.agree(&fresh)? {
         read_jsonl(&samples_path)?
     } else {
         let attribute_dir = match &section.attribute_model {
@@ -303,7 +330,10 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
         bar.finish_and_clear();
         let labelled = labeller.annotate(&unlabelled, 32, run.comm())?;
         if run.is_writer() {
-            write_attribute_rows(&samples_path, &labelled)?;
+            let key = samples_key(&attribute_dir)?;
+            aligner_core::cache::write_with(&samples_path, &key, |path| {
+                write_attribute_rows(path, &labelled)
+            })?;
         }
         labelled
     };

@@ -120,6 +120,60 @@ impl Default for TrainSection {
     }
 }
 
+/// What a numeric setting must be (always finite).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Range {
+    /// Above 0.
+    Positive,
+    /// At least 0.
+    NonNegative,
+    /// From 0 to 1.
+    Fraction,
+    /// Above 0, at most 1 (`top_p`).
+    OpenFraction,
+}
+
+impl Range {
+    fn holds(self, v: f64) -> bool {
+        v.is_finite()
+            && match self {
+                Range::Positive => v > 0.0,
+                Range::NonNegative => v >= 0.0,
+                Range::Fraction => (0.0..=1.0).contains(&v),
+                Range::OpenFraction => v > 0.0 && v <= 1.0,
+            }
+    }
+
+    fn rule(self) -> &'static str {
+        match self {
+            Range::Positive => "a finite number above 0",
+            Range::NonNegative => "a finite number of at least 0",
+            Range::Fraction => "a number from 0 to 1",
+            Range::OpenFraction => "a number above 0 and at most 1",
+        }
+    }
+}
+
+/// Refuses `value` for the setting `key` unless it is in `range`, naming the key.
+pub fn check_value(key: &str, value: impl Into<f64>, range: Range) -> Result<()> {
+    let value = value.into();
+    if range.holds(value) {
+        Ok(())
+    } else {
+        Err(CoreError::Invalid(format!(
+            "{key} = {value}: must be {}",
+            range.rule()
+        )))
+    }
+}
+
+/// Checks several settings with [`check_value`]: `(key, value, range)` each.
+pub fn check_values(settings: &[(&str, f64, Range)]) -> Result<()> {
+    settings
+        .iter()
+        .try_for_each(|(key, value, range)| check_value(key, *value, *range))
+}
+
 impl TrainSection {
     /// The autodiff device training runs on: `device` with gradients, and with gradient
     /// checkpointing when `activation_checkpointing` is set.
@@ -139,25 +193,9 @@ impl TrainSection {
                 "train.batch_size and train.grad_accum must be at least 1".into(),
             ));
         }
-        let bad = |key: &str, value: f64, rule: &str| {
-            Err(CoreError::Invalid(format!(
-                "train.{key} = {value}: must be {rule}"
-            )))
-        };
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad("lr", self.lr, "a finite number above 0");
-        }
-        if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
-            return bad(
-                "max_grad_norm",
-                self.max_grad_norm,
-                "a finite number of at least 0 (0 = no clipping)",
-            );
-        }
-        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad("weight_decay", self.weight_decay, "a finite number of at least 0");
-        }
-        Ok(())
+        check_value("train.lr", self.lr, Range::Positive)?;
+        check_value("train.max_grad_norm", self.max_grad_norm, Range::NonNegative)?;
+        check_value("train.weight_decay", self.weight_decay, Range::NonNegative)
     }
 
     /// The loop of the embedded default runs: `epochs` over the shipped data with batch 16,
@@ -177,6 +215,25 @@ impl TrainSection {
 }
 
 impl DataSection {
+    /// `max_seq_len`, checked against the model it trains: at least 1 and within the
+    /// model's context (`max_position_embeddings`).
+    pub fn max_len(&self, model: &crate::LlamaConfig) -> Result<usize> {
+        let context = model.max_position_embeddings;
+        if self.max_seq_len == 0 {
+            return Err(CoreError::Invalid(
+                "data.max_seq_len = 0: must be at least 1".into(),
+            ));
+        }
+        if self.max_seq_len > context {
+            return Err(CoreError::Invalid(format!(
+                "data.max_seq_len = {} is longer than the model's context (max_position_embeddings = {context} \
+                 in its config.json): set data.max_seq_len to at most {context}",
+                self.max_seq_len
+            )));
+        }
+        Ok(self.max_seq_len)
+    }
+
     /// Training and validation files of the shipped tinystories_sentiment task.
     pub fn shipped(train: &str, validation: &str) -> Self {
         let dir = crate::default_data_dir();
@@ -213,10 +270,44 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
     let source = file
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("--set"));
-    T::deserialize(value).map_err(|e| CoreError::Config {
-        path: source,
-        message: e.to_string(),
+    if let Some(key) = first_non_finite("", &value) {
+        return Err(CoreError::Config {
+            path: source,
+            message: format!("{key} is not a finite number (nan and inf are refused)"),
+        });
+    }
+    // The error names the key it is about (`train.lr: invalid type ...`).
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let key = e.path().to_string();
+        let message = e.into_inner().to_string();
+        CoreError::Config {
+            path: source,
+            message: match key.as_str() {
+                "." | "" => message,
+                _ => format!("{key}: {message}"),
+            },
+        }
     })
+}
+
+/// The dotted key of the first NaN or infinite float in `value`.
+fn first_non_finite(prefix: &str, value: &toml::Value) -> Option<String> {
+    let key = |k: &str| {
+        if prefix.is_empty() {
+            k.to_string()
+        } else {
+            format!("{prefix}.{k}")
+        }
+    };
+    match value {
+        toml::Value::Float(f) if !f.is_finite() => Some(prefix.to_string()),
+        toml::Value::Table(t) => t.iter().find_map(|(k, v)| first_non_finite(&key(k), v)),
+        toml::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| first_non_finite(&format!("{prefix}[{i}]"), v)),
+        _ => None,
+    }
 }
 
 /// A `--set` value: TOML when it parses (numbers, booleans, arrays), else a plain string.
@@ -261,6 +352,62 @@ fn set_dotted(root: &mut toml::Value, key: &str, value: toml::Value) -> Result<(
     Ok(())
 }
 
+/// A key whose value differs between two configurations (values as TOML; `(unset)` for an
+/// absent one).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConfigChange {
+    pub key: String,
+    pub from: String,
+    pub to: String,
+}
+
+impl std::fmt::Display for ConfigChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {} -> {}", self.key, self.from, self.to)
+    }
+}
+
+/// The dotted keys whose values differ between `before` and `after`, in key order (what a
+/// `--set` on a resumed run would change).
+pub fn config_changes<T: Serialize>(before: &T, after: &T) -> Result<Vec<ConfigChange>> {
+    let flat = |config: &T| -> Result<std::collections::BTreeMap<String, toml::Value>> {
+        let value = toml::Value::try_from(config).map_err(|e| CoreError::Invalid(e.to_string()))?;
+        let mut out = std::collections::BTreeMap::new();
+        flatten("", value, &mut out);
+        Ok(out)
+    };
+    let (before, after) = (flat(before)?, flat(after)?);
+    let keys: std::collections::BTreeSet<&String> = before.keys().chain(after.keys()).collect();
+    let shown = |v: Option<&toml::Value>| v.map_or_else(|| "(unset)".to_string(), |v| v.to_string());
+    Ok(keys
+        .into_iter()
+        .filter(|k| before.get(*k) != after.get(*k))
+        .map(|k| ConfigChange {
+            key: k.clone(),
+            from: shown(before.get(k)),
+            to: shown(after.get(k)),
+        })
+        .collect())
+}
+
+fn flatten(prefix: &str, value: toml::Value, out: &mut std::collections::BTreeMap<String, toml::Value>) {
+    match value {
+        toml::Value::Table(table) => {
+            for (k, v) in table {
+                let key = if prefix.is_empty() {
+                    k
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+        }
+        leaf => {
+            out.insert(prefix.to_string(), leaf);
+        }
+    }
+}
+
 /// Serialises a resolved configuration as TOML (the run folder's `config.toml`).
 pub fn to_toml<T: Serialize>(config: &T) -> Result<String> {
     toml::to_string_pretty(config).map_err(|e| CoreError::Invalid(e.to_string()))
@@ -269,6 +416,21 @@ pub fn to_toml<T: Serialize>(config: &T) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn config_changes_name_each_changed_key() {
+        let before = Example::default();
+        let mut after = before.clone();
+        assert_eq!(config_changes(&before, &after).unwrap(), vec![]);
+        after.train.lr = 2e-4;
+        after.data.train = Some(PathBuf::from("other.jsonl"));
+        let changes = config_changes(&before, &after).unwrap();
+        let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(keys, ["data.train", "train.lr"]);
+        assert_eq!(changes[0].from, "(unset)");
+        assert_eq!(changes[0].to, "\"other.jsonl\"");
+        assert_eq!(changes[1].to_string(), "train.lr: 0.0001 -> 0.0002");
+    }
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
     #[serde(deny_unknown_fields, default)]

@@ -45,7 +45,7 @@ impl MetricsLog {
                 .collect(),
             _ => String::new(),
         };
-        std::fs::write(&path, kept).map_err(|e| CoreError::io(&path, e))?;
+        std::fs::write(&path, kept).map_err(|e| CoreError::cannot_write(&path, e))?;
         Ok(Self { path, enabled: true })
     }
 
@@ -57,8 +57,8 @@ impl MetricsLog {
         let mut file = std::fs::OpenOptions::new()
             .append(true)
             .open(&self.path)
-            .map_err(|e| CoreError::io(&self.path, e))?;
-        writeln!(file, "{}", Value::Object(row.clone())).map_err(|e| CoreError::io(&self.path, e))
+            .map_err(|e| CoreError::cannot_write(&self.path, e))?;
+        writeln!(file, "{}", Value::Object(row.clone())).map_err(|e| CoreError::cannot_write(&self.path, e))
     }
 
     /// Every row written so far (none on a silent log).

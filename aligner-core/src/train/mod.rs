@@ -27,7 +27,10 @@ use burn::tensor::{Bytes, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-pub use config::{DataSection, ModelSection, TrainSection, load_config, to_toml};
+pub use config::{
+    ConfigChange, DataSection, ModelSection, Range, TrainSection, check_value, check_values, config_changes,
+    load_config, to_toml,
+};
 pub use metrics::{MetricsLog, plot_metrics};
 pub use order::{EpochOrder, mini_batches};
 pub use schedule::{Schedule, learning_rate};
@@ -267,6 +270,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         };
         let train_device = cfg.autodiff_device(&self.device);
         let mut optim = adamw(cfg.weight_decay);
+        self.run.prepare_checkpoints()?;
         let (mut model, start) = match self.run.resume_point(TRAINER_STATE)? {
             Some((step, dir)) => {
                 let model = self.store.load(&dir, &train_device)?.train();
