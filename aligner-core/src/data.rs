@@ -285,4 +285,73 @@ mod tests {
             serde_json::from_str(r#"{"prompt": [{"role": "user", "content": "hi"}]}"#).unwrap();
         assert!(matches!(chat.prompt, Prompt::Messages(m) if m.len() == 1));
     }
+
+    #[test]
+    fn a_bad_row_names_the_field_and_the_problem() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sft.jsonl");
+        let cases = [
+            (r#"{"prompt": "a", "response": 5}"#, "response: invalid type"),
+            (r#"{"prompt": "a"}"#, "missing field `response`"),
+            (r#"{"response": "a"}"#, "missing field `prompt`"),
+            (r#"{"prompt": 7, "response": "b"}"#, "prompt: invalid type"),
+            (r#"{"text": "a"}"#, "no prompt, response or messages"),
+            (r#"{"messages": []}"#, "messages is empty"),
+            (
+                r#"{"messages": [{"role": "user", "content": "a"}]}"#,
+                "no assistant turn",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}"#,
+                "messages[1].role: unknown role \"bot\"",
+            ),
+            (
+                r#"{"messages": [{"role": "user"}]}"#,
+                "messages[0]: missing field `content`",
+            ),
+            (
+                r#"{"prompt": [], "response": "b"}"#,
+                "prompt: the prompt's message list is empty",
+            ),
+            (
+                r#"{"prompt": "a", "response": "b"} trailing"#,
+                "trailing characters",
+            ),
+        ];
+        for (line, expected) in cases {
+            std::fs::write(
+                &path,
+                format!("{{\"prompt\": \"ok\", \"response\": \"ok\"}}\n{line}\n"),
+            )
+            .unwrap();
+            let err = read_jsonl::<crate::sft::SftRow>(&path).unwrap_err().to_string();
+            assert!(
+                err.contains("sft.jsonl:2: ") && err.contains(expected),
+                "{line}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn prompts_longer_than_the_context_name_their_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer = crate::TextTokenizer::from_dir(&crate::default_model_dir().unwrap()).unwrap();
+        let path = dir.path().join("prompts.jsonl");
+        let long = "Once upon a time ".repeat(40);
+        std::fs::write(
+            &path,
+            format!("{{\"prompt\": \"Once\"}}\n\n{{\"prompt\": \"{long}\"}}\n"),
+        )
+        .unwrap();
+        let prompts = load_prompts(&path, &tokenizer, 4096).unwrap();
+        assert_eq!(prompts.iter().map(|p| p.line).collect::<Vec<_>>(), [1, 3]);
+        let err = load_prompts(&path, &tokenizer, 64).unwrap_err().to_string();
+        assert!(
+            err.contains("prompts.jsonl:3: the prompt is") && err.contains("context of 64"),
+            "{err}"
+        );
+        // A whole scored sequence may fill the context exactly; a prompt must leave room.
+        assert!(check_fits(&path, 1, "x", 64, 64, 0).is_ok());
+        assert!(check_fits(&path, 1, "x", 64, 64, 1).is_err());
+    }
 }

@@ -425,4 +425,69 @@ mod tests {
         data.train = None;
         assert!(data_files(&data).unwrap_err().to_string().contains("data.train"));
     }
+
+    #[test]
+    fn a_new_run_never_mixes_with_an_earlier_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run");
+        let config = DataSection::default();
+        RunDir::new(&path).start(&config).unwrap();
+        let run = RunDir::new(&path);
+        run.save_checkpoint::<CoreError>(40, |tmp| {
+            crate::checkpoint::write_atomic(&tmp.join("state.json"), b"{}")
+        })
+        .unwrap();
+        // A folder holding a run is refused unless the new run may overwrite it.
+        let err = RunDir::new(&path).start(&config).unwrap_err().to_string();
+        assert!(
+            err.contains("already holds a run") && err.contains("--overwrite"),
+            "{err}"
+        );
+        RunDir::new(&path).overwrite(true).start(&config).unwrap();
+        assert!(
+            !run.checkpoints().exists(),
+            "the earlier run's checkpoints were cleared"
+        );
+        // A resumed run keeps its folder.
+        RunDir::resuming(&path).start(&config).unwrap();
+        assert!(path.join("config.toml").exists());
+        // A folder of other files is never cleared.
+        let other = dir.path().join("home");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("notes.txt"), "keep").unwrap();
+        let err = RunDir::new(&other)
+            .overwrite(true)
+            .start(&config)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holds no run") && err.contains("notes.txt"), "{err}");
+        assert!(other.join("notes.txt").exists());
+    }
+
+    #[test]
+    fn interrupted_saves_and_stale_checkpoints_are_cleared_before_training() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        for step in [2, 4] {
+            run.save_checkpoint::<CoreError>(step, |tmp| {
+                crate::checkpoint::write_atomic(&tmp.join("s.json"), b"{}")
+            })
+            .unwrap();
+        }
+        std::fs::create_dir_all(run.checkpoints().join(".tmp-step-6")).unwrap();
+        let resumed = RunDir::resuming(dir.path());
+        resumed.prepare_checkpoints().unwrap();
+        let names = || -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(run.checkpoints())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names(), ["step-2", "step-4"]);
+        // A child run started afresh (its parent owns the folder) drops an earlier attempt's.
+        run.prepare_checkpoints().unwrap();
+        assert_eq!(names(), Vec::<String>::new());
+    }
 }

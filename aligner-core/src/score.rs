@@ -173,3 +173,34 @@ pub fn cached_reference_logprobs(
     }
     Ok(values)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncation_that_leaves_no_response_token_is_an_error() {
+        let seq = || ScoredSequence {
+            ids: (0..10).collect(),
+            prompt_len: 6,
+        };
+        let mut kept = seq();
+        kept.truncate(8).unwrap();
+        assert_eq!(
+            (kept.ids.len(), kept.prompt_len, kept.n_response_tokens()),
+            (8, 6, 2)
+        );
+        let err = seq().truncate(6).unwrap_err().to_string();
+        assert!(
+            err.contains("data.max_seq_len = 6") && err.contains("prompt alone is 6 tokens"),
+            "{err}"
+        );
+        // An empty response keeps scoring the prompt's last token (a model's own empty answer).
+        let mut empty = ScoredSequence {
+            ids: (0..6).collect(),
+            prompt_len: 6,
+        };
+        empty.truncate(4).unwrap();
+        assert_eq!((empty.ids.len(), empty.prompt_len), (4, 3));
+    }
+}

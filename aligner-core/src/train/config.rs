@@ -279,7 +279,14 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
     // The error names the key it is about (`train.lr: invalid type ...`).
     serde_path_to_error::deserialize(value).map_err(|e| {
         let key = e.path().to_string();
+        // toml's own messages end in a newline (and sometimes repeat the key after it).
         let message = e.into_inner().to_string();
+        let message = message
+            .split("\nin `")
+            .next()
+            .unwrap_or_default()
+            .trim_end()
+            .to_string();
         CoreError::Config {
             path: source,
             message: match key.as_str() {
@@ -482,5 +489,73 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("key=value"), "{err}");
+    }
+
+    #[test]
+    fn values_are_checked_by_key() {
+        assert!(check_value("a", 1.0, Range::Positive).is_ok());
+        for (value, range) in [
+            (0.0, Range::Positive),
+            (-1.0, Range::NonNegative),
+            (f64::NAN, Range::NonNegative),
+            (f64::INFINITY, Range::Positive),
+            (1.5, Range::Fraction),
+            (0.0, Range::OpenFraction),
+        ] {
+            let err = check_value("ppo.top_p", value, range).unwrap_err().to_string();
+            assert!(err.starts_with("ppo.top_p = "), "{err}");
+        }
+        assert!(
+            check_value("p", 1.0, Range::OpenFraction).is_ok()
+                && check_value("p", 0.0, Range::Fraction).is_ok()
+        );
+    }
+
+    #[test]
+    fn nan_and_inf_are_refused_anywhere_naming_the_key() {
+        for set in [
+            "train.lr=nan",
+            "train.max_grad_norm=inf",
+            "train.weight_decay=-inf",
+        ] {
+            let err = load_config(&Example::default(), None, &[set.to_string()])
+                .unwrap_err()
+                .to_string();
+            let key = set.split('=').next().unwrap();
+            assert!(err.contains(key) && err.contains("not a finite number"), "{err}");
+        }
+        let err = load_config(&Example::default(), None, &["train.lr=abc".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("train.lr: invalid type"), "{err}");
+        let err = load_config(&Example::default(), None, &["train.nope=1".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("train.nope: unknown field"), "{err}");
+    }
+
+    #[test]
+    fn max_seq_len_must_fit_the_model() {
+        let model = crate::LlamaConfig {
+            max_position_embeddings: 512,
+            ..crate::LlamaConfig::llama(16, 8, 1, 2, 2, 16)
+        };
+        let data = |max_seq_len| DataSection {
+            max_seq_len,
+            ..DataSection::default()
+        };
+        assert_eq!(data(512).max_len(&model).unwrap(), 512);
+        assert!(
+            data(0)
+                .max_len(&model)
+                .unwrap_err()
+                .to_string()
+                .contains("data.max_seq_len = 0")
+        );
+        let err = data(2006).max_len(&model).unwrap_err().to_string();
+        assert!(
+            err.contains("data.max_seq_len = 2006") && err.contains("context"),
+            "{err}"
+        );
     }
 }
