@@ -256,24 +256,110 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             .map(String::from)
             .to_vec()
     };
-    let out = dir.path().join("run");
-    let out = out.to_str().unwrap();
+    // More model folders: damaged safetensors headers, a wrong shape, bad config.json values,
+    // a missing tokenizer.
+    let weights = std::fs::read(repo().join("assets/stories260K/model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&weights[8..8 + header_len]).unwrap();
+    let with_header = |name: &str, header: &Value| {
+        let copy = model_copy(name);
+        let text = header.to_string();
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.extend_from_slice(&weights[8 + header_len..]);
+        std::fs::write(copy.join("model.safetensors"), bytes).unwrap();
+        copy
+    };
+    let lying = model_copy("lying-header");
+    let mut bytes = weights.clone();
+    bytes[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(lying.join("model.safetensors"), bytes).unwrap();
+    let mut past_the_end = header.clone();
+    past_the_end["model.norm.weight"]["data_offsets"] = serde_json::json!([0, 1u64 << 30]);
+    let past_the_end = with_header("offsets-past-the-end", &past_the_end);
+    let mut reshaped = header.clone();
+    reshaped["model.embed_tokens.weight"]["shape"] = serde_json::json!([256, 128]);
+    let reshaped = with_header("wrong-shape", &reshaped);
+    let config_json: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("assets/stories260K/config.json")).unwrap(),
+    )
+    .unwrap();
+    let with_config = |name: &str, edit: &dyn Fn(&mut Value)| {
+        let copy = model_copy(name);
+        let mut config = config_json.clone();
+        edit(&mut config);
+        std::fs::write(copy.join("config.json"), config.to_string()).unwrap();
+        copy
+    };
+    let negative_eps = with_config("negative-eps", &|c| c["rms_norm_eps"] = (-1.0).into());
+    let no_context = with_config("no-context", &|c| c["max_position_embeddings"] = 0.into());
+    let no_hidden = with_config("no-hidden-size", &|c| {
+        c.as_object_mut().unwrap().remove("hidden_size");
+    });
+    let broken_json = model_copy("broken-config");
+    std::fs::write(broken_json.join("config.json"), "{\"vocab_size\": 512,").unwrap();
+    let no_tokenizer = model_copy("no-tokenizer");
+    std::fs::remove_file(no_tokenizer.join("tokenizer.json")).unwrap();
+    // Data lines, each in a file of its own after one good line.
+    let data_file = |name: &str, line: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!("{{\"prompt\": \"Once\", \"response\": \" upon\"}}\n{line}\n"),
+        )
+        .unwrap();
+        path
+    };
+    let mistyped = data_file("mistyped.jsonl", r#"{"prompt": "a", "response": 5}"#);
+    let no_assistant = data_file(
+        "no-assistant.jsonl",
+        r#"{"messages": [{"role": "user", "content": "a"}]}"#,
+    );
+    let unknown_role = data_file(
+        "unknown-role.jsonl",
+        r#"{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}"#,
+    );
+    let long_text = "Once upon a time ".repeat(1500);
+    let long_prompt = data_file(
+        "long-prompt.jsonl",
+        &serde_json::json!({ "prompt": long_text }).to_string(),
+    );
+    let long_scored = data_file(
+        "long-scored.jsonl",
+        &serde_json::json!({ "prompt": long_text, "response": " x" }).to_string(),
+    );
+    let bad_toml = dir.path().join("bad.toml");
+    std::fs::write(&bad_toml, "train = [\n").unwrap();
+    let nan_toml = dir.path().join("nan.toml");
+    std::fs::write(&nan_toml, "[train]\nlr = nan\n").unwrap();
+    // Run folders: one that holds a run, one of other files, one without config.toml.
+    let earlier_run = dir.path().join("earlier-run");
+    std::fs::create_dir_all(earlier_run.join("checkpoints/step-40")).unwrap();
+    std::fs::write(earlier_run.join("config.toml"), "").unwrap();
+    let other_files = dir.path().join("other-files");
+    std::fs::create_dir_all(&other_files).unwrap();
+    std::fs::write(other_files.join("notes.txt"), "keep me").unwrap();
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
     let data = |file: &std::path::Path| format!("data.train={}", file.display());
-    // `generate --prompt Once FLAG VALUE`, and `COMMAND --out run --set SETTING`.
+    // `generate --prompt Once FLAG VALUE`, and `COMMAND --out <a new folder> --set SETTING`.
     let flag = |flag: &str, value: &str| -> Vec<String> {
         ["generate", "--prompt", "Once", flag, value]
             .map(String::from)
             .to_vec()
     };
+    let runs = std::cell::Cell::new(0);
     let set = |command: &str, setting: String| -> Vec<String> {
+        runs.set(runs.get() + 1);
+        let out = dir.path().join(format!("run-{}", runs.get()));
         vec![
             command.into(),
             "--out".into(),
-            out.into(),
+            path(&out),
             "--set".into(),
             setting,
         ]
     };
+    let args = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
     let cases: Vec<(Vec<String>, &str)> = vec![
         (flag("--temperature", "-1"), "--temperature"),
         (flag("--temperature", "NaN"), "--temperature"),
@@ -293,6 +379,54 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         (generate_with(&small_vocab), "tokenizer.json"),
         (generate_with(&truncated), "model.safetensors"),
         (generate_with(&not_finite), "not finite"),
+        (generate_with(&lying), "model.safetensors"),
+        (generate_with(&past_the_end), "model.safetensors"),
+        (generate_with(&reshaped), "model.embed_tokens.weight"),
+        (generate_with(&negative_eps), "rms_norm_eps"),
+        (generate_with(&no_context), "max_position_embeddings"),
+        (generate_with(&no_hidden), "hidden_size"),
+        (generate_with(&broken_json), "config.json"),
+        (generate_with(&no_tokenizer), "tokenizer.json"),
+        (set("sft", data(&mistyped)), "mistyped.jsonl:2: response"),
+        (
+            set("sft", data(&no_assistant)),
+            "no-assistant.jsonl:2: messages has no assistant turn",
+        ),
+        (
+            set("sft", data(&unknown_role)),
+            "unknown-role.jsonl:2: messages[1].role",
+        ),
+        (
+            args(&["generate", "--prompts", &path(&long_prompt)]),
+            "long-prompt.jsonl:2",
+        ),
+        (
+            args(&["score", "--data", &path(&long_scored)]),
+            "long-scored.jsonl:2",
+        ),
+        (
+            set("dpo", "data.max_seq_len=5".into()),
+            "train.pref.jsonl:1: chosen",
+        ),
+        (set("sft", "data.max_seq_len=0".into()), "data.max_seq_len"),
+        (set("dpo", "data.max_seq_len=9000".into()), "data.max_seq_len"),
+        (args(&["sft", "--config", &path(&bad_toml)]), "bad.toml"),
+        (args(&["sft", "--config", &path(&nan_toml)]), "train.lr"),
+        (set("sft", "train.nope=1".into()), "train.nope"),
+        (set("dpo", "dpo.beta=-1".into()), "dpo.beta"),
+        (set("kto", "kto.beta=0".into()), "kto.beta"),
+        (set("ppo", "ppo.top_p=2".into()), "ppo.top_p"),
+        (set("spin", "spin.temperature=-1".into()), "spin.temperature"),
+        (args(&["sft", "--out", &path(&earlier_run)]), "--overwrite"),
+        (
+            args(&["sft", "--out", &path(&other_files), "--overwrite"]),
+            "holds no run",
+        ),
+        (
+            args(&["sft", "--resume", &path(&earlier_run), "--set", "train.lr=0.5"]),
+            "train.lr",
+        ),
+        (args(&["sft", "--resume", &path(&other_files)]), "config.toml"),
     ];
     for (args, culprit) in cases {
         let output = Command::new(aligner_tests::aligner_exe())
@@ -308,4 +442,121 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             "{args:?}: the error does not name {culprit}: {stderr}"
         );
     }
+    assert!(
+        other_files.join("notes.txt").exists(),
+        "--overwrite cleared a folder that held no run"
+    );
+}
+
+/// A DPO run resumed on other data (an explicit, recorded change) scores the new pairs with
+/// the reference again rather than reusing the log-probs cached for the old ones: its
+/// `reference_train.jsonl` is the old one with each pair's two values swapped.
+#[test]
+fn reference_logprobs_are_recomputed_when_the_data_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("dpo");
+    let run_arg = run.to_str().unwrap();
+    let (ok, _, stderr) = aligner(&[
+        "dpo",
+        "--out",
+        run_arg,
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.save_every=1",
+        "--stop-after",
+        "1",
+    ]);
+    assert!(ok, "{stderr}");
+    let values = |file: &str| -> Vec<f64> {
+        std::fs::read_to_string(run.join(file))
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect()
+    };
+    let before = values("reference_train.jsonl");
+    // The same pairs with chosen and rejected swapped.
+    let swapped = dir.path().join("swapped.jsonl");
+    let rows: Vec<String> = jsonl(&repo().join("assets/tinystories_sentiment/train.pref.jsonl"))
+        .into_iter()
+        .map(|mut row| {
+            let chosen = row["chosen"].take();
+            row["chosen"] = row["rejected"].take();
+            row["rejected"] = chosen;
+            row.to_string()
+        })
+        .collect();
+    std::fs::write(&swapped, rows.join("\n")).unwrap();
+    let change = format!("data.train={}", swapped.display());
+    let (ok, _, stderr) = aligner(&["dpo", "--resume", run_arg, "--set", &change]);
+    assert!(
+        !ok && stderr.contains("data.train") && stderr.contains("--allow-change"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = aligner(&["dpo", "--resume", run_arg, "--set", &change, "--allow-change"]);
+    assert!(ok, "{stderr}");
+    let after = values("reference_train.jsonl");
+    let expected: Vec<f64> = before.chunks(2).flat_map(|p| [p[1], p[0]]).collect();
+    assert_eq!(after.len(), expected.len());
+    for (a, e) in after.iter().zip(&expected) {
+        assert!(
+            (a - e).abs() < 1e-4,
+            "reference log-probs were not recomputed: {a} vs {e}"
+        );
+    }
+    let changes = jsonl(&run.join("config_changes.jsonl"));
+    assert_eq!(changes.len(), 1);
+    assert_eq!(changes[0]["changes"][0]["key"], "data.train");
+}
+
+/// `--out` on a folder that holds a run is refused; `--overwrite` replaces the whole run, so
+/// none of the old run's checkpoints survive to be resumed.
+#[test]
+fn a_run_folder_is_overwritten_only_when_asked_and_then_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("sft");
+    let run_arg = run.to_str().unwrap();
+    let sft = |steps: &str, extra: &[&str]| {
+        let steps = format!("train.max_steps={steps}");
+        let mut args = vec![
+            "sft",
+            "--out",
+            run_arg,
+            "--set",
+            &steps,
+            "--set",
+            "train.save_every=1",
+        ];
+        args.extend(extra);
+        aligner(&args)
+    };
+    let (ok, _, stderr) = sft("4", &[]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = sft("2", &[]);
+    assert!(
+        !ok && stderr.contains("already holds a run") && stderr.contains("--overwrite"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = sft("2", &["--overwrite"]);
+    assert!(ok, "{stderr}");
+    let mut checkpoints: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    // The new run's checkpoints only (the last step is saved as `final/`).
+    assert!(checkpoints.contains(&"step-1".to_string()), "{checkpoints:?}");
+    assert!(
+        checkpoints.iter().all(|c| c == "step-1" || c == "step-2"),
+        "the old run's checkpoints survived: {checkpoints:?}"
+    );
+    let steps: Vec<u64> = aligner_tests::metrics(&run)
+        .iter()
+        .filter_map(|row| row["step"].as_u64())
+        .collect();
+    assert_eq!(
+        steps.iter().max(),
+        Some(&2),
+        "metrics of the old run were kept: {steps:?}"
+    );
 }

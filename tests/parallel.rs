@@ -402,3 +402,48 @@ fn kto_spin_rejection_sampling_and_annotation_run_on_two_ranks() {
     );
     assert!(dir.path().join("rs/final/model.safetensors").exists());
 }
+
+/// KTO's KL baseline z0 is a mean over the whole micro-batch: each rank sums its shard's
+/// mismatched log-ratios, the sums are added over the ranks before the step, and every rank's
+/// loss uses the z0 one process would (a rank's own shard would give another baseline).
+#[test]
+fn kto_on_two_and_three_ranks_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_of = |np: usize| dir.path().join(format!("kto-np{np}"));
+    for np in [1, 2, 3] {
+        let out = run_of(np);
+        let batch = format!("train.batch_size={}", 12 / np);
+        ranks(
+            np,
+            &[
+                "kto",
+                "--out",
+                out.to_str().unwrap(),
+                "--set",
+                &batch,
+                "--set",
+                "train.max_steps=4",
+                "--set",
+                "train.lr=5e-4",
+                "--set",
+                "data.validation=",
+            ],
+        );
+    }
+    for np in [2, 3] {
+        let diff = weights_diff(&run_of(1).join("final"), &run_of(np).join("final"));
+        assert!(diff <= 1e-5, "kto: {np} ranks end {diff} from one process");
+        let (one, many) = (metrics(&run_of(1)), metrics(&run_of(np)));
+        assert_eq!(one.len(), many.len());
+        for (a, b) in one.iter().zip(&many) {
+            for key in ["loss", "kl"] {
+                let (p, q) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+                assert!(
+                    (p - q).abs() <= 1e-5 * (1.0 + p.abs()),
+                    "{key} at {}: {p} against {q}",
+                    a["step"]
+                );
+            }
+        }
+    }
+}

@@ -270,3 +270,36 @@ fn lora_actor_group_baselines_and_entropy_bonus_run() {
     assert!(!ok);
     assert!(err.contains("ppo.samples_per_prompt"), "{err}");
 }
+
+/// `ppo.activation_checkpointing` recomputes the actor's activations in its backward pass:
+/// the same rollouts and updates, so the same weights.
+#[test]
+fn ppo_activation_checkpointing_trains_to_the_same_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = quick_reward_model(dir.path());
+    let reward = format!("reward_model.path={}", reward.display());
+    let run = |name: &str, checkpointing: bool| {
+        let out = dir.path().join(name);
+        let (ok, err) = aligner(&[
+            "ppo",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            &reward,
+            "--set",
+            "ppo.steps=2",
+            "--set",
+            "ppo.eval_every=0",
+            "--set",
+            &format!("ppo.activation_checkpointing={checkpointing}"),
+        ]);
+        assert!(ok, "{err}");
+        out.join("final")
+    };
+    let (plain, recomputed) = (run("plain", false), run("recomputed", true));
+    let diff = aligner_tests::weights_diff(&plain, &recomputed);
+    assert!(
+        diff <= 1e-5,
+        "recomputing the actor's activations moved its weights by {diff}"
+    );
+}

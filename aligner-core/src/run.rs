@@ -141,23 +141,33 @@ impl RunDir {
     /// configuration as `config.toml` (rank 0). A folder that already holds files is refused
     /// unless the run may overwrite, and then only when it is a run folder.
     pub fn start<T: Serialize>(&self, config: &T) -> Result<()> {
+        self.start_with_steps(config, &[])
+    }
+
+    /// [`RunDir::start`] for a run whose earlier steps may already be in its folder as
+    /// `steps` (SteerLM bootstrap's `sft` and `attributes`, PPO's `reward_model`): those are
+    /// its inputs, reused when finished, so they neither count as an earlier run nor are
+    /// cleared by `--overwrite`.
+    pub fn start_with_steps<T: Serialize>(&self, config: &T, steps: &[&str]) -> Result<()> {
         if !self.is_writer() {
             return Ok(());
         }
         if !self.resume {
-            self.claim()?;
+            self.claim(steps)?;
         }
         std::fs::create_dir_all(&self.path).map_err(|e| CoreError::cannot_write(&self.path, e))?;
         crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())
     }
 
-    /// An empty (or missing) folder for a new run: another run's files are cleared when the
-    /// run may overwrite, else refused; a folder of other files is never cleared.
-    fn claim(&self) -> Result<()> {
+    /// An empty (or missing) folder for a new run, `steps` aside: another run's files are
+    /// cleared when the run may overwrite, else refused; a folder of other files is never
+    /// cleared.
+    fn claim(&self, steps: &[&str]) -> Result<()> {
         let found: Vec<String> = match std::fs::read_dir(&self.path) {
             Ok(entries) => entries
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|name| !steps.contains(&name.as_str()))
                 .collect(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
@@ -168,7 +178,9 @@ impl RunDir {
             }
             Err(e) => return Err(CoreError::io(&self.path, e)),
         };
-        if found.is_empty() {
+        // A run that stopped before it did anything (a bad value found after the folder was
+        // claimed) left only its config.toml: nothing is lost by starting over.
+        if found.iter().all(|name| name == "config.toml") {
             return Ok(());
         }
         let mut listed = found.clone();
@@ -192,7 +204,15 @@ impl RunDir {
             )));
         }
         tracing::warn!(run = %path, "--overwrite: clearing the earlier run in the folder");
-        std::fs::remove_dir_all(&self.path).map_err(|e| CoreError::cannot_write(&self.path, e))
+        for name in found {
+            let entry = self.join(&name);
+            let removed = match entry.is_dir() {
+                true => std::fs::remove_dir_all(&entry),
+                false => std::fs::remove_file(&entry),
+            };
+            removed.map_err(|e| CoreError::cannot_write(&entry, e))?;
+        }
+        Ok(())
     }
 
     /// Before training starts: removes the temporary folders of checkpoints that were being

@@ -214,7 +214,37 @@ pub struct KtoObjective {
 }
 
 impl KtoObjective {
+    /// The loss of `batch` with its own KL baseline (one process, or validation).
     fn forward(&self, model: &CausalLm, batch: &[&KtoExample]) -> (Tensor<1>, Tensor<1>, f64) {
+        self.forward_with(model, batch, None)
+    }
+
+    /// The mismatched completions' policy − reference log-ratios of `batch`: their sum and
+    /// count, from which the KL baseline z0 is the clamped mean (summed over ranks first in a
+    /// data-parallel run, so every rank uses the whole batch's z0, as TRL gathers it).
+    fn mismatched_sums(&self, model: &CausalLm, batch: &[&KtoExample]) -> [f64; 2] {
+        if batch.is_empty() {
+            return [0.0, 0.0];
+        }
+        let seqs: Vec<&ScoredSequence> = batch.iter().map(|e| &e.mismatched).collect();
+        let (sums, _) = sequence_logprobs(model, &seqs);
+        let policy: Vec<f32> = sums.detach().into_data().try_to_vec().unwrap_or_default();
+        let sum: f64 = policy
+            .iter()
+            .zip(batch)
+            .map(|(p, e)| (*p - e.reference.1) as f64)
+            .sum();
+        [sum, batch.len() as f64]
+    }
+
+    /// The loss of `batch`; `z0` is the KL baseline when it is given (the whole micro-batch's
+    /// over all ranks), else the batch's own.
+    fn forward_with(
+        &self,
+        model: &CausalLm,
+        batch: &[&KtoExample],
+        z0: Option<f64>,
+    ) -> (Tensor<1>, Tensor<1>, f64) {
         let device = model.model.embed_tokens.weight.device();
         let b = batch.len();
         let seqs: Vec<&ScoredSequence> = batch
@@ -228,7 +258,7 @@ impl KtoObjective {
             Tensor::<1>::from_data(TensorData::new(v, [b]), &device)
         };
         let rho = sums.clone().narrow(0, 0, b) - reference(|e| e.reference.0);
-        let z0 = kl_estimate(sums.narrow(0, b, b) - reference(|e| e.reference.1));
+        let z0 = z0.unwrap_or_else(|| kl_estimate(sums.narrow(0, b, b) - reference(|e| e.reference.1)));
         let labels: Vec<bool> = batch.iter().map(|e| e.desirable).collect();
         let p = &self.params;
         let loss = kto_loss(
@@ -262,22 +292,21 @@ impl Objective<CausalLm> for KtoObjective {
     type Example = KtoExample;
 
     fn step(&self, model: &CausalLm, batch: &[&KtoExample]) -> aligner_core::Result<StepOutput> {
-        let (loss, rho, z0) = self.forward(model, batch);
-        let mut metrics = vec![("kl".to_string(), z0)];
-        for (name, sum, n) in self.reward_metrics(rho, batch) {
-            if n > 0.0 {
-                metrics.push((name, sum / n));
-            }
-        }
-        let tokens = batch
-            .iter()
-            .map(|e| e.matched.ids.len() + e.mismatched.ids.len())
-            .sum();
-        Ok(StepOutput {
-            loss: loss.mean(),
-            metrics,
-            tokens,
-        })
+        self.step_at(model, batch, None)
+    }
+
+    fn batch_sums(&self, model: &CausalLm, batch: &[&KtoExample]) -> aligner_core::Result<Vec<f64>> {
+        Ok(self.mismatched_sums(model, batch).to_vec())
+    }
+
+    fn step_with_totals(
+        &self,
+        model: &CausalLm,
+        batch: &[&KtoExample],
+        totals: &[f64],
+    ) -> aligner_core::Result<StepOutput> {
+        let z0 = (totals[0] / totals[1].max(1.0)).max(0.0);
+        self.step_at(model, batch, Some(z0))
     }
 
     fn evaluate(&self, model: &CausalLm, batch: &[&KtoExample]) -> aligner_core::Result<Vec<EvalSum>> {
@@ -295,6 +324,33 @@ impl Objective<CausalLm> for KtoObjective {
 
     fn plot_keys(&self) -> Vec<String> {
         vec!["kl".into(), "eval_loss".into()]
+    }
+}
+
+impl KtoObjective {
+    /// A training step of `batch` at the KL baseline `z0` (its own when `None`).
+    fn step_at(
+        &self,
+        model: &CausalLm,
+        batch: &[&KtoExample],
+        z0: Option<f64>,
+    ) -> aligner_core::Result<StepOutput> {
+        let (loss, rho, z0) = self.forward_with(model, batch, z0);
+        let mut metrics = vec![("kl".to_string(), z0)];
+        for (name, sum, n) in self.reward_metrics(rho, batch) {
+            if n > 0.0 {
+                metrics.push((name, sum / n));
+            }
+        }
+        let tokens = batch
+            .iter()
+            .map(|e| e.matched.ids.len() + e.mismatched.ids.len())
+            .sum();
+        Ok(StepOutput {
+            loss: loss.mean(),
+            metrics,
+            tokens,
+        })
     }
 }
 

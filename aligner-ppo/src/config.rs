@@ -76,6 +76,22 @@ pub struct PpoSection {
     pub eval_prompts: usize,
     pub save_every: usize,
     pub seed: u64,
+    /// Recompute the actor's activations in its backward pass instead of keeping them (as
+    /// `train.activation_checkpointing` does for the trainer's methods): less memory for the
+    /// actor's update, more time.
+    pub activation_checkpointing: bool,
+}
+
+impl PpoSection {
+    /// The autodiff device the actor trains on (with gradient checkpointing when asked).
+    pub fn actor_device(&self, device: &aligner_core::Device) -> aligner_core::Device {
+        let train = device.clone().autodiff();
+        if self.activation_checkpointing {
+            train.gradient_checkpointing()
+        } else {
+            train
+        }
+    }
 }
 
 impl PpoSection {
@@ -96,21 +112,14 @@ impl PpoSection {
             ("ppo.max_grad_norm", self.max_grad_norm, NonNegative),
             ("ppo.critic_retry_seconds", self.critic_retry_seconds, NonNegative),
         ])?;
-        for (key, value) in [
+        aligner_core::train::check_counts(&[
             ("ppo.steps", self.steps),
             ("ppo.rollout_prompts", self.rollout_prompts),
             ("ppo.samples_per_prompt", self.samples_per_prompt),
             ("ppo.max_new_tokens", self.max_new_tokens),
             ("ppo.epochs", self.epochs),
             ("ppo.mini_batch", self.mini_batch),
-        ] {
-            if value == 0 {
-                return Err(aligner_core::CoreError::Invalid(format!(
-                    "{key} = 0: must be at least 1"
-                )));
-            }
-        }
-        Ok(())
+        ])
     }
 }
 
@@ -143,6 +152,7 @@ impl Default for PpoSection {
             critic_url: None,
             combine_rm_and_critic: true,
             critic_retry_seconds: 30.0,
+            activation_checkpointing: false,
             slots: 64,
             workers: 1,
             eval_every: 6,

@@ -109,7 +109,7 @@ impl PpoRunner<'_> {
         if self.train_prompts.is_empty() {
             return Err(PpoError::Invalid("no training prompts".into()));
         }
-        let train_device = self.device.clone().autodiff();
+        let train_device = self.config.ppo.actor_device(&self.device);
         let lora = self.config.model.lora_rank > 0;
         let mut actor = actor.fork(&train_device).train();
         // Without LoRA the reference is a frozen copy of the starting policy; with LoRA it is
@@ -367,11 +367,14 @@ impl PpoRunner<'_> {
                 base
             }
         };
+        // The model's own device: `valid()` of an actor trained with activation checkpointing
+        // keeps that setting, and Burn refuses to mix it with tensors made without it.
+        let device = model.model.embed_tokens.weight.device();
         // Data parallel: each rank scores its shard of the rollout.
         map_sharded(self.run.comm(), sequences, |mine| {
             let mut out = Vec::with_capacity(mine.len());
             for chunk in mine.chunks(self.config.ppo.mini_batch.max(1)) {
-                let layout = Layout::new(chunk, &self.device);
+                let layout = Layout::new(chunk, &device);
                 let lp =
                     model.token_logprobs_with(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
                 out.extend(layout.ragged(layout.response_columns(lp)));
@@ -526,7 +529,8 @@ impl PpoRunner<'_> {
         scored: &Scored,
     ) -> Result<ActorStats> {
         let cfg = &self.config.ppo;
-        let device = self.device.clone().autodiff();
+        // The device the actor's weights are on (with its activation checkpointing setting).
+        let device = actor.model.embed_tokens.weight.device();
         let n = scored.sequences.len();
         let comm = self.run.comm();
         let (rank, world) = (comm.rank(), comm.world_size());

@@ -50,7 +50,8 @@ pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Dev
 /// or at `ppo.critic_url`. The mean time breakdown is written to `<run>/timing.md`.
 pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSummary> {
     config.ppo.check()?;
-    run.start(config)?;
+    // A finished `reward_model` step in the folder is this run's input.
+    run.start_with_steps(config, &["reward_model"])?;
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let lm = load_model(&config.model, device)?;
     let (train_prompts, eval_prompts) = data_files(&config.data)?
@@ -111,7 +112,13 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         config.rs.temperature,
         aligner_core::train::Range::NonNegative,
     )?;
-    run.start(config)?;
+    aligner_core::train::check_counts(&[
+        ("rs.rounds", config.rs.rounds),
+        ("rs.n", config.rs.n),
+        ("rs.max_new_tokens", config.rs.max_new_tokens),
+    ])?;
+    // A finished `reward_model` step in the folder is this run's input.
+    run.start_with_steps(config, &["reward_model"])?;
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let reward = single_output(LoadedRewardModel::from_dir(&rm_dir, device)?)?;
     let lm = load_model(&config.model, device)?;

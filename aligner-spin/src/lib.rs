@@ -158,6 +158,10 @@ pub fn train(
             aligner_core::train::Range::NonNegative,
         ),
     ])?;
+    aligner_core::train::check_counts(&[
+        ("spin.iterations", spin.iterations),
+        ("spin.max_new_tokens", spin.max_new_tokens),
+    ])?;
     run.start(config)?;
     let lm = load_model(&config.model, device)?;
     // Checked before the first iteration's answers are generated.

@@ -257,7 +257,8 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
             aligner_core::train::Range::NonNegative,
         ),
     ])?;
-    run.start(config)?;
+    // Finished `sft` and `attributes` steps in the folder are this run's inputs.
+    run.start_with_steps(config, &["sft", "attributes"])?;
     let files = data_files(&config.data)?;
     let section = &config.bootstrap;
     let policy = match &config.model.path {

@@ -93,19 +93,11 @@ impl Rope {
 }
 
 impl RotaryAngles {
-    /// Rotates `x: [batch, heads, seq, head_dim]`: `x·cos + rotate_half(x)·sin`.
+    /// Rotates `x: [batch, heads, seq, head_dim]`: `x·cos + rotate_half(x)·sin`, through the
+    /// backend extension: one kernel each way on GPUs, Burn's slices, negation, concatenation
+    /// and products (differentiable as they are) elsewhere.
     pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
-        // On GPUs: one kernel each way instead of two slices, a negation, a concatenation and
-        // two products.
-        if aligner_parallel::cube_kernels_available(&x.device()) {
-            return aligner_parallel::fused_rope(x, self.cos.clone(), self.sin.clone());
-        }
-        let [_, _, _, head_dim] = x.dims();
-        let half = head_dim / 2;
-        let first = x.clone().narrow(3, 0, half);
-        let second = x.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![second.neg(), first], 3);
-        x * self.cos.clone() + rotated * self.sin.clone()
+        aligner_parallel::fused_rope(x, self.cos.clone(), self.sin.clone())
     }
 }
 

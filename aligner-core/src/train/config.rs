@@ -167,6 +167,14 @@ pub fn check_value(key: &str, value: impl Into<f64>, range: Range) -> Result<()>
     }
 }
 
+/// Refuses a count of 0 for any of `settings` (`(key, value)` each), naming the key.
+pub fn check_counts(settings: &[(&str, usize)]) -> Result<()> {
+    match settings.iter().find(|(_, value)| *value == 0) {
+        Some((key, _)) => Err(CoreError::Invalid(format!("{key} = 0: must be at least 1"))),
+        None => Ok(()),
+    }
+}
+
 /// Checks several settings with [`check_value`]: `(key, value, range)` each.
 pub fn check_values(settings: &[(&str, f64, Range)]) -> Result<()> {
     settings

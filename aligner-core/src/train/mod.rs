@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use config::{
-    ConfigChange, DataSection, ModelSection, Range, TrainSection, check_value, check_values, config_changes,
-    load_config, to_toml,
+    ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_value, check_values,
+    config_changes, load_config, to_toml,
 };
 pub use metrics::{MetricsLog, plot_metrics};
 pub use order::{EpochOrder, mini_batches};
@@ -106,6 +106,20 @@ pub trait Objective<M: Module> {
     fn plot_keys(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// Sums a loss needs over the whole micro-batch rather than one rank's shard of it (KTO's
+    /// KL baseline z0, a mean over the batch): in a data-parallel run every rank computes them
+    /// on its shard (an empty one too, giving the same number of zeros), they are summed over
+    /// the ranks, and [`Objective::step_with_totals`] takes the totals. None by default.
+    fn batch_sums(&self, _model: &M, _batch: &[&Self::Example]) -> Result<Vec<f64>> {
+        Ok(Vec::new())
+    }
+
+    /// [`Objective::step`] given the whole micro-batch's [`Objective::batch_sums`] (only called
+    /// in data-parallel runs, for objectives that have such sums).
+    fn step_with_totals(&self, model: &M, batch: &[&Self::Example], _totals: &[f64]) -> Result<StepOutput> {
+        self.step(model, batch)
+    }
 }
 
 /// A whole trainer run: `model` trained on `objective` over `data` (training and validation
@@ -130,6 +144,17 @@ pub fn fit<M: Module + 'static, O: Objective<M>>(
         device: device.clone(),
     };
     Ok(trainer.run(model)?.1)
+}
+
+/// The element-wise sum of every rank's sums.
+fn sum_elementwise(by_rank: Vec<Vec<f64>>) -> Vec<f64> {
+    let mut total = vec![0.0; by_rank.first().map_or(0, Vec::len)];
+    for sums in by_rank {
+        for (t, v) in total.iter_mut().zip(sums) {
+            *t += v;
+        }
+    }
+    total
 }
 
 /// Position of a run, stored with each checkpoint.
@@ -345,10 +370,25 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
                     let total: f64 = (0..world).map(|r| self.objective.loss_weight(&shard(r))).sum();
                     self.objective.loss_weight(&batch) / total.max(1e-12)
                 };
+                // Every rank takes part, its shard empty or not, so the sum is never waited for
+                // in vain.
+                let totals = match world {
+                    1 => Vec::new(),
+                    _ => {
+                        let mine = self.objective.batch_sums(&model, &batch)?;
+                        match mine.is_empty() {
+                            true => mine,
+                            false => sum_elementwise(crate::parallel::gather(comm, &mine)?),
+                        }
+                    }
+                };
                 if batch.is_empty() {
                     continue;
                 }
-                let out = self.objective.step(&model, &batch)?;
+                let out = match totals.is_empty() {
+                    true => self.objective.step(&model, &batch)?,
+                    false => self.objective.step_with_totals(&model, &batch, &totals)?,
+                };
                 let loss_value = out.loss.clone().into_scalar::<f32>() as f64;
                 if world == 1 && !loss_value.is_finite() {
                     bar.abandon();
