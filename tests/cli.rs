@@ -540,7 +540,7 @@ fn a_run_folder_is_overwritten_only_when_asked_and_then_whole() {
     );
     let (ok, _, stderr) = sft("2", &["--overwrite"]);
     assert!(ok, "{stderr}");
-    let mut checkpoints: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+    let checkpoints: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
