@@ -2,20 +2,9 @@
 
 use std::process::Command;
 
+use aligner_tests::aligner_output as aligner;
 use aligner_tests::{jsonl, repo};
 use serde_json::Value;
-
-fn aligner(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(aligner_tests::aligner_exe())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 #[test]
 fn greedy_generate_prints_the_reference_story() {

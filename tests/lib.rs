@@ -36,6 +36,12 @@ pub fn aligner_exe() -> PathBuf {
 
 /// Runs the `aligner` binary from the repository root: (success, stderr).
 pub fn aligner(args: &[&str]) -> (bool, String) {
+    let (ok, _, stderr) = aligner_output(args);
+    (ok, stderr)
+}
+
+/// Runs the `aligner` binary from the repository root: (success, stdout, stderr).
+pub fn aligner_output(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(aligner_exe())
         .args(args)
         .current_dir(repo())
@@ -43,6 +49,7 @@ pub fn aligner(args: &[&str]) -> (bool, String) {
         .unwrap();
     (
         out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }

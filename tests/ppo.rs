@@ -303,3 +303,45 @@ fn ppo_activation_checkpointing_trains_to_the_same_weights() {
         "recomputing the actor's activations moved its weights by {diff}"
     );
 }
+
+/// `ppo.offload_reference` keeps a copy of the frozen reference on the CPU backend (with LoRA,
+/// the base with its adapters off): it scores the rollouts as the in-place reference does, so
+/// training ends at the same weights.
+#[test]
+fn an_offloaded_reference_scores_like_the_one_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = quick_reward_model(dir.path());
+    let reward = format!("reward_model.path={}", reward.display());
+    let run = |name: &str, offload: bool| {
+        let out = dir.path().join(name);
+        let (ok, err) = aligner(&[
+            "ppo",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            &reward,
+            "--set",
+            "ppo.steps=2",
+            "--set",
+            "ppo.eval_every=0",
+            "--set",
+            "model.lora_rank=4",
+            "--set",
+            &format!("ppo.offload_reference={offload}"),
+        ]);
+        assert!(ok, "{err}");
+        let metrics = metrics(&out);
+        (out.join("final"), values(&metrics, "kl"))
+    };
+    let ((in_place, kl_in_place), (offloaded, kl_offloaded)) =
+        (run("in-place", false), run("offloaded", true));
+    assert_eq!(kl_in_place.len(), kl_offloaded.len());
+    for (a, b) in kl_in_place.iter().zip(&kl_offloaded) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "kl {a} against {b}");
+    }
+    let diff = aligner_tests::weights_diff(&in_place, &offloaded);
+    assert!(
+        diff <= 1e-5,
+        "offloading the reference moved the weights by {diff}"
+    );
+}

@@ -80,6 +80,10 @@ pub struct PpoSection {
     /// `train.activation_checkpointing` does for the trainer's methods): less memory for the
     /// actor's update, more time.
     pub activation_checkpointing: bool,
+    /// Keep the frozen reference in host memory and score it on the CPU backend, leaving the
+    /// accelerator's memory to the actor (NeMo-Aligner offloads its reference the same way;
+    /// the rollout's reference log-probs are then computed on the CPU).
+    pub offload_reference: bool,
 }
 
 impl PpoSection {
@@ -153,6 +157,7 @@ impl Default for PpoSection {
             combine_rm_and_critic: true,
             critic_retry_seconds: 30.0,
             activation_checkpointing: false,
+            offload_reference: false,
             slots: 64,
             workers: 1,
             eval_every: 6,

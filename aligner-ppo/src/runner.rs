@@ -113,8 +113,17 @@ impl PpoRunner<'_> {
         let lora = self.config.model.lora_rank > 0;
         let mut actor = actor.fork(&train_device).train();
         // Without LoRA the reference is a frozen copy of the starting policy; with LoRA it is
-        // the same weights with the adapters switched off.
-        let reference = (!lora).then(|| actor.valid());
+        // the same weights with the adapters switched off (the base does not train), kept as
+        // a copy only when it is offloaded to the CPU.
+        let reference = match (lora, cfg.offload_reference) {
+            (false, false) => Some(actor.valid()),
+            (true, false) => None,
+            (_, true) => {
+                let mut frozen = actor.valid();
+                frozen.model.set_adapters_enabled(false);
+                Some(frozen.fork(&Device::flex()))
+            }
+        };
         let mut optim = adamw(0.0);
         let mut start = 0;
         self.run.prepare_checkpoints()?;
