@@ -549,3 +549,65 @@ fn a_run_folder_is_overwritten_only_when_asked_and_then_whole() {
         "metrics of the old run were kept: {steps:?}"
     );
 }
+
+/// `aligner eval` puts the start model at zero KL to itself, with the reference's NLL of its
+/// samples near the start model's own (1.32 nats/token on the held-out prompts), and a policy
+/// trained away from it at a KL above zero, measured against the start model its run folder
+/// records; the KL is the mean of the per-sample log-ratios it writes.
+#[test]
+fn eval_places_policies_on_the_reward_kl_frontier() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = |args: &[&str]| -> Value {
+        let (ok, stdout, stderr) = aligner(args);
+        assert!(ok, "{stderr}");
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let start_out = dir.path().join("eval-start");
+    let start = summary(&["eval", "--out", start_out.to_str().unwrap()]);
+    assert_eq!(start["samples"], 104);
+    assert!(start["kl_per_response"].as_f64().unwrap().abs() < 1e-3, "{start}");
+    let nll = start["reference_nll_per_token"].as_f64().unwrap();
+    assert!((1.1..1.6).contains(&nll), "{start}");
+    assert!(start["reward"].is_null());
+    let samples = jsonl(&start_out.join("samples.jsonl"));
+    assert_eq!(samples.len(), 104);
+
+    let shipped = repo().join("assets/stories260K");
+    let model_path = format!("model.path={}", shipped.display());
+    let run = dir.path().join("sft");
+    let (ok, _, stderr) = aligner(&[
+        "sft",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        &model_path,
+        "--set",
+        "train.max_steps=10",
+        "--set",
+        "train.lr=0.01",
+    ]);
+    assert!(ok, "{stderr}");
+    let out = dir.path().join("eval-sft");
+    let final_dir = run.join("final");
+    let trained = summary(&[
+        "eval",
+        "--model",
+        final_dir.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        trained["reference"],
+        shipped.to_str().unwrap(),
+        "the run's start model is the reference"
+    );
+    let kl = trained["kl_per_response"].as_f64().unwrap();
+    assert!(kl > 0.5, "{trained}");
+    let samples = jsonl(&out.join("samples.jsonl"));
+    let mean: f64 = samples
+        .iter()
+        .map(|s| s["policy_logprob"].as_f64().unwrap() - s["reference_logprob"].as_f64().unwrap())
+        .sum::<f64>()
+        / samples.len() as f64;
+    assert!((mean - kl).abs() < 1e-6 * (1.0 + kl), "{mean} against {kl}");
+}

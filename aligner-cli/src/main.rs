@@ -2,6 +2,7 @@
 
 mod bench;
 mod convert;
+mod eval;
 mod generate;
 mod ppo;
 mod registry;
@@ -56,6 +57,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Sequence log-probs of responses given prompts.
     Score(score::ScoreArgs),
+    /// Where a policy stands on the reward–KL frontier: reward of its own samples, KL to the
+    /// reference, the reference's NLL of them, distinct-n, length, EOS fraction.
+    Eval(eval::EvalArgs),
     /// Convert checkpoints from other formats into Hugging Face folders.
     #[command(subcommand)]
     Convert(convert::ConvertCommand),
@@ -183,6 +187,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Steerlm(cmd) => steerlm::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
+        Command::Eval(args) => eval::run(args, &device),
         Command::Convert(cmd) => convert::run(cmd, &device),
         Command::Bench(cmd) => bench::run(cmd, &device),
     }
