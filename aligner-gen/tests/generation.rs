@@ -319,9 +319,22 @@ fn lora_policy(lm: &LoadedModel) -> aligner_core::CausalLm {
 fn refit_takes_new_weights_in_place() {
     let lm = shipped();
     for path in PATHS {
+        // Sampled rows show that the weights changed; the equalities below compare greedy rows,
+        // since two computations of the same weights differ by float noise (the merge order,
+        // and the matmul split over however many threads are free), which can flip a sampled
+        // token whose draw lands on a boundary, while greedy needs a near-tie of logits.
         let reqs = many_requests(&lm, 6, &sampled(0));
+        let greedy = many_requests(
+            &lm,
+            6,
+            &SamplingParams {
+                temperature: 0.0,
+                ..sampled(0)
+            },
+        );
         let mut engine = engine(&lm, 4, path);
         let before = engine.generate(&reqs).unwrap();
+        let before_greedy = engine.generate(&greedy).unwrap();
         let capacity = engine.cache_len();
 
         let policy = lora_policy(&lm);
@@ -331,8 +344,9 @@ fn refit_takes_new_weights_in_place() {
         assert_ne!(before, after, "the new weights change the samples");
         assert_eq!(engine.cache_len(), capacity, "the cache stays allocated");
         assert_eq!(engine.stats().allocations, 1);
+        let after_greedy = engine.generate(&greedy).unwrap();
 
-        // A fresh engine on the merged weights samples the same.
+        // A fresh engine on the merged weights decodes the same.
         let merged = burn::module::Module::valid(&policy).merged();
         let mut fresh = Engine::new(
             merged,
@@ -343,7 +357,7 @@ fn refit_takes_new_weights_in_place() {
                 ..EngineOptions::default()
             },
         );
-        assert_same(&fresh.generate(&reqs).unwrap(), &after);
+        assert_same(&fresh.generate(&greedy).unwrap(), &after_greedy);
 
         // And the merged log-probs are the adapter model's own (score path, adapters unmerged).
         let seqs: Vec<ScoredSequence> = reqs
@@ -361,9 +375,9 @@ fn refit_takes_new_weights_in_place() {
             }
         }
 
-        // Refitting the original weights restores the original samples.
+        // Refitting the original weights restores the original output.
         engine.refit(&lm.model).unwrap();
-        assert_same(&engine.generate(&reqs).unwrap(), &before);
+        assert_same(&engine.generate(&greedy).unwrap(), &before_greedy);
     }
 }
 
