@@ -107,10 +107,8 @@ fn ten_dpo_steps_on_wgpu_match_the_cpu() {
 #[test]
 fn ppo_with_the_reference_offloaded_to_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = dir.path().join("rm");
-    let (ok, err) = aligner(&["rm", "--out", rm.to_str().unwrap(), "--set", "train.max_steps=5"]);
-    assert!(ok, "{err}");
-    let reward = format!("reward_model.path={}", rm.join("final").display());
+    let reward = aligner_tests::quick_reward_model(dir.path());
+    let reward = format!("reward_model.path={}", reward.display());
     let run = dir.path().join("ppo");
     let (ok, err) = aligner(&[
         "--device",

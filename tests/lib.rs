@@ -157,3 +157,21 @@ pub fn weights_diff(a: &Path, b: &Path) -> f32 {
         .flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs()))
         .fold(0.0, f32::max)
 }
+
+/// A small reward model (a few steps on the shipped pairs) for tests that only need one.
+pub fn quick_reward_model(dir: &Path) -> PathBuf {
+    let run = dir.join("rm");
+    let (ok, err) = aligner(&[
+        "rm",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.eval_every=0",
+    ]);
+    assert!(ok, "{err}");
+    run.join("final")
+}

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use aligner_tests::{aligner, metrics, repo, sample_sentiment};
+use aligner_tests::{aligner, metrics, quick_reward_model, repo, sample_sentiment};
 use serde_json::Value;
 
 fn sum(rows: &[Value], key: &str) -> f64 {
@@ -17,24 +17,6 @@ fn sum(rows: &[Value], key: &str) -> f64 {
 
 fn values(rows: &[Value], key: &str) -> Vec<f64> {
     rows.iter().filter_map(|r| r[key].as_f64()).collect()
-}
-
-/// A small reward model (a few steps on the shipped pairs) for tests that only need one.
-fn quick_reward_model(dir: &Path) -> PathBuf {
-    let run = dir.join("rm");
-    let (ok, err) = aligner(&[
-        "rm",
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
-        "train.max_steps=30",
-        "--set",
-        "train.save_every=0",
-        "--set",
-        "train.eval_every=0",
-    ]);
-    assert!(ok, "{err}");
-    run.join("final")
 }
 
 /// `aligner serve critic` as a child process; killed when dropped.
@@ -271,30 +253,30 @@ fn lora_actor_group_baselines_and_entropy_bonus_run() {
     assert!(err.contains("ppo.samples_per_prompt"), "{err}");
 }
 
+/// A short PPO run (2 steps, no evaluation) against `reward` into `dir/name` with extra
+/// `--set`s: its metrics and final model.
+fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Value>, PathBuf) {
+    let out = dir.join(name);
+    let reward = format!("reward_model.path={}", reward.display());
+    let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap(), "--set", &reward];
+    args.extend(["--set", "ppo.steps=2", "--set", "ppo.eval_every=0"]);
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let (ok, err) = aligner(&args);
+    assert!(ok, "{err}");
+    (metrics(&out), out.join("final"))
+}
+
 /// `ppo.activation_checkpointing` recomputes the actor's activations in its backward pass:
 /// the same rollouts and updates, so the same weights.
 #[test]
 fn ppo_activation_checkpointing_trains_to_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
     let reward = quick_reward_model(dir.path());
-    let reward = format!("reward_model.path={}", reward.display());
     let run = |name: &str, checkpointing: bool| {
-        let out = dir.path().join(name);
-        let (ok, err) = aligner(&[
-            "ppo",
-            "--out",
-            out.to_str().unwrap(),
-            "--set",
-            &reward,
-            "--set",
-            "ppo.steps=2",
-            "--set",
-            "ppo.eval_every=0",
-            "--set",
-            &format!("ppo.activation_checkpointing={checkpointing}"),
-        ]);
-        assert!(ok, "{err}");
-        out.join("final")
+        let set = format!("ppo.activation_checkpointing={checkpointing}");
+        short_ppo(dir.path(), &reward, name, &[set]).1
     };
     let (plain, recomputed) = (run("plain", false), run("recomputed", true));
     let diff = aligner_tests::weights_diff(&plain, &recomputed);
@@ -311,27 +293,13 @@ fn ppo_activation_checkpointing_trains_to_the_same_weights() {
 fn an_offloaded_reference_scores_like_the_one_in_place() {
     let dir = tempfile::tempdir().unwrap();
     let reward = quick_reward_model(dir.path());
-    let reward = format!("reward_model.path={}", reward.display());
     let run = |name: &str, offload: bool| {
-        let out = dir.path().join(name);
-        let (ok, err) = aligner(&[
-            "ppo",
-            "--out",
-            out.to_str().unwrap(),
-            "--set",
-            &reward,
-            "--set",
-            "ppo.steps=2",
-            "--set",
-            "ppo.eval_every=0",
-            "--set",
-            "model.lora_rank=4",
-            "--set",
-            &format!("ppo.offload_reference={offload}"),
-        ]);
-        assert!(ok, "{err}");
-        let metrics = metrics(&out);
-        (out.join("final"), values(&metrics, "kl"))
+        let sets = [
+            "model.lora_rank=4".to_string(),
+            format!("ppo.offload_reference={offload}"),
+        ];
+        let (metrics, final_dir) = short_ppo(dir.path(), &reward, name, &sets);
+        (final_dir, values(&metrics, "kl"))
     };
     let ((in_place, kl_in_place), (offloaded, kl_offloaded)) =
         (run("in-place", false), run("offloaded", true));

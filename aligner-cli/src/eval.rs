@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use aligner_core::data::load_prompts;
-use aligner_core::score::{ScoredSequence, pad_right, response_logprobs};
+use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::{Device, LoadedModel};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, StopReason};
 use anyhow::{Context, Result, bail};
@@ -204,22 +204,15 @@ pub fn run(args: EvalArgs, device: &Device) -> Result<()> {
 
 /// The reward model's score of each sequence (its first output).
 fn rewards_of(dir: &Path, sequences: &[ScoredSequence], device: &Device) -> Result<Vec<f64>> {
-    let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json"))?;
-    let outputs = aligner_core::reward::labels_of(&config).len().max(1);
-    let model = aligner_core::reward::RewardModel::load(dir, &config, outputs, device)
+    let reward = aligner_core::start::LoadedRewardModel::from_dir(dir, device)
         .with_context(|| format!("loading reward model {}", dir.display()))?;
-    let mut rewards = Vec::with_capacity(sequences.len());
-    for chunk in sequences.chunks(16) {
-        let rows: Vec<&[u32]> = chunk.iter().map(|s| s.ids.as_slice()).collect();
-        let lengths: Vec<usize> = rows.iter().map(|r| r.len()).collect();
-        let values: Vec<f32> = model
-            .forward(pad_right(&rows, 0, device), &lengths)
-            .into_data()
-            .try_to_vec()
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        rewards.extend(values.chunks(outputs).map(|row| row[0] as f64));
-    }
-    Ok(rewards)
+    let rows: Vec<&[u32]> = sequences.iter().map(|s| s.ids.as_slice()).collect();
+    Ok(reward
+        .model
+        .score_rows(&rows, 16)?
+        .iter()
+        .map(|row| row[0] as f64)
+        .collect())
 }
 
 fn summarize(samples: &[Sample], model: &Path, reference: &Path) -> Summary {

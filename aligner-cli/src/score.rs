@@ -37,10 +37,7 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     }
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
-    let seqs: Vec<ScoredSequence> = scored_rows(&args.data, &lm.tokenizer, &lm.config)?
-        .into_iter()
-        .map(|(prompt, response)| ScoredSequence::encode(&lm.tokenizer, &prompt, &response))
-        .collect::<Result<_, _>>()?;
+    let seqs = scored_rows(&args.data, &lm.tokenizer, &lm.config)?;
     let bar = aligner_core::run::progress_bar(
         seqs.len() as u64,
         "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
@@ -59,13 +56,14 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     crate::write_jsonl(args.out.as_deref(), &out)
 }
 
-/// The `(prompt as the model sees it, response)` of every line of `path`; a line with nothing
-/// to score, or longer than the model's context, is an error naming the file and line.
+/// Every line of `path` tokenized by the scoring convention (the prompt as the model sees it,
+/// then the response); a line with nothing to score, or longer than the model's context, is an
+/// error naming the file and line.
 fn scored_rows(
     path: &std::path::Path,
     tokenizer: &aligner_core::TextTokenizer,
     config: &aligner_core::LlamaConfig,
-) -> Result<Vec<(String, String)>> {
+) -> Result<Vec<ScoredSequence>> {
     let context = config.max_position_embeddings;
     read_jsonl_numbered::<PromptResponseRow>(path)?
         .into_iter()
@@ -77,12 +75,11 @@ fn scored_rows(
                     path.display()
                 );
             }
-            let tokens = tokenizer
-                .encode(&format!("{prompt}{}", row.response), true)?
-                .len();
+            let seq = ScoredSequence::encode(tokenizer, &prompt, &row.response)?;
             // The whole sequence is scored, so it must fit in the context (not just leave room).
+            let tokens = seq.ids.len();
             aligner_core::data::check_fits(path, line, "prompt with its response", tokens, context, 0)?;
-            Ok((prompt, row.response))
+            Ok(seq)
         })
         .collect()
 }
@@ -106,19 +103,8 @@ fn score_rewards(
         "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
     );
     for chunk in rows.chunks(args.batch_size.max(1)) {
-        let ids: Vec<Vec<u32>> = chunk
-            .iter()
-            .map(|(prompt, response)| tokenizer.encode(&format!("{prompt}{response}"), true))
-            .collect::<Result<_, _>>()?;
-        let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-        let tokens = aligner_core::score::pad_right(&refs, 0, device);
-        let values: Vec<f32> = model
-            .forward(tokens, &lengths)
-            .into_data()
-            .try_to_vec()
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        for row in values.chunks(outputs) {
+        let ids: Vec<&[u32]> = chunk.iter().map(|s| s.ids.as_slice()).collect();
+        for row in model.score_rows(&ids, ids.len())? {
             out.push(if outputs == 1 {
                 json!({"reward": row[0]})
             } else {

@@ -52,16 +52,24 @@ pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usiz
 /// One JSON line as a `T`; the error names the field it is about (`messages[1].role: ...`).
 fn parse_line<T: DeserializeOwned>(line: &str) -> std::result::Result<T, String> {
     let mut json = serde_json::Deserializer::from_str(line);
-    let row: T = serde_path_to_error::deserialize(&mut json).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        match path.as_str() {
-            "." | "" => inner.to_string(),
-            field => format!("{field}: {inner}"),
-        }
-    })?;
+    let row: T = serde_path_to_error::deserialize(&mut json).map_err(|e| with_field(e, |m| m))?;
     json.end().map_err(|e| e.to_string())?;
     Ok(row)
+}
+
+/// A deserialisation error led by the field it is about (`messages[1].role: ...`; bare at the
+/// top level), its message passed through `tidy` first.
+pub(crate) fn with_field<E: std::fmt::Display>(
+    e: serde_path_to_error::Error<E>,
+    tidy: impl FnOnce(&str) -> &str,
+) -> String {
+    let field = e.path().to_string();
+    let message = e.into_inner().to_string();
+    let message = tidy(&message);
+    match field.as_str() {
+        "." | "" => message.to_string(),
+        _ => format!("{field}: {message}"),
+    }
 }
 
 /// Every row of a JSON Lines file turned into a training example by `example`; a line that

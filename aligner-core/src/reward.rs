@@ -43,6 +43,24 @@ impl RewardModel {
         self.score.weight.dims()[1]
     }
 
+    /// Head outputs of each of `rows` (token ids, any lengths), `batch_size` rows per forward
+    /// pass: one `outputs()`-long vector per row.
+    pub fn score_rows(&self, rows: &[&[u32]], batch_size: usize) -> crate::Result<Vec<Vec<f32>>> {
+        let device = self.score.weight.device();
+        let outputs = self.outputs();
+        let mut out = Vec::with_capacity(rows.len());
+        for chunk in rows.chunks(batch_size.max(1)) {
+            let lengths: Vec<usize> = chunk.iter().map(|r| r.len()).collect();
+            let values: Vec<f32> = self
+                .forward(crate::score::pad_right(chunk, 0, &device), &lengths)
+                .into_data()
+                .try_to_vec()
+                .map_err(|e| crate::CoreError::Invalid(format!("reward model outputs: {e:?}")))?;
+            out.extend(values.chunks(outputs).map(<[f32]>::to_vec));
+        }
+        Ok(out)
+    }
+
     /// Head outputs `[batch, outputs]` for right-padded `tokens: [batch, seq]` whose real lengths
     /// are `lengths`.
     pub fn forward(&self, tokens: Tensor<2, Int>, lengths: &[usize]) -> Tensor<2> {

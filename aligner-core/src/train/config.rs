@@ -196,11 +196,10 @@ impl TrainSection {
 
     /// Refuses settings the loop cannot run with, naming the key.
     pub fn check(&self) -> Result<()> {
-        if self.batch_size == 0 || self.grad_accum == 0 {
-            return Err(CoreError::Invalid(
-                "train.batch_size and train.grad_accum must be at least 1".into(),
-            ));
-        }
+        check_counts(&[
+            ("train.batch_size", self.batch_size),
+            ("train.grad_accum", self.grad_accum),
+        ])?;
         check_value("train.lr", self.lr, Range::Positive)?;
         check_value("train.max_grad_norm", self.max_grad_norm, Range::NonNegative)?;
         check_value("train.weight_decay", self.weight_decay, Range::NonNegative)
@@ -285,23 +284,10 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
         });
     }
     // The error names the key it is about (`train.lr: invalid type ...`).
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let key = e.path().to_string();
+    serde_path_to_error::deserialize(value).map_err(|e| CoreError::Config {
+        path: source,
         // toml's own messages end in a newline (and sometimes repeat the key after it).
-        let message = e.into_inner().to_string();
-        let message = message
-            .split("\nin `")
-            .next()
-            .unwrap_or_default()
-            .trim_end()
-            .to_string();
-        CoreError::Config {
-            path: source,
-            message: match key.as_str() {
-                "." | "" => message,
-                _ => format!("{key}: {message}"),
-            },
-        }
+        message: crate::data::with_field(e, |m| m.split("\nin `").next().unwrap_or_default().trim_end()),
     })
 }
 
