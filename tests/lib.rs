@@ -175,3 +175,121 @@ pub fn quick_reward_model(dir: &Path) -> PathBuf {
     assert!(ok, "{err}");
     run.join("final")
 }
+
+/// The scalars of every TensorBoard event file in `run/tb/` as `(tag, step) -> value`, read
+/// here independently of aligner: TFRecord framing with each length and CRC checked (masked
+/// CRC-32C), and the `Event` / `Summary` protobufs decoded field by field.
+pub fn tensorboard_scalars(run: &Path) -> std::collections::BTreeMap<(String, i64), f32> {
+    fn masked(bytes: &[u8]) -> u32 {
+        crc32c::crc32c(bytes).rotate_right(15).wrapping_add(0xa282_ead8)
+    }
+    fn varint(b: &[u8], at: &mut usize) -> u64 {
+        let (mut v, mut shift) = (0u64, 0);
+        loop {
+            let byte = b[*at];
+            *at += 1;
+            v |= ((byte & 0x7f) as u64) << shift;
+            if byte & 0x80 == 0 {
+                return v;
+            }
+            shift += 7;
+        }
+    }
+    /// `(field, wire type, payload)` of a message.
+    fn fields(b: &[u8]) -> Vec<(u64, u64, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < b.len() {
+            let key = varint(b, &mut at);
+            let (field, wire) = (key >> 3, key & 7);
+            let payload = match wire {
+                0 => varint(b, &mut at).to_le_bytes().to_vec(),
+                1 => {
+                    at += 8;
+                    b[at - 8..at].to_vec()
+                }
+                2 => {
+                    let len = varint(b, &mut at) as usize;
+                    at += len;
+                    b[at - len..at].to_vec()
+                }
+                5 => {
+                    at += 4;
+                    b[at - 4..at].to_vec()
+                }
+                other => panic!("wire type {other}"),
+            };
+            out.push((field, wire, payload));
+        }
+        out
+    }
+    let mut scalars = std::collections::BTreeMap::new();
+    let files: Vec<_> = std::fs::read_dir(run.join("tb"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(!files.is_empty(), "no event file in {}", run.join("tb").display());
+    for file in files {
+        let bytes = std::fs::read(&file).unwrap();
+        let mut at = 0;
+        while at < bytes.len() {
+            let len_bytes = &bytes[at..at + 8];
+            assert_eq!(
+                masked(len_bytes).to_le_bytes(),
+                bytes[at + 8..at + 12],
+                "length CRC"
+            );
+            let len = u64::from_le_bytes(len_bytes.try_into().unwrap()) as usize;
+            let data = &bytes[at + 12..at + 12 + len];
+            assert_eq!(
+                masked(data).to_le_bytes(),
+                bytes[at + 12 + len..at + 16 + len],
+                "data CRC"
+            );
+            at += 16 + len;
+            let event = fields(data);
+            let step = event
+                .iter()
+                .find(|f| f.0 == 2)
+                .map_or(0, |f| u64::from_le_bytes(f.2[..8].try_into().unwrap()) as i64);
+            for summary in event.iter().filter(|f| f.0 == 5) {
+                for value in fields(&summary.2).into_iter().filter(|f| f.0 == 1) {
+                    let value = fields(&value.2);
+                    let tag = value
+                        .iter()
+                        .find(|f| f.0 == 1)
+                        .map(|f| String::from_utf8(f.2.clone()).unwrap());
+                    let simple = value.iter().find(|f| f.0 == 2 && f.1 == 5);
+                    if let (Some(tag), Some(simple)) = (tag, simple) {
+                        scalars.insert((tag, step), f32::from_le_bytes(simple.2[..4].try_into().unwrap()));
+                    }
+                }
+            }
+        }
+    }
+    scalars
+}
+
+/// Every number of every row of `run/metrics.jsonl` is a TensorBoard scalar of the same name
+/// at the same step (to f32 precision).
+pub fn assert_tensorboard_matches_metrics(run: &Path) {
+    let scalars = tensorboard_scalars(run);
+    let mut checked = 0;
+    for row in metrics(run) {
+        let step = row["step"].as_f64().unwrap() as i64;
+        for (key, value) in row.as_object().unwrap() {
+            let Some(v) = value.as_f64().filter(|_| key != "step") else {
+                continue;
+            };
+            let tb = scalars
+                .get(&(key.clone(), step))
+                .unwrap_or_else(|| panic!("no TensorBoard scalar {key} at step {step}"));
+            assert!(
+                (*tb as f64 - v).abs() <= 1e-6 * v.abs().max(1.0),
+                "{key} at step {step}: {tb} in TensorBoard, {v} in metrics.jsonl"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 0);
+}

@@ -368,4 +368,14 @@ fn rejection_sampling_raises_the_reward_round_over_round() {
     // The kept samples are the best of each group.
     assert!(get(0, "kept_reward") > get(0, "sample_reward"));
     assert!(run.join("final/model.safetensors").exists());
+    // Each round is placed on the reward–KL frontier: the lexicon score of the policy's own
+    // samples rises above the start model's (about 1.2) while the start model's NLL of them
+    // stays within 0.5 nats/token of its own samples' (about 1.3).
+    let last = &rounds[1];
+    assert!(get(1, "eval_frontier/tinystories_sentiment") > 2.0, "{last}");
+    assert!(get(1, "eval_frontier/nll") < 1.8, "{last}");
+    assert!(
+        get(1, "eval_frontier/kl") > get(0, "eval_frontier/kl"),
+        "{rounds:?}"
+    );
 }

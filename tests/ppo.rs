@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use aligner_tests::{aligner, metrics, quick_reward_model, repo, sample_sentiment};
+use aligner_tests::{
+    aligner, assert_tensorboard_matches_metrics, metrics, quick_reward_model, repo, sample_sentiment,
+};
 use serde_json::Value;
 
 fn sum(rows: &[Value], key: &str) -> f64 {
@@ -103,6 +105,14 @@ fn default_ppo_raises_reward_and_sentiment_with_bounded_kl() {
     for part in ["generation", "refit", "critic wait", "actor training", "total"] {
         assert!(table.contains(part), "{table}");
     }
+    // TensorBoard holds every scalar of metrics.jsonl at the same steps, the timing breakdown
+    // (`time_*`) and the frontier figures included.
+    assert!(
+        rows.iter()
+            .any(|r| r.get("time_generate").is_some() || r.get("time_total").is_some())
+    );
+    assert!(rows.iter().any(|r| r.get("eval_frontier/kl").is_some()));
+    assert_tensorboard_matches_metrics(&run);
 }
 
 #[test]

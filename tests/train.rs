@@ -3,7 +3,10 @@
 
 use std::path::Path;
 
-use aligner_tests::{aligner, first_and_last, metrics, repo, sample_sentiment};
+use aligner_tests::{
+    aligner, aligner_output, assert_tensorboard_matches_metrics, first_and_last, jsonl, lexicon_score,
+    metrics, repo, sample_sentiment,
+};
 use serde_json::Value;
 
 #[test]
@@ -16,6 +19,8 @@ fn sft_lowers_held_out_nll_and_writes_the_run_folder() {
         run.to_str().unwrap(),
         "--set",
         "train.max_steps=50",
+        "--set",
+        "train.lr=2e-3",
         "--set",
         "train.save_every=10",
         "--set",
@@ -39,6 +44,8 @@ fn sft_lowers_held_out_nll_and_writes_the_run_folder() {
     }
     let config = std::fs::read_to_string(run.join("config.toml")).unwrap();
     assert!(config.contains("max_steps = 50"), "{config}");
+    // The same scalars as TensorBoard events in tb/, every one at its step.
+    assert_tensorboard_matches_metrics(&run);
     // The trained folder is a model aligner itself loads and samples from.
     let (ok, err) = aligner(&[
         "generate",
@@ -50,6 +57,127 @@ fn sft_lowers_held_out_nll_and_writes_the_run_folder() {
         "8",
     ]);
     assert!(ok, "{err}");
+}
+
+/// The default SFT run shifts the style of the model's own samples (a higher lexicon score)
+/// while they stay readable: the start model's NLL of them is at most 0.5 nats/token above
+/// that of its own samples (README, "Where each default lands").
+#[test]
+fn default_sft_shifts_sentiment_and_its_samples_stay_fluent() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("sft");
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.save_every=0",
+    ]);
+    assert!(ok, "{err}");
+    let evaluate = |model: Option<&Path>, name: &str| -> Value {
+        let out = dir.path().join(name);
+        let mut args = vec![
+            "eval".to_string(),
+            "--reward-fn".into(),
+            "tinystories_sentiment".into(),
+            "--samples-per-prompt".into(),
+            "2".into(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        if let Some(model) = model {
+            args.extend(["--model".into(), model.display().to_string()]);
+        }
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, stdout, stderr) = aligner_output(&refs);
+        assert!(ok, "{stderr}");
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let start = evaluate(None, "eval-start");
+    let tuned = evaluate(Some(&run.join("final")), "eval-sft");
+    let figure = |v: &Value, k: &str| v[k].as_f64().unwrap();
+    assert!(
+        figure(&tuned, "reward") > figure(&start, "reward") + 0.5,
+        "{start} -> {tuned}"
+    );
+    assert!(
+        figure(&tuned, "reference_nll_per_token") < figure(&start, "reference_nll_per_token") + 0.5,
+        "{start} -> {tuned}"
+    );
+    // The held-out response tokens alone are reported beside the NLL with EOS.
+    let last = metrics(&run).pop().unwrap();
+    assert!(last["eval_nll_response"].as_f64().is_some(), "{last}");
+}
+
+/// SFT reports the held-out NLL of the response tokens alone beside the one with the
+/// appended EOS, and `train.keep_best` makes `final/` the model of the best validation,
+/// naming its step.
+#[test]
+fn keep_best_makes_final_the_best_validations_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("sft");
+    let (ok, stdout, err) = aligner_output(&[
+        "--quiet",
+        "sft",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=24",
+        "--set",
+        "train.eval_every=4",
+        "--set",
+        "train.lr=0.01",
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.keep_best=eval_nll_response",
+    ]);
+    assert!(ok, "{err}");
+    let evals: Vec<Value> = metrics(&run)
+        .into_iter()
+        .filter(|r| r.get("eval_nll").is_some())
+        .collect();
+    assert_eq!(evals.len(), 7, "validations at 0, 4, ..., 24");
+    for row in &evals {
+        let (with_eos, alone) = (
+            row["eval_nll"].as_f64().unwrap(),
+            row["eval_nll_response"].as_f64().unwrap(),
+        );
+        assert!(with_eos != alone, "{row}");
+    }
+    let best = evals
+        .iter()
+        .min_by(|a, b| {
+            a["eval_nll_response"]
+                .as_f64()
+                .unwrap()
+                .total_cmp(&b["eval_nll_response"].as_f64().unwrap())
+        })
+        .unwrap();
+    let kept: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("final_step.json")).unwrap()).unwrap();
+    assert_eq!(kept["step"], best["step"], "{kept} against {best}");
+    assert_eq!(kept["metric"], "eval_nll_response");
+    let weights = |d: &str| std::fs::read(run.join(d).join("model.safetensors")).unwrap();
+    assert!(
+        weights("final") == weights("best"),
+        "final/ holds best/'s weights"
+    );
+    // The last step's model is not the best one here (lr 0.01 overshoots), so the choice shows.
+    assert_ne!(kept["step"], 24, "{evals:?}");
+    // --quiet leaves warnings only on stderr; the one-line summary on stdout names the step
+    // final/ holds and prints numbers as numbers.
+    assert!(!err.contains("INFO"), "{err}");
+    let line = stdout.lines().last().unwrap();
+    assert!(line.starts_with("sft: 24 steps"), "{line}");
+    assert!(
+        line.contains(&format!("the best validation's, step {}", kept["step"])),
+        "{line}"
+    );
+    assert!(
+        line.contains("eval_nll_response ") && !line.contains("Number("),
+        "{line}"
+    );
 }
 
 #[test]
@@ -549,6 +677,93 @@ fn default_dpo_makes_the_policys_own_samples_more_positive() {
         aligned > base + 1.5,
         "mean lexicon score of own samples: base {base}, after DPO {aligned}"
     );
+    // The run traced its own path on the reward–KL frontier at every validation: from the
+    // start model (KL 0) to a higher lexicon score at a KL above zero, its samples staying
+    // fluent under the start model (at most 0.5 nats/token above where they began).
+    let rows: Vec<Value> = metrics(&run)
+        .into_iter()
+        .filter(|r| r.get("eval_nll").is_some() || r.get("eval_loss").is_some())
+        .collect();
+    let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps.first(), Some(&0));
+    assert!(steps.len() >= 3, "validations at {steps:?}");
+    let figure = |row: &Value, name: &str| -> f64 {
+        row[format!("eval_frontier/{name}")]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no eval_frontier/{name} in {row}"))
+    };
+    let (first, last) = (&rows[0], rows.last().unwrap());
+    assert!(figure(first, "kl").abs() < 0.05, "{first}");
+    assert!(figure(last, "kl") > 1.0, "{last}");
+    assert!(
+        figure(last, "tinystories_sentiment") > figure(first, "tinystories_sentiment") + 1.0,
+        "{first} -> {last}"
+    );
+    assert!(
+        figure(last, "nll") < figure(first, "nll") + 0.5,
+        "{first} -> {last}"
+    );
+    // `aligner eval --plot` draws that path beside a single evaluation.
+    let eval_out = dir.path().join("eval-dpo");
+    let final_dir = run.join("final");
+    let (ok, stdout, stderr) = aligner_output(&[
+        "eval",
+        "--model",
+        final_dir.to_str().unwrap(),
+        "--reward-fn",
+        "tinystories_sentiment",
+        "--out",
+        eval_out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    // The built-in reward is the task's lexicon (counted here independently).
+    let samples = jsonl(&eval_out.join("samples.jsonl"));
+    let lexicon: f64 = samples
+        .iter()
+        .map(|s| lexicon_score(s["response"].as_str().unwrap()) as f64)
+        .sum::<f64>()
+        / samples.len() as f64;
+    assert!(
+        (summary["reward"].as_f64().unwrap() - lexicon).abs() < 1e-9,
+        "{summary}"
+    );
+    assert!(lexicon > base + 1.0, "{summary}");
+    let plot = dir.path().join("plot");
+    let (ok, _, stderr) = aligner_output(&[
+        "eval",
+        "--plot",
+        run.to_str().unwrap(),
+        eval_out.to_str().unwrap(),
+        "--out",
+        plot.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    // `aligner plot` draws chosen metrics of runs against the step.
+    let chart = dir.path().join("runs.svg");
+    let (ok, _, stderr) = aligner_output(&[
+        "plot",
+        run.to_str().unwrap(),
+        "--keys",
+        "loss,eval_frontier/kl",
+        "--out",
+        chart.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let drawn = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        drawn.contains("\nloss\n") && drawn.contains("\neval_frontier/kl\n"),
+        "a panel per key"
+    );
+    let (ok, _, stderr) = aligner_output(&["plot", run.to_str().unwrap(), "--keys", "nope"]);
+    assert!(!ok && stderr.contains("\"nope\""), "{stderr}");
+    let svg = std::fs::read_to_string(plot.join("frontier.svg")).unwrap();
+    assert!(
+        svg.contains("\ndpo\n") && svg.contains("\neval-dpo\n"),
+        "legend of both series"
+    );
+    // The run's validations and the evaluation are drawn, plus a legend mark for each series.
+    assert_eq!(svg.matches("<circle").count(), rows.len() + 1 + 2);
 }
 
 #[test]
@@ -578,4 +793,122 @@ fn activation_checkpointing_trains_to_the_same_weights() {
     );
     let config = std::fs::read_to_string(dir.path().join("recomputed/config.toml")).unwrap();
     assert!(config.contains("activation_checkpointing = true"), "{config}");
+}
+
+/// TRL's conversational preference rows — an explicit prompt of messages, an implicit prompt
+/// (the turns `chosen` and `rejected` share), the same set as Parquet (as `datasets` writes
+/// it), as a JSON array, and with a renamed column (`data.fields`) — all train DPO from the
+/// same reference log-probs to the same first-step loss.
+#[test]
+fn conversational_parquet_and_json_forms_train_dpo_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let pairs: Vec<Value> = jsonl(&repo().join("assets/tinystories_sentiment/test.pref.jsonl"))
+        .into_iter()
+        .take(24)
+        .collect();
+    let turn = |role: &str, content: &Value| serde_json::json!({"role": role, "content": content});
+    let explicit: Vec<Value> = pairs
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "prompt": [turn("user", &p["prompt"])],
+                "chosen": [turn("assistant", &p["chosen"])],
+                "rejected": [turn("assistant", &p["rejected"])],
+            })
+        })
+        .collect();
+    let implicit: Vec<Value> = pairs
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "chosen": [turn("user", &p["prompt"]), turn("assistant", &p["chosen"])],
+                "rejected": [turn("user", &p["prompt"]), turn("assistant", &p["rejected"])],
+            })
+        })
+        .collect();
+    let write_lines = |name: &str, rows: &[Value]| {
+        let path = dir.path().join(name);
+        let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let explicit_file = write_lines("explicit.jsonl", &explicit);
+    let implicit_file = write_lines("implicit.jsonl", &implicit);
+    // A JSON array whose prompt column is called "question".
+    let renamed: Vec<Value> = explicit
+        .iter()
+        .map(|r| serde_json::json!({"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}))
+        .collect();
+    let array_file = dir.path().join("renamed.json");
+    std::fs::write(&array_file, serde_json::to_string(&renamed).unwrap()).unwrap();
+    // A folder of shards: the Parquet file and nothing else.
+    let shards = dir.path().join("data-shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    std::fs::copy(
+        repo().join("tests/data/pref_conversational.parquet"),
+        shards.join("train-00000.parquet"),
+    )
+    .unwrap();
+    let parquet = repo().join("tests/data/pref_conversational.parquet");
+    let forms: [(&str, &Path, &[&str]); 5] = [
+        ("explicit", &explicit_file, &[]),
+        ("implicit", &implicit_file, &[]),
+        ("parquet", &parquet, &[]),
+        ("shards", &shards, &[]),
+        ("renamed", &array_file, &["data.fields.question=prompt"]),
+    ];
+    let mut first: Option<(String, f64)> = None;
+    for (name, file, extra) in forms {
+        let out = dir.path().join(name);
+        let data = format!("data.train={}", file.display());
+        let mut args = vec![
+            "dpo",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            &data,
+            "--set",
+            "data.validation=''",
+            "--set",
+            "frontier.prompts=''",
+            "--set",
+            "train.max_steps=1",
+            "--set",
+            "train.batch_size=8",
+        ];
+        for e in extra {
+            args.extend(["--set", e]);
+        }
+        let (ok, err) = aligner(&args);
+        assert!(ok, "{name}: {err}");
+        let reference = std::fs::read_to_string(out.join("reference_train.jsonl")).unwrap();
+        let loss = metrics(&out).iter().find_map(|r| r["loss"].as_f64()).unwrap();
+        match &first {
+            None => first = Some((reference, loss)),
+            Some((r, l)) => {
+                assert_eq!(&reference, r, "{name}: reference log-probs");
+                assert_eq!(loss, *l, "{name}: first-step loss");
+            }
+        }
+    }
+    // The conversation is rendered with the chat template: the prompt's user turn and the
+    // generation prompt come before each response (here the fallback template).
+    let (ok, err) = aligner(&[
+        "dpo",
+        "--out",
+        dir.path().join("no-prompt").to_str().unwrap(),
+        "--set",
+        &format!(
+            "data.train={}",
+            write_lines(
+                "text.jsonl",
+                &[serde_json::json!({"chosen": "a", "rejected": "b"})]
+            )
+            .display()
+        ),
+    ]);
+    assert!(
+        !ok && err.contains("text.jsonl:1") && err.contains("prompt"),
+        "{err}"
+    );
 }

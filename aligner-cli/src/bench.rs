@@ -316,6 +316,7 @@ fn train(
                 ids: synthetic_ids(b, seq, config.vocab_size),
                 trained: (0..seq).map(|t| t > 0).collect(),
                 starts: vec![0],
+                end: Vec::new(),
             })
             .collect();
         let refs: Vec<&SftExample> = examples.iter().collect();

@@ -1,19 +1,16 @@
-//! `aligner eval`: where a policy stands on the reward–KL frontier. It samples the held-out
-//! prompts with the engine, then reports the reward of those samples (when a reward model is
-//! given), their KL to the reference (the mean of log π(y) − log π_ref(y) over the policy's own
-//! samples, per response and per token), the reference's per-token NLL of them (fluency), and
-//! distinct-1/2, length and the EOS fraction. Reward alone is never the figure.
+//! `aligner eval`: where a policy stands on the reward–KL frontier (aligner-gen's
+//! [`Frontier`]): reward of its own samples on held-out prompts against their KL to the
+//! reference, with the reference's NLL of them, distinct-n, length and EOS. `--plot` draws
+//! several evaluations (and training runs' paths) on one chart.
 
 use std::path::{Path, PathBuf};
 
-use aligner_core::data::load_prompts;
-use aligner_core::score::{ScoredSequence, response_logprobs};
-use aligner_core::{Device, LoadedModel};
-use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, StopReason};
+use aligner_core::Device;
+use aligner_gen::frontier::{FrontierOptions, Reference, RewardFunction, SampleReward};
+use aligner_gen::{Frontier, FrontierSection};
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -30,6 +27,10 @@ pub struct EvalArgs {
     /// A reward model folder (`aligner rm`'s `final/`) that scores the samples.
     #[arg(long)]
     reward: Option<PathBuf>,
+    /// A built-in reward function that scores the samples: `tinystories_sentiment` (the
+    /// shipped task's lexicon).
+    #[arg(long, value_parser = parse_reward_function)]
+    reward_fn: Option<RewardFunction>,
     #[arg(long, default_value_t = 1)]
     samples_per_prompt: usize,
     #[arg(long, default_value_t = 48)]
@@ -39,68 +40,22 @@ pub struct EvalArgs {
     /// Sample i draws with seed + i.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Folder for `summary.json` and `samples.jsonl` (the summary goes to stdout as well).
+    /// Folder for `summary.json` and `samples.jsonl` (the summary goes to stdout as well);
+    /// with `--plot`, the folder of `frontier.svg` (default: the current folder).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Draw the reward–KL points of earlier evaluations (`--out` folders of `aligner eval`, or
+    /// their summary.json) and the paths of training runs (folders with `eval_frontier/...`
+    /// in metrics.jsonl) on one SVG, instead of evaluating.
+    #[arg(long, num_args = 1.., value_name = "RUN")]
+    plot: Vec<PathBuf>,
 }
 
-/// The figures of one evaluation (`summary.json`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Summary {
-    pub model: PathBuf,
-    pub reference: PathBuf,
-    pub samples: usize,
-    /// Mean reward and its standard error (absent without `--reward`).
-    pub reward: Option<f64>,
-    pub reward_stderr: Option<f64>,
-    /// Mean of log π(y) − log π_ref(y) over the samples, in nats per response, and per token.
-    pub kl_per_response: f64,
-    pub kl_per_token: f64,
-    /// The reference's negative log-likelihood of the samples, in nats per token.
-    pub reference_nll_per_token: f64,
-    pub distinct_1: f64,
-    pub distinct_2: f64,
-    /// Mean response length in tokens, and the share of samples that ended with EOS.
-    pub mean_tokens: f64,
-    pub eos_fraction: f64,
-}
-
-/// One sample's figures (`samples.jsonl`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-struct Sample {
-    prompt_line: usize,
-    response: String,
-    tokens: usize,
-    eos: bool,
-    policy_logprob: f64,
-    reference_logprob: f64,
-    reward: Option<f64>,
-}
-
-/// Distinct n-grams over all the samples' whitespace words divided by all n-grams (0 when
-/// there are none): how varied the text is.
-pub fn distinct_n(texts: &[&str], n: usize) -> f64 {
-    let mut seen = std::collections::HashSet::new();
-    let mut total = 0usize;
-    for text in texts {
-        let words: Vec<&str> = text.split_whitespace().collect();
-        for gram in words.windows(n) {
-            seen.insert(gram.to_vec());
-            total += 1;
-        }
-    }
-    match total {
-        0 => 0.0,
-        _ => seen.len() as f64 / total as f64,
-    }
-}
-
-/// Mean and standard error of the mean.
-pub fn mean_and_stderr(values: &[f64]) -> (f64, f64) {
-    let n = values.len().max(1) as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    (mean, (var / n).sqrt())
+fn parse_reward_function(name: &str) -> Result<RewardFunction, String> {
+    RewardFunction::from_name(name).ok_or_else(|| {
+        let known: Vec<&str> = RewardFunction::ALL.iter().map(|(n, _)| *n).collect();
+        format!("unknown reward function {name:?}; known: {}", known.join(", "))
+    })
 }
 
 /// The reference a policy folder is measured against: the run's start model when `model` is
@@ -123,148 +78,198 @@ fn default_reference(model: &Path) -> Result<PathBuf> {
 }
 
 pub fn run(args: EvalArgs, device: &Device) -> Result<()> {
-    if args.samples_per_prompt == 0 {
-        bail!("--samples-per-prompt must be at least 1");
+    if !args.plot.is_empty() {
+        let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("."));
+        std::fs::create_dir_all(&dir).with_context(|| format!("cannot write {}", dir.display()))?;
+        let path = dir.join("frontier.svg");
+        plot_frontier(&args.plot, &path)?;
+        println!("{}", path.display());
+        return Ok(());
     }
+    let section = FrontierSection {
+        prompts: Some(
+            args.prompts
+                .clone()
+                .unwrap_or_else(|| aligner_core::default_data_dir().join("test.prompts.jsonl")),
+        ),
+        samples_per_prompt: args.samples_per_prompt,
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        seed: args.seed,
+        ..FrontierSection::default()
+    };
+    let options: FrontierOptions = section
+        .options()
+        .map_err(|e| anyhow::anyhow!("{}", e.to_string().replace("frontier.", "--").replace('_', "-")))?;
     let model_dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
     let reference_dir = match &args.reference {
         Some(dir) => dir.clone(),
         None => default_reference(&model_dir)?,
     };
-    let prompts_file = args
-        .prompts
-        .clone()
-        .unwrap_or_else(|| aligner_core::default_data_dir().join("test.prompts.jsonl"));
-    let policy = LoadedModel::from_dir(&model_dir, device)
+    let policy = aligner_core::LoadedModel::from_dir(&model_dir, device)
         .with_context(|| format!("loading model {}", model_dir.display()))?;
-    let reference = LoadedModel::from_dir(&reference_dir, device)
+    let reference = aligner_core::LoadedModel::from_dir(&reference_dir, device)
         .with_context(|| format!("loading reference {}", reference_dir.display()))?;
-    let prompts = load_prompts(
+    let mut rewards = Vec::new();
+    if let Some(dir) = &args.reward {
+        rewards.push(
+            SampleReward::model_dir(dir, device)
+                .with_context(|| format!("loading reward model {}", dir.display()))?,
+        );
+    }
+    if let Some(function) = args.reward_fn {
+        rewards.push(SampleReward::Function(function));
+    }
+    let prompts_file = section.prompts.clone().expect("set above");
+    let prompts = aligner_core::data::load_prompts(
         &prompts_file,
         &policy.tokenizer,
         policy.config.max_position_embeddings,
     )?;
-    let n = args.samples_per_prompt;
-    let requests: Vec<GenerationRequest> = (0..prompts.len() * n)
-        .map(|i| GenerationRequest {
-            prompt_ids: prompts[i / n].ids.clone(),
-            params: SamplingParams {
-                temperature: args.temperature,
-                seed: args.seed.wrapping_add(i as u64),
-                max_new_tokens: args.max_new_tokens,
-                ..SamplingParams::default()
-            },
-            guidance: None,
-        })
-        .collect();
-    if let Err(bad) = requests[0].params.check() {
-        bail!("--{}: {bad}", bad.field.replace('_', "-"));
-    }
-    let mut engine = Engine::for_model(&policy, EngineOptions::default());
-    let generations = engine.generate(&requests)?;
-    // The reference's log-probs of the very tokens the policy drew.
-    let sequences: Vec<ScoredSequence> = requests
-        .iter()
-        .zip(&generations)
-        .map(|(r, g)| ScoredSequence {
-            ids: r.prompt_ids.iter().chain(&g.token_ids).copied().collect(),
-            prompt_len: r.prompt_ids.len(),
-        })
-        .collect();
-    let reference_lp = response_logprobs(&reference.model, &sequences, 16)?;
-    let rewards = match &args.reward {
-        Some(dir) => Some(rewards_of(dir, &sequences, device)?),
-        None => None,
+    // The policy's tokenizer decodes its samples; the reference must share its vocabulary.
+    let frontier = Frontier {
+        reference: Reference {
+            model: reference.model,
+            config: policy.config.clone(),
+            tokenizer: policy.tokenizer.clone(),
+        },
+        prompts,
+        rewards,
+        options,
     };
-    let mut samples = Vec::with_capacity(generations.len());
-    for (i, (g, r)) in generations.iter().zip(&reference_lp).enumerate() {
-        samples.push(Sample {
-            prompt_line: prompts[i / n].line,
-            response: policy
-                .tokenizer
-                .decode_continuation(&requests[i].prompt_ids, &g.token_ids)?,
-            tokens: g.token_ids.len(),
-            eos: g.stop_reason == StopReason::Eos,
-            policy_logprob: g.token_logprobs.iter().map(|&v| v as f64).sum(),
-            reference_logprob: r.total(),
-            reward: rewards.as_ref().map(|rw| rw[i]),
-        });
-    }
-    let summary = summarize(&samples, &model_dir, &reference_dir);
-    let line = serde_json::to_string(&summary)?;
+    let (summary, samples) = frontier.evaluate(&policy.model)?;
+    let mut line = serde_json::to_value(&summary)?;
+    line["model"] = json!(model_dir);
+    line["reference"] = json!(reference_dir);
+    let line = serde_json::to_string(&line)?;
     println!("{line}");
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out).with_context(|| format!("cannot write {}", out.display()))?;
         aligner_core::checkpoint::write_atomic(&out.join("summary.json"), format!("{line}\n").as_bytes())?;
-        let rows: Vec<serde_json::Value> = samples.iter().map(|s| json!(s)).collect();
+        let rows: Vec<Value> = samples.iter().map(|s| json!(s)).collect();
         aligner_core::data::write_jsonl(&out.join("samples.jsonl"), &rows)?;
     }
     Ok(())
 }
 
-/// The reward model's score of each sequence (its first output).
-fn rewards_of(dir: &Path, sequences: &[ScoredSequence], device: &Device) -> Result<Vec<f64>> {
-    let reward = aligner_core::start::LoadedRewardModel::from_dir(dir, device)
-        .with_context(|| format!("loading reward model {}", dir.display()))?;
-    let rows: Vec<&[u32]> = sequences.iter().map(|s| s.ids.as_slice()).collect();
-    Ok(reward
-        .model
-        .score_rows(&rows, 16)?
-        .iter()
-        .map(|row| row[0] as f64)
-        .collect())
+/// A labelled series of (KL per response, reward) points: one point for an evaluation, a
+/// path for a training run.
+struct Series {
+    label: String,
+    points: Vec<(f64, f64)>,
 }
 
-fn summarize(samples: &[Sample], model: &Path, reference: &Path) -> Summary {
-    let count = samples.len().max(1) as f64;
-    let tokens: usize = samples.iter().map(|s| s.tokens).sum();
-    let kl_total: f64 = samples
-        .iter()
-        .map(|s| s.policy_logprob - s.reference_logprob)
-        .sum();
-    let reference_total: f64 = samples.iter().map(|s| s.reference_logprob).sum();
-    let rewards: Option<Vec<f64>> = samples.iter().map(|s| s.reward).collect();
-    let (reward, reward_stderr) = match rewards {
-        Some(values) if !values.is_empty() => {
-            let (mean, stderr) = mean_and_stderr(&values);
-            (Some(mean), Some(stderr))
-        }
-        _ => (None, None),
+/// The reward of a summary or metrics row: the first reward it names.
+fn frontier_point(kl: Option<f64>, reward: Option<f64>) -> Option<(f64, f64)> {
+    Some((kl?, reward?)).filter(|(k, r)| k.is_finite() && r.is_finite())
+}
+
+/// What `path` holds: an evaluation (`summary.json`, or a folder of one) or a training run
+/// (a folder whose `metrics.jsonl` has `eval_frontier/...` figures).
+fn read_series(path: &Path) -> Result<Series> {
+    let label = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string());
+    let summary = match path.is_dir() {
+        true => path.join("summary.json"),
+        false => path.to_path_buf(),
     };
-    let texts: Vec<&str> = samples.iter().map(|s| s.response.as_str()).collect();
-    Summary {
-        model: model.to_path_buf(),
-        reference: reference.to_path_buf(),
-        samples: samples.len(),
-        reward,
-        reward_stderr,
-        kl_per_response: kl_total / count,
-        kl_per_token: kl_total / tokens.max(1) as f64,
-        reference_nll_per_token: -reference_total / tokens.max(1) as f64,
-        distinct_1: distinct_n(&texts, 1),
-        distinct_2: distinct_n(&texts, 2),
-        mean_tokens: tokens as f64 / count,
-        eos_fraction: samples.iter().filter(|s| s.eos).count() as f64 / count,
+    if summary.is_file() {
+        let text =
+            std::fs::read_to_string(&summary).with_context(|| format!("reading {}", summary.display()))?;
+        let value: Value =
+            serde_json::from_str(text.trim()).with_context(|| format!("{}", summary.display()))?;
+        let point = frontier_point(value["kl_per_response"].as_f64(), value["reward"].as_f64())
+            .with_context(|| {
+                format!(
+                    "{}: no reward and kl_per_response (evaluate with --reward or --reward-fn)",
+                    summary.display()
+                )
+            })?;
+        return Ok(Series {
+            label,
+            points: vec![point],
+        });
     }
+    let metrics = path.join("metrics.jsonl");
+    if !metrics.is_file() {
+        bail!(
+            "{}: neither an evaluation (summary.json) nor a run (metrics.jsonl)",
+            path.display()
+        );
+    }
+    let rows: Vec<serde_json::Map<String, Value>> = aligner_core::data::read_jsonl(&metrics)?;
+    let reward_key = rows
+        .iter()
+        .flat_map(|r| r.keys())
+        .find(|k| k.starts_with("eval_frontier/") && !FIGURES.contains(&&k["eval_frontier/".len()..]))
+        .cloned()
+        .with_context(|| {
+            format!(
+                "{}: no eval_frontier reward (was [frontier] set?)",
+                metrics.display()
+            )
+        })?;
+    let points = rows
+        .iter()
+        .filter_map(|r| frontier_point(r.get("eval_frontier/kl")?.as_f64(), r.get(&reward_key)?.as_f64()))
+        .collect();
+    Ok(Series { label, points })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// The `eval_frontier/...` figures that are not rewards.
+const FIGURES: [&str; 6] = ["kl", "kl_per_token", "nll", "distinct_2", "tokens", "eos"];
 
-    #[test]
-    fn distinct_n_counts_unique_ngrams_over_all_samples() {
-        assert_eq!(distinct_n(&["a b a b"], 1), 0.5);
-        // Bigrams: (a b) (b a) (a b) | (a b): 2 unique of 4.
-        assert_eq!(distinct_n(&["a b a b", "a b"], 2), 0.5);
-        assert_eq!(distinct_n(&["a"], 2), 0.0);
+/// Draws every series on one reward-against-KL chart at `path`.
+fn plot_frontier(inputs: &[PathBuf], path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let series: Vec<Series> = inputs.iter().map(|p| read_series(p)).collect::<Result<_>>()?;
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().copied()).collect();
+    if all.is_empty() {
+        bail!("nothing to plot: no frontier points in {inputs:?}");
     }
-
-    #[test]
-    fn mean_and_stderr_by_hand() {
-        let (mean, stderr) = mean_and_stderr(&[1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(mean, 2.5);
-        // Sample variance 5/3, over n = 4.
-        assert!((stderr - (5.0f64 / 3.0 / 4.0).sqrt()).abs() < 1e-12);
+    let (x1, y0, y1) = all.iter().fold((0.0f64, f64::MAX, f64::MIN), |(x, a, b), p| {
+        (x.max(p.0), a.min(p.1), b.max(p.1))
+    });
+    let pad = ((y1 - y0) * 0.1).max(0.1);
+    let err = |e: String| anyhow::anyhow!("plot {}: {e}", path.display());
+    let root = SVGBackend::new(path, (800, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let x_min = all.iter().map(|p| p.0).fold(0.0f64, f64::min);
+    let mut chart = ChartBuilder::on(&root)
+        .caption("reward against KL to the reference", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(x_min..(x1 * 1.1).max(x_min + 1.0), (y0 - pad)..(y1 + pad))
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("KL(π ‖ π_ref), nats per response")
+        .y_desc("reward")
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    for (i, s) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        if s.points.len() > 1 {
+            chart
+                .draw_series(LineSeries::new(s.points.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?;
+        }
+        chart
+            .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?
+            .label(s.label.clone())
+            .legend(move |(x, y)| Circle::new((x, y), 4, color.filled()));
     }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
 }

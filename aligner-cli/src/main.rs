@@ -4,6 +4,7 @@ mod bench;
 mod convert;
 mod eval;
 mod generate;
+mod plot;
 mod ppo;
 mod registry;
 mod score;
@@ -26,6 +27,12 @@ struct Cli {
     /// `cuda`, `cuda:N` in builds with the `cuda` feature.
     #[arg(long, global = true, default_value = "cpu")]
     device: String,
+    /// Only warnings and errors on stderr (the results still go to stdout).
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// More detail on stderr: -v debug, -vv trace (RUST_LOG, when set, decides instead).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -60,6 +67,8 @@ enum Command {
     /// Where a policy stands on the reward–KL frontier: reward of its own samples, KL to the
     /// reference, the reference's NLL of them, distinct-n, length, EOS fraction.
     Eval(eval::EvalArgs),
+    /// Several runs' metrics on one SVG (one panel per metric, one line per run).
+    Plot(plot::PlotArgs),
     /// Convert checkpoints from other formats into Hugging Face folders.
     #[command(subcommand)]
     Convert(convert::ConvertCommand),
@@ -150,15 +159,20 @@ fn main() -> Result<()> {
     // data-parallel group; otherwise the group is this process alone.
     let launch = aligner_parallel::launch()?;
     let world = aligner_parallel::world();
+    let cli = Cli::parse();
     // Rank 0 reports; the other ranks only warn (RUST_LOG still decides when set).
-    let default_level = if world.is_root() { "info" } else { "warn" };
+    let default_level = match (world.is_root(), cli.quiet, cli.verbose) {
+        (false, ..) | (true, true, _) => "warn",
+        (true, false, 0) => "info",
+        (true, false, 1) => "debug",
+        _ => "trace",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let outcome = run(cli);
     if world.world_size() > 1
         && let Err(e) = &outcome
@@ -188,6 +202,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),
         Command::Eval(args) => eval::run(args, &device),
+        Command::Plot(args) => plot::run(args),
         Command::Convert(cmd) => convert::run(cmd, &device),
         Command::Bench(cmd) => bench::run(cmd, &device),
     }

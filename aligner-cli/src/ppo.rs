@@ -4,19 +4,20 @@
 use aligner_core::Device;
 use anyhow::Result;
 
-use crate::train::{TrainArgs, prepare};
+use crate::train::{TrainArgs, format_metrics, format_number, prepare};
 
 pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "ppo")?;
     let summary = aligner_ppo::train(&config, &run, device)?;
     println!("{}", summary.mean_times.table());
-    tracing::info!(
-        steps = summary.steps,
-        eval_reward_before = ?summary.initial_eval_reward,
-        eval_reward_after = ?summary.final_eval_reward,
-        run = %run.path().display(),
-        "finished; policy in {}",
-        summary.final_dir.display()
+    let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
+    println!(
+        "ppo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
+        summary.steps,
+        run.path().display(),
+        summary.final_dir.display(),
+        reward(summary.initial_eval_reward),
+        reward(summary.final_eval_reward)
     );
     Ok(())
 }
@@ -24,7 +25,8 @@ pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
 /// `aligner rs`: best-of-n rejection sampling rounds.
 pub fn rs(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare::<aligner_ppo::rejection::RsConfig>(&args, "rs")?;
-    for r in aligner_ppo::rejection_sampling(&config, &run, device)? {
+    let rounds = aligner_ppo::rejection_sampling(&config, &run, device)?;
+    for r in &rounds {
         println!(
             "round {}: held-out reward {:.3} -> {:.3}; kept {} best of {} (mean reward {:.3} of all samples, {:.3} kept)",
             r.round,
@@ -36,17 +38,38 @@ pub fn rs(args: TrainArgs, device: &Device) -> Result<()> {
             r.kept_reward
         );
     }
+    let last = rounds
+        .last()
+        .map(|r| format_metrics(&r.frontier))
+        .unwrap_or_default();
+    println!(
+        "rs: {} rounds; run in {}, policy in {}; {last}",
+        rounds.len(),
+        run.path().display(),
+        run.final_dir().display()
+    );
     Ok(())
 }
 
 /// `aligner spin`: self-play fine-tuning iterations.
 pub fn spin(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "spin")?;
-    for r in aligner_spin::train(&config, &crate::registry::registry(), &run, device)? {
+    let iterations = aligner_spin::train(&config, &crate::registry::registry(), &run, device)?;
+    for r in &iterations {
         println!(
             "iteration {}: reference margin of ground truth over its own answers {:.3} ({:.4} per token)",
             r.iteration, r.margin, r.margin_per_token
         );
     }
+    let last = iterations
+        .last()
+        .map(|r| format_metrics(&r.eval))
+        .unwrap_or_default();
+    println!(
+        "spin: {} iterations; run in {}, policy in {}; {last}",
+        iterations.len(),
+        run.path().display(),
+        run.final_dir().display()
+    );
     Ok(())
 }

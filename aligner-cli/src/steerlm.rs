@@ -65,7 +65,7 @@ pub fn run(cmd: SteerCommand, device: &Device) -> Result<()> {
         ),
     };
     let (config, run) = prepare_with(&args, name, &defaults)?;
-    report(&step(&config, &run, device)?, run.path());
+    report(&name.replace('-', " "), &step(&config, &run, device)?, run.path());
     Ok(())
 }
 

@@ -104,36 +104,98 @@ fn record_changes(dir: &Path, changes: &[ConfigChange]) -> Result<()> {
     Ok(())
 }
 
-/// Logs the validation before and after a trainer run, and where its model is.
-pub(crate) fn report(summary: &RunSummary, run: &Path) {
-    if let Some(initial) = &summary.initial_eval {
-        tracing::info!(?initial, "validation before training");
+/// `name v` pairs of a metrics map, numbers printed as numbers, in the map's order.
+pub(crate) fn format_metrics(metrics: &serde_json::Map<String, serde_json::Value>) -> String {
+    metrics
+        .iter()
+        .filter(|(k, _)| !k.starts_with(aligner_core::train::metrics::TEXT_PREFIX))
+        .map(|(k, v)| match v.as_f64() {
+            Some(x) => format!("{k} {}", format_number(x)),
+            None => format!("{k} {v}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A number at four or five significant digits (integers as they are, tiny ones as 1.234e-7).
+pub(crate) fn format_number(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{x:.0}")
+    } else if x.abs() < 1e-3 {
+        format!("{x:.3e}")
+    } else {
+        format!("{}", format!("{x:.4e}").parse::<f64>().unwrap_or(x))
     }
-    tracing::info!(steps = summary.steps, eval = ?summary.final_eval, run = %run.display(), "finished; model in {}", summary.final_dir.display());
+}
+
+/// `name before -> after` for each final validation metric (just `name after` without a
+/// validation before training).
+fn metric_changes(
+    initial: Option<&serde_json::Map<String, serde_json::Value>>,
+    last: &serde_json::Map<String, serde_json::Value>,
+) -> String {
+    last.iter()
+        .filter(|(k, _)| !k.starts_with(aligner_core::train::metrics::TEXT_PREFIX))
+        .map(|(k, v)| {
+            let after = v.as_f64().map_or_else(|| v.to_string(), format_number);
+            match initial.and_then(|i| i.get(k)).and_then(|b| b.as_f64()) {
+                Some(before) => format!("{k} {} -> {after}", format_number(before)),
+                None => format!("{k} {after}"),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The one line a training command ends with (stdout): what was written where, and the
+/// validation before and after.
+pub(crate) fn report(command: &str, summary: &RunSummary, run: &Path) {
+    if let Some(initial) = &summary.initial_eval {
+        tracing::info!("validation before training: {}", format_metrics(initial));
+    }
+    let kept = std::fs::read_to_string(run.join(aligner_core::train::FINAL_STEP))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["step"].as_u64());
+    let step = match kept {
+        Some(step) if step as usize != summary.steps => format!(" (the best validation's, step {step})"),
+        _ => String::new(),
+    };
+    println!(
+        "{command}: {} steps; run in {}, model in {}{step}; {}",
+        summary.steps,
+        run.display(),
+        summary.final_dir.display(),
+        metric_changes(summary.initial_eval.as_ref(), &summary.final_eval)
+    );
 }
 
 pub fn sft(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "sft")?;
-    report(&aligner_core::sft::train(&config, &run, device)?, run.path());
+    report(
+        "sft",
+        &aligner_core::sft::train(&config, &run, device)?,
+        run.path(),
+    );
     Ok(())
 }
 
 pub fn rm(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "rm")?;
-    report(&aligner_core::rm::train(&config, &run, device)?, run.path());
+    report("rm", &aligner_core::rm::train(&config, &run, device)?, run.path());
     Ok(())
 }
 
 pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "dpo")?;
     let summary = aligner_dpo::train(&config, &crate::registry::registry(), &run, device)?;
-    report(&summary, run.path());
+    report("dpo", &summary, run.path());
     Ok(())
 }
 
 #[cfg(feature = "kto")]
 pub fn kto(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "kto")?;
-    report(&aligner_kto::train(&config, &run, device)?, run.path());
+    report("kto", &aligner_kto::train(&config, &run, device)?, run.path());
     Ok(())
 }

@@ -1,7 +1,13 @@
-//! JSON Lines data files: every line parsed up front, a bad line reported with file and line
-//! number, so a run never starts on half-parsed data.
+//! Data files: JSON Lines, a JSON array, Parquet (as Hugging Face `datasets` writes it), or a
+//! folder of such shards; every row parsed up front, a bad row reported with file and line
+//! (row) number, so a run never starts on half-parsed data. `data.fields` renames columns
+//! (`question` → `prompt`) as the rows are read. Rows may take TRL's conversational forms:
+//! message lists for prompts and completions, and preference pairs whose prompt is implicit
+//! (the leading turns `chosen` and `rejected` share).
 
-use std::path::Path;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -18,12 +24,181 @@ pub fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
         .collect())
 }
 
-/// [`read_jsonl`] with each row's line number in the file (from 1; blank lines count).
+thread_local! {
+    /// The column renames of the data file being read (`data.fields`), set by [`with_fields`].
+    static FIELDS: RefCell<Option<(PathBuf, BTreeMap<String, String>)>> = const { RefCell::new(None) };
+}
+
+/// Runs `read` with `fields` (`data.fields`: a column name → the name aligner reads) applied
+/// to the rows of `path` (and of the shards of a folder `path`) — only that data file: caches
+/// and other files read meanwhile are left as they are.
+pub fn with_fields<R>(path: &Path, fields: &BTreeMap<String, String>, read: impl FnOnce() -> R) -> R {
+    if fields.is_empty() {
+        return read();
+    }
+    let earlier = FIELDS.with(|f| f.replace(Some((path.to_path_buf(), fields.clone()))));
+    let out = read();
+    FIELDS.with(|f| *f.borrow_mut() = earlier);
+    out
+}
+
+/// The renames that apply to `path`, if any.
+fn fields_for(path: &Path) -> Option<BTreeMap<String, String>> {
+    FIELDS.with(|f| {
+        f.borrow()
+            .as_ref()
+            .filter(|(data, _)| path == data || path.parent() == Some(data.as_path()))
+            .map(|(_, fields)| fields.clone())
+    })
+}
+
+/// `row` with its columns renamed by `fields`; a rename onto a column the row already has is
+/// an error (the row would hold two values for one field).
+fn rename_fields(
+    mut row: serde_json::Value,
+    fields: &BTreeMap<String, String>,
+) -> std::result::Result<serde_json::Value, String> {
+    if let Some(object) = row.as_object_mut() {
+        for (from, to) in fields {
+            if let Some(value) = object.remove(from) {
+                if object.contains_key(to) {
+                    return Err(format!(
+                        "data.fields renames {from:?} to {to:?}, but the row has {to:?} too"
+                    ));
+                }
+                object.insert(to.clone(), value);
+            }
+        }
+    }
+    Ok(row)
+}
+
+/// Rows of every data format: `(line, row)` pairs, the line counting from 1 (a JSON Lines
+/// file's line, blank lines included; a JSON array's element or a Parquet file's row).
+pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
+    if path.is_dir() {
+        return read_folder(path);
+    }
+    let fields = fields_for(path);
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("parquet") => rows_from_values(path, read_parquet(path)?, fields.as_ref()),
+        Some("json") => rows_from_values(path, read_json_array(path)?, fields.as_ref()),
+        _ => read_lines(path, fields.as_ref()),
+    }
+}
+
+/// Every shard of a folder (`.jsonl`, `.json`, `.parquet`, in name order), rows numbered on
+/// across the shards; an error in a shard names the shard.
+fn read_folder<T: DeserializeOwned>(dir: &Path) -> Result<Vec<(usize, T)>> {
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| CoreError::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            matches!(
+                p.extension().and_then(|e| e.to_str()),
+                Some("jsonl" | "json" | "parquet")
+            )
+        })
+        .collect();
+    shards.sort();
+    if shards.is_empty() {
+        return Err(CoreError::Config {
+            path: dir.to_path_buf(),
+            message: "no data files in this folder (.jsonl, .json or .parquet)".into(),
+        });
+    }
+    let mut rows = Vec::new();
+    for shard in shards {
+        let offset = rows.len();
+        rows.extend(
+            read_jsonl_numbered::<T>(&shard)?
+                .into_iter()
+                .enumerate()
+                .map(|(i, (_, row))| (offset + i + 1, row)),
+        );
+    }
+    Ok(rows)
+}
+
+/// The elements of a file holding one JSON array of objects.
+fn read_json_array(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let bytes = std::fs::read(path).map_err(|e| CoreError::io(path, e))?;
+    let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&bytes);
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Ok(serde_json::Value::Array(rows)) => Ok(rows),
+        Ok(_) => Err(CoreError::Config {
+            path: path.to_path_buf(),
+            message:
+                "a .json data file holds one array of rows ([{...}, ...]); for one row a line use .jsonl"
+                    .into(),
+        }),
+        Err(e) => Err(CoreError::Config {
+            path: path.to_path_buf(),
+            message: format!("not JSON: {e}"),
+        }),
+    }
+}
+
+/// The rows of a Parquet file as JSON objects (nested lists and structs included, so a
+/// column of messages reads as a list of `{"role", "content"}`).
+fn read_parquet(path: &Path) -> Result<Vec<serde_json::Value>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let bad = |e: parquet::errors::ParquetError| CoreError::Config {
+        path: path.to_path_buf(),
+        message: format!("not a readable Parquet file: {e}"),
+    };
+    let file = std::fs::File::open(path).map_err(|e| CoreError::io(path, e))?;
+    let reader = SerializedFileReader::new(file).map_err(bad)?;
+    reader
+        .get_row_iter(None)
+        .map_err(bad)?
+        .map(|row| row.map(|r| r.to_json_value()).map_err(bad))
+        .collect()
+}
+
+/// Rows given as JSON values, renamed by `fields` and read as `T`.
+fn rows_from_values<T: DeserializeOwned>(
+    path: &Path,
+    values: Vec<serde_json::Value>,
+    fields: Option<&BTreeMap<String, String>>,
+) -> Result<Vec<(usize, T)>> {
+    let bad_row = |line: usize, message: String| DataError {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
+    let rows = values
+        .into_iter()
+        .enumerate()
+        .map(|(i, value)| {
+            let value = match fields {
+                Some(fields) => rename_fields(value, fields).map_err(|m| bad_row(i + 1, m))?,
+                None => value,
+            };
+            let row: T =
+                serde_path_to_error::deserialize(value).map_err(|e| bad_row(i + 1, with_field(e, |m| m)))?;
+            Ok((i + 1, row))
+        })
+        .collect::<std::result::Result<Vec<_>, DataError>>()?;
+    if rows.is_empty() {
+        return Err(CoreError::Config {
+            path: path.to_path_buf(),
+            message: "no rows: the file holds none".into(),
+        });
+    }
+    Ok(rows)
+}
+
+/// [`read_jsonl`] of a JSON Lines file, with each row's line number in the file (from 1;
+/// blank lines count).
 ///
 /// A UTF-8 byte-order mark is skipped; a line that is not UTF-8 or not a `T` is an error naming
 /// the file and the line, and a file with no rows at all (empty, or blank lines only) is an
 /// error naming the file.
-pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>> {
+fn read_lines<T: DeserializeOwned>(
+    path: &Path,
+    fields: Option<&BTreeMap<String, String>>,
+) -> Result<Vec<(usize, T)>> {
     let bytes = std::fs::read(path).map_err(|e| CoreError::io(path, e))?;
     let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(&bytes);
     let bad_line = |line: usize, message: String| DataError {
@@ -37,7 +212,14 @@ pub fn read_jsonl_numbered<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usiz
         if line.trim().is_empty() {
             continue;
         }
-        let row = parse_line(line).map_err(|e| bad_line(i + 1, e))?;
+        let row = match fields {
+            None => parse_line(line),
+            Some(fields) => serde_json::from_str::<serde_json::Value>(line)
+                .map_err(|e| e.to_string())
+                .and_then(|v| rename_fields(v, fields))
+                .and_then(|v| serde_path_to_error::deserialize(v).map_err(|e| with_field(e, |m| m))),
+        }
+        .map_err(|e| bad_line(i + 1, e))?;
         rows.push((i + 1, row));
     }
     if rows.is_empty() {
@@ -171,6 +353,124 @@ impl Prompt {
     }
 }
 
+/// A completion given as text, or (TRL's conversational form) as the messages that follow the
+/// prompt, rendered with the model's chat template after it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Completion {
+    Text(String),
+    Messages(Vec<ChatMessage>),
+}
+
+impl From<String> for Completion {
+    fn from(text: String) -> Self {
+        Completion::Text(text)
+    }
+}
+
+impl From<&str> for Completion {
+    fn from(text: &str) -> Self {
+        Completion::Text(text.to_string())
+    }
+}
+
+/// By the JSON type, as [`Prompt`].
+impl<'de> Deserialize<'de> for Completion {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        match Prompt::deserialize(d)? {
+            Prompt::Text(text) => Ok(Completion::Text(text)),
+            Prompt::Messages(messages) => Ok(Completion::Messages(messages)),
+        }
+    }
+}
+
+impl Completion {
+    /// The completion's text as it follows `prompt` (rendered: `prompt_text`): itself, or for
+    /// messages the chat template's rendering of prompt + messages after the prompt's own
+    /// rendering (with its generation prompt), as TRL renders conversational pairs.
+    pub fn render_after(
+        &self,
+        prompt: &Prompt,
+        prompt_text: &str,
+        tokenizer: &TextTokenizer,
+    ) -> Result<String> {
+        match (self, prompt) {
+            (Completion::Text(text), _) => Ok(text.clone()),
+            (Completion::Messages(messages), Prompt::Messages(turns)) => {
+                let all: Vec<ChatMessage> = turns.iter().chain(messages).cloned().collect();
+                let full = tokenizer.apply_chat_template(&all, false)?;
+                full.strip_prefix(prompt_text).map(str::to_string).ok_or_else(|| {
+                    CoreError::Invalid(
+                        "the chat template renders the prompt differently inside the whole conversation, \
+                         so the completion cannot be cut from it"
+                            .into(),
+                    )
+                })
+            }
+            (Completion::Messages(_), Prompt::Text(_)) => Err(CoreError::Invalid(
+                "the completion is a list of messages but the prompt is text: give the prompt as messages too".into(),
+            )),
+        }
+    }
+}
+
+/// The prompt and the two responses of a preference row, as text the model reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RenderedPair {
+    pub prompt: String,
+    pub chosen: String,
+    pub rejected: String,
+}
+
+/// Renders a preference row in any of TRL's forms: text; an explicit prompt (text or messages)
+/// with `chosen` / `rejected` as text or message lists; or no prompt, `chosen` and `rejected`
+/// being whole conversations whose shared leading turns are the prompt (TRL's implicit prompt).
+pub fn render_pair(
+    prompt: Option<&Prompt>,
+    chosen: &Completion,
+    rejected: &Completion,
+    tokenizer: &TextTokenizer,
+) -> Result<RenderedPair> {
+    let implicit;
+    let (prompt, chosen, rejected) = match (prompt, chosen, rejected) {
+        (Some(prompt), chosen, rejected) => (prompt, chosen.clone(), rejected.clone()),
+        (None, Completion::Messages(c), Completion::Messages(r)) => {
+            let shared = c.iter().zip(r).take_while(|(a, b)| a == b).count();
+            if shared == 0 || shared == c.len() || shared == r.len() {
+                return Err(CoreError::Invalid(format!(
+                    "no prompt: chosen and rejected share {shared} leading messages; an implicit prompt \
+                     is the turns they share, with at least one message of each after it"
+                )));
+            }
+            implicit = Prompt::Messages(c[..shared].to_vec());
+            (
+                &implicit,
+                Completion::Messages(c[shared..].to_vec()),
+                Completion::Messages(r[shared..].to_vec()),
+            )
+        }
+        (None, ..) => {
+            return Err(CoreError::Invalid(
+                "prompt: missing (a text pair needs \"prompt\"; without one, chosen and rejected are \
+                 message lists that share their leading turns)"
+                    .into(),
+            ));
+        }
+    };
+    let prompt_text = prompt.render(tokenizer)?;
+    let chosen = chosen
+        .render_after(prompt, &prompt_text, tokenizer)
+        .map_err(|e| CoreError::Invalid(format!("chosen: {e}")))?;
+    let rejected = rejected
+        .render_after(prompt, &prompt_text, tokenizer)
+        .map_err(|e| CoreError::Invalid(format!("rejected: {e}")))?;
+    Ok(RenderedPair {
+        prompt: prompt_text,
+        chosen,
+        rejected,
+    })
+}
+
 /// `{"prompt": ...}` — prompts for generation (other keys are ignored).
 #[derive(Debug, Clone, Deserialize)]
 pub struct PromptRow {
@@ -244,6 +544,80 @@ pub struct PromptResponseRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn message(role: &str, content: &str) -> ChatMessage {
+        serde_json::from_value(serde_json::json!({"role": role, "content": content})).unwrap()
+    }
+
+    #[test]
+    fn an_implicit_prompt_is_the_turns_chosen_and_rejected_share() {
+        let tokenizer = crate::TextTokenizer::from_dir(&crate::default_model_dir().unwrap()).unwrap();
+        let user = message("user", "Hi");
+        let chosen = Completion::Messages(vec![user.clone(), message("assistant", "Good")]);
+        let rejected = Completion::Messages(vec![user.clone(), message("assistant", "Bad")]);
+        let implicit = render_pair(None, &chosen, &rejected, &tokenizer).unwrap();
+        // The fallback template: "role: content" lines, EOS after assistant turns.
+        assert_eq!(implicit.prompt, "user: Hi\nassistant: ");
+        assert!(
+            implicit.chosen.starts_with("Good\n") && implicit.rejected.starts_with("Bad\n"),
+            "{implicit:?}"
+        );
+        let explicit = render_pair(
+            Some(&Prompt::Messages(vec![user.clone()])),
+            &Completion::Messages(vec![message("assistant", "Good")]),
+            &Completion::Messages(vec![message("assistant", "Bad")]),
+            &tokenizer,
+        )
+        .unwrap();
+        assert_eq!(explicit, implicit);
+        // Nothing shared, everything shared, text without a prompt, messages after a text prompt.
+        let other = Completion::Messages(vec![message("user", "Yo"), message("assistant", "Bad")]);
+        assert!(render_pair(None, &chosen, &other, &tokenizer).is_err());
+        assert!(render_pair(None, &chosen, &chosen, &tokenizer).is_err());
+        assert!(
+            render_pair(None, &"a".into(), &"b".into(), &tokenizer)
+                .unwrap_err()
+                .to_string()
+                .contains("prompt")
+        );
+        let mixed = render_pair(Some(&Prompt::Text("Hi".into())), &chosen, &"b".into(), &tokenizer);
+        assert!(mixed.unwrap_err().to_string().contains("chosen"));
+    }
+
+    #[test]
+    fn json_arrays_folders_and_renamed_fields_read_as_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let array = dir.path().join("rows.json");
+        std::fs::write(&array, r#"[{"question": "a"}, {"question": "b"}]"#).unwrap();
+        let fields: BTreeMap<String, String> = [("question".to_string(), "prompt".to_string())].into();
+        let rows: Vec<(usize, PromptRow)> =
+            with_fields(&array, &fields, || read_jsonl_numbered(&array)).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1].0, 2);
+        assert!(matches!(&rows[1].1.prompt, Prompt::Text(t) if t == "b"));
+        // Without the rename the column is not a prompt: the error names the file and the row.
+        let err = read_jsonl_numbered::<PromptRow>(&array).unwrap_err().to_string();
+        assert!(err.contains("rows.json") && err.contains("prompt"), "{err}");
+        // A folder of shards: rows numbered on across them, in name order.
+        let shards = dir.path().join("shards");
+        std::fs::create_dir_all(&shards).unwrap();
+        std::fs::write(shards.join("b.jsonl"), "{\"prompt\": \"3\"}\n").unwrap();
+        std::fs::write(shards.join("a.json"), r#"[{"prompt": "1"}, {"prompt": "2"}]"#).unwrap();
+        let rows: Vec<(usize, PromptRow)> = read_jsonl_numbered(&shards).unwrap();
+        let texts: Vec<String> = rows
+            .iter()
+            .map(|(_, r)| match &r.prompt {
+                Prompt::Text(t) => t.clone(),
+                Prompt::Messages(_) => unreachable!(),
+            })
+            .collect();
+        assert_eq!(texts, ["1", "2", "3"]);
+        assert_eq!(rows[2].0, 3);
+        // Renaming onto a column the row has is refused.
+        std::fs::write(&array, r#"[{"question": "a", "prompt": "b"}]"#).unwrap();
+        let err = with_fields(&array, &fields, || read_jsonl_numbered::<PromptRow>(&array)).unwrap_err();
+        assert!(err.to_string().contains("data.fields"), "{err}");
+    }
 
     #[test]
     fn bad_lines_name_file_and_line() {

@@ -95,9 +95,86 @@ pub fn model_dir_or_default(dir: Option<&Path>) -> Result<PathBuf> {
     }
 }
 
-/// The shipped sample data (`assets/tinystories_sentiment`) of the embedded defaults.
+/// Files of the shipped tinystories_sentiment task the embedded defaults train on, embedded
+/// in every binary (the raw scored samples are left out: no default reads them).
+const EMBEDDED_DATA: &[(&str, &[u8])] = &[
+    (
+        "SOURCE.txt",
+        include_bytes!("../../assets/tinystories_sentiment/SOURCE.txt"),
+    ),
+    (
+        "train.sft.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/train.sft.jsonl"),
+    ),
+    (
+        "train.pref.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/train.pref.jsonl"),
+    ),
+    (
+        "train.kto.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/train.kto.jsonl"),
+    ),
+    (
+        "train.prompts.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/train.prompts.jsonl"),
+    ),
+    (
+        "train.steer.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/train.steer.jsonl"),
+    ),
+    (
+        "test.sft.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/test.sft.jsonl"),
+    ),
+    (
+        "test.pref.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/test.pref.jsonl"),
+    ),
+    (
+        "test.kto.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/test.kto.jsonl"),
+    ),
+    (
+        "test.prompts.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/test.prompts.jsonl"),
+    ),
+    (
+        "test.steer.jsonl",
+        include_bytes!("../../assets/tinystories_sentiment/test.steer.jsonl"),
+    ),
+];
+
+/// The shipped sample data (`assets/tinystories_sentiment`) of the embedded defaults: the
+/// repository's folder when it is there, else the embedded copy written once to a folder under
+/// the system's temp dir — so an installed binary trains on its defaults from any folder.
 pub fn default_data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment")
+    let in_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment");
+    if in_repo.join("train.sft.jsonl").exists() {
+        return in_repo;
+    }
+    let dir = std::env::temp_dir().join(concat!(
+        "aligner-tinystories_sentiment-",
+        env!("CARGO_PKG_VERSION")
+    ));
+    // A failure here surfaces as the data file's own "cannot read" error, naming it.
+    if let Err(e) = write_embedded_data(&dir) {
+        tracing::warn!(error = %e, "cannot write the embedded default data");
+    }
+    dir
+}
+
+/// Writes the embedded default data into `dir` (files already there with the same bytes are
+/// left alone).
+pub fn write_embedded_data(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
+    for (name, bytes) in EMBEDDED_DATA {
+        let path = dir.join(name);
+        let fresh = std::fs::read(&path).map(|b| b == *bytes).unwrap_or(false);
+        if !fresh {
+            checkpoint::write_atomic(&path, bytes)?;
+        }
+    }
+    Ok(())
 }
 
 /// A model folder loaded into memory: configuration, weights and tokenizer.
@@ -146,5 +223,30 @@ impl LoadedModel {
     /// Number of parameters.
     pub fn parameter_count(&self) -> usize {
         model::parameter_count(&self.model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_data_is_the_shipped_data() {
+        let dir = tempfile::tempdir().unwrap();
+        write_embedded_data(dir.path()).unwrap();
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment");
+        for (name, _) in EMBEDDED_DATA {
+            let written = std::fs::read(dir.path().join(name)).unwrap();
+            assert_eq!(written, std::fs::read(shipped.join(name)).unwrap(), "{name}");
+        }
+        // Every file a default names is there.
+        for name in [
+            "train.sft.jsonl",
+            "test.prompts.jsonl",
+            "train.steer.jsonl",
+            "test.kto.jsonl",
+        ] {
+            assert!(dir.path().join(name).exists(), "{name}");
+        }
     }
 }

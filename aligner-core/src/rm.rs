@@ -7,7 +7,7 @@ use burn::tensor::activation::log_sigmoid;
 use burn::tensor::{Device, Tensor};
 use serde::Deserialize;
 
-use crate::data::Prompt;
+use crate::data::{Completion, Prompt};
 use crate::error::Result;
 use crate::reward::RewardModel;
 use crate::run::{RunDir, data_files};
@@ -17,12 +17,14 @@ pub use crate::store::RewardModelStore;
 use crate::tokenizer::TextTokenizer;
 use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
 
-/// A preference line: `{"prompt", "chosen", "rejected"}`.
+/// A preference line: `{"prompt", "chosen", "rejected"}`, in any of TRL's forms (see
+/// [`crate::data::render_pair`]).
 #[derive(Debug, Clone, Deserialize)]
 pub struct PreferenceRow {
-    pub prompt: Prompt,
-    pub chosen: String,
-    pub rejected: String,
+    #[serde(default)]
+    pub prompt: Option<Prompt>,
+    pub chosen: Completion,
+    pub rejected: Completion,
 }
 
 /// A tokenized preference pair (`encode(prompt + response)`, truncated).
@@ -34,15 +36,15 @@ pub struct PairExample {
 
 impl PairExample {
     pub fn from_row(row: &PreferenceRow, tokenizer: &TextTokenizer, max_len: usize) -> Result<Self> {
-        let prompt = row.prompt.render(tokenizer)?;
+        let pair = crate::data::render_pair(row.prompt.as_ref(), &row.chosen, &row.rejected, tokenizer)?;
         let encode = |response: &str| -> Result<Vec<u32>> {
-            let mut ids = tokenizer.encode(&format!("{prompt}{response}"), true)?;
+            let mut ids = tokenizer.encode(&format!("{}{response}", pair.prompt), true)?;
             ids.truncate(max_len.max(1));
             Ok(ids)
         };
         Ok(Self {
-            chosen: encode(&row.chosen)?,
-            rejected: encode(&row.rejected)?,
+            chosen: encode(&pair.chosen)?,
+            rejected: encode(&pair.rejected)?,
         })
     }
 }

@@ -357,7 +357,11 @@ pub fn data_files(data: &DataSection) -> Result<DataFiles> {
         .clone()
         .ok_or_else(|| CoreError::Invalid("data.train is not set".into()))?;
     let validation = data.validation.clone().filter(|p| !p.as_os_str().is_empty());
-    Ok(DataFiles { train, validation })
+    Ok(DataFiles {
+        train,
+        validation,
+        fields: data.fields.clone(),
+    })
 }
 
 /// The training file and, unless validation is off, the validation file of a run.
@@ -365,6 +369,8 @@ pub fn data_files(data: &DataSection) -> Result<DataFiles> {
 pub struct DataFiles {
     pub train: PathBuf,
     pub validation: Option<PathBuf>,
+    /// `data.fields`: column renames applied to the rows of both files.
+    pub fields: std::collections::BTreeMap<String, String>,
 }
 
 /// Which of a run's data files is being read.
@@ -391,9 +397,10 @@ impl DataFiles {
         &self,
         mut load: impl FnMut(&Path, Split) -> std::result::Result<Vec<T>, E>,
     ) -> std::result::Result<(Vec<T>, Vec<T>), E> {
-        let train = load(&self.train, Split::Train)?;
+        let fields = &self.fields;
+        let train = crate::data::with_fields(&self.train, fields, || load(&self.train, Split::Train))?;
         let validation = match &self.validation {
-            Some(path) => load(path, Split::Validation)?,
+            Some(path) => crate::data::with_fields(path, fields, || load(path, Split::Validation))?,
             None => Vec::new(),
         };
         Ok((train, validation))

@@ -61,6 +61,7 @@ fn trained_lora_model() -> (LoadedModel, CausalLm) {
         validation: &[],
         run: &aligner_core::run::RunDir::new(out.path()),
         device: device.clone(),
+        model_eval: None,
     };
     let (trained, _) = trainer.run(model).unwrap();
     (lm, trained.valid())

@@ -138,6 +138,8 @@ pub enum DpoError {
     },
     #[error(transparent)]
     Core(#[from] aligner_core::CoreError),
+    #[error(transparent)]
+    Gen(#[from] aligner_gen::GenError),
     #[error("{0}")]
     Invalid(String),
 }

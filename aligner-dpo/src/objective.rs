@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use aligner_core::data::Prompt;
+use aligner_core::data::{Completion, Prompt};
 use aligner_core::score::{ScoredSequence, cached_reference_logprobs, sequence_logprobs};
 use aligner_core::train::{
     DataSection, EvalSum, ModelSection, Objective, Range, StepOutput, TrainSection, check_values,
@@ -14,12 +14,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::{DpoError, LossRegistry, LossSpec, PreferenceBatch, PreferenceLoss, implicit_rewards};
 
-/// A preference line; rewards are optional (reward-aware losses need them).
+/// A preference line, in any of TRL's forms (text, conversational, implicit prompt: see
+/// [`aligner_core::data::render_pair`]); rewards are optional (reward-aware losses need them).
 #[derive(Debug, Clone, Deserialize)]
 pub struct DpoRow {
-    pub prompt: Prompt,
-    pub chosen: String,
-    pub rejected: String,
+    #[serde(default)]
+    pub prompt: Option<Prompt>,
+    pub chosen: Completion,
+    pub rejected: Completion,
     #[serde(default)]
     pub chosen_reward: Option<f32>,
     #[serde(default)]
@@ -103,6 +105,8 @@ pub struct DpoConfig {
     pub data: DataSection,
     pub train: TrainSection,
     pub dpo: DpoSection,
+    /// The reward–KL figures of the policy's own samples, at every validation.
+    pub frontier: aligner_gen::FrontierSection,
 }
 
 impl Default for DpoConfig {
@@ -118,6 +122,7 @@ impl Default for DpoConfig {
                 ..TrainSection::embedded_default(1)
             },
             dpo: DpoSection::default(),
+            frontier: aligner_gen::FrontierSection::shipped(),
         }
     }
 }
@@ -133,15 +138,15 @@ pub fn load_dpo_examples(
 
 /// Tokenizes one preference row (prompt + each response by the scoring convention).
 pub fn dpo_example(row: &DpoRow, tokenizer: &TextTokenizer, max_len: usize) -> Result<DpoExample, CoreError> {
-    let prompt = row.prompt.render(tokenizer)?;
+    let pair = aligner_core::data::render_pair(row.prompt.as_ref(), &row.chosen, &row.rejected, tokenizer)?;
     let encode = |response: &str| -> Result<ScoredSequence, CoreError> {
-        let mut seq = ScoredSequence::encode(tokenizer, &prompt, response)?;
+        let mut seq = ScoredSequence::encode(tokenizer, &pair.prompt, response)?;
         seq.truncate(max_len)?;
         Ok(seq)
     };
     Ok(DpoExample {
-        chosen: encode(&row.chosen).map_err(|e| CoreError::Invalid(format!("chosen: {e}")))?,
-        rejected: encode(&row.rejected).map_err(|e| CoreError::Invalid(format!("rejected: {e}")))?,
+        chosen: encode(&pair.chosen).map_err(|e| CoreError::Invalid(format!("chosen: {e}")))?,
+        rejected: encode(&pair.rejected).map_err(|e| CoreError::Invalid(format!("rejected: {e}")))?,
         reference: None,
         rewards: row.chosen_reward.zip(row.rejected_reward),
     })

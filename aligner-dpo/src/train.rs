@@ -3,7 +3,7 @@
 
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{load_model, policy_store};
-use aligner_core::train::{RunSummary, fit};
+use aligner_core::train::{ModelEval, RunSummary, fit_evaluated};
 use aligner_core::{CoreError, Device};
 
 use crate::objective::{DpoConfig, DpoObjective, attach_reference, load_dpo_examples};
@@ -25,6 +25,7 @@ pub fn train(
     run.start(config)?;
     let files = data_files(&config.data)?;
     let lm = load_model(&config.model, device)?;
+    let frontier = config.frontier.for_start_model(&lm, device)?;
     let max_len = config.data.max_len(&lm.config)?;
     let batch = config.train.batch_size.max(1) * 2;
     let (train, validation) = files.load(|path, split| {
@@ -48,7 +49,7 @@ pub fn train(
         loss,
         sft_weight: config.dpo.sft_weight,
     };
-    Ok(fit(
+    Ok(fit_evaluated(
         model,
         &objective,
         (&train, &validation),
@@ -56,5 +57,6 @@ pub fn train(
         &config.train,
         run,
         device,
+        frontier.as_ref().map(|f| f as &dyn ModelEval<_>),
     )?)
 }

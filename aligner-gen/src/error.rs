@@ -27,3 +27,14 @@ pub enum GenError {
 
 /// Result alias for aligner-gen.
 pub type Result<T, E = GenError> = std::result::Result<T, E>;
+
+/// For callers that report core errors only (a trainer's model evaluation): a core error is
+/// itself, anything else its message.
+impl From<GenError> for aligner_core::CoreError {
+    fn from(e: GenError) -> Self {
+        match e {
+            GenError::Core(core) => core,
+            other => aligner_core::CoreError::Invalid(other.to_string()),
+        }
+    }
+}

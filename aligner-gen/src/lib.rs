@@ -30,6 +30,7 @@
 
 mod engine;
 mod error;
+pub mod frontier;
 mod options;
 mod pool;
 mod runner;
@@ -37,6 +38,7 @@ pub mod sampling;
 
 pub use engine::{Engine, EngineOptions, Generation, GenerationRequest, Guidance, StopReason};
 pub use error::{GenError, Result};
+pub use frontier::{Frontier, FrontierSection};
 pub use options::{EngineStats, ForwardPath};
 pub use pool::{PoolReport, WorkerPool, WorkerReport};
 pub use sampling::SamplingParams;

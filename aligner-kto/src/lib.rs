@@ -16,7 +16,7 @@ use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::{ScoredSequence, cached_reference_logprobs, sequence_logprobs};
 use aligner_core::start::{load_model, policy_store};
 use aligner_core::train::{
-    DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection, fit,
+    DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection,
 };
 use aligner_core::{CausalLm, CoreError, TextTokenizer};
 use burn::tensor::activation::sigmoid;
@@ -58,7 +58,8 @@ pub fn kl_estimate(rho_mismatched: Tensor<1>) -> f64 {
 #[derive(Debug, Clone, Deserialize)]
 pub struct KtoRow {
     pub prompt: Prompt,
-    pub completion: String,
+    /// Text, or (TRL's conversational form) the messages that follow the prompt.
+    pub completion: aligner_core::data::Completion,
     pub label: bool,
 }
 
@@ -99,6 +100,8 @@ pub struct KtoConfig {
     pub data: DataSection,
     pub train: TrainSection,
     pub kto: KtoSection,
+    /// The reward–KL figures of the policy's own samples, at every validation.
+    pub frontier: aligner_gen::FrontierSection,
 }
 
 impl Default for KtoConfig {
@@ -112,6 +115,7 @@ impl Default for KtoConfig {
                 ..TrainSection::embedded_default(1)
             },
             kto: KtoSection::default(),
+            frontier: aligner_gen::FrontierSection::shipped(),
         }
     }
 }
@@ -139,8 +143,10 @@ pub fn load_kto_examples(
         .iter()
         .map(|(line, r)| r.prompt.render(tokenizer).map_err(|e| at_line(*line, e)))
         .collect::<Result<_, _>>()?;
-    let encode = |prompt: &str, completion: &str| -> Result<ScoredSequence, CoreError> {
-        let mut seq = ScoredSequence::encode(tokenizer, prompt, completion)?;
+    // Row i's prompt with completion `c` (its own, or the next row's for the KL estimate).
+    let encode = |i: usize, c: &aligner_core::data::Completion| -> Result<ScoredSequence, CoreError> {
+        let completion = c.render_after(&rows[i].1.prompt, &prompts[i], tokenizer)?;
+        let mut seq = ScoredSequence::encode(tokenizer, &prompts[i], &completion)?;
         seq.truncate(max_len)?;
         Ok(seq)
     };
@@ -148,8 +154,8 @@ pub fn load_kto_examples(
     let mut seqs = Vec::with_capacity(2 * n);
     for i in 0..n {
         let line = rows[i].0;
-        seqs.push(encode(&prompts[i], &rows[i].1.completion).map_err(|e| at_line(line, e))?);
-        seqs.push(encode(&prompts[i], &rows[(i + 1) % n].1.completion).map_err(|e| at_line(line, e))?);
+        seqs.push(encode(i, &rows[i].1.completion).map_err(|e| at_line(line, e))?);
+        seqs.push(encode(i, &rows[(i + 1) % n].1.completion).map_err(|e| at_line(line, e))?);
     }
     let reference_values = cached_reference_logprobs(&seqs, reference, cache, batch_size, comm)?;
     Ok(rows
@@ -185,6 +191,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     run.start(config)?;
     let files = data_files(&config.data)?;
     let lm = load_model(&config.model, device)?;
+    let frontier = config.frontier.for_start_model(&lm, device)?;
     let batch = config.train.batch_size.max(1) * 2;
     let max_len = config.data.max_len(&lm.config)?;
     let (train, validation) = files.load(|path, split| {
@@ -197,7 +204,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let objective = KtoObjective {
         params: config.kto.clone(),
     };
-    fit(
+    aligner_core::train::fit_evaluated(
         model,
         &objective,
         (&train, &validation),
@@ -205,6 +212,9 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
         &config.train,
         run,
         device,
+        frontier
+            .as_ref()
+            .map(|f| f as &dyn aligner_core::train::ModelEval<_>),
     )
 }
 

@@ -84,6 +84,9 @@ pub struct PpoSection {
     /// accelerator's memory to the actor (NeMo-Aligner offloads its reference the same way;
     /// the rollout's reference log-probs are then computed on the CPU).
     pub offload_reference: bool,
+    /// Write TensorBoard event files to `<run>/tb/` (every scalar of metrics.jsonl, the
+    /// timing breakdown included).
+    pub tensorboard: bool,
 }
 
 impl PpoSection {
@@ -158,6 +161,7 @@ impl Default for PpoSection {
             critic_retry_seconds: 30.0,
             activation_checkpointing: false,
             offload_reference: false,
+            tensorboard: true,
             slots: 64,
             workers: 1,
             eval_every: 6,
@@ -176,6 +180,8 @@ pub struct PpoConfig {
     pub reward_model: RewardModelSection,
     pub data: DataSection,
     pub ppo: PpoSection,
+    /// The reward–KL figures of the actor's own samples, at every validation.
+    pub frontier: aligner_gen::FrontierSection,
 }
 
 impl Default for PpoConfig {
@@ -185,6 +191,7 @@ impl Default for PpoConfig {
             reward_model: RewardModelSection::default(),
             data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
             ppo: PpoSection::default(),
+            frontier: aligner_gen::FrontierSection::shipped(),
         }
     }
 }

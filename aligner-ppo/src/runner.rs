@@ -67,6 +67,9 @@ pub struct PpoRunner<'a> {
     pub device: Device,
     /// The reward model, when it does not share the critic's process.
     pub local_reward: Option<RewardModel>,
+    /// The reward–KL figures of the actor's samples against the start model, at every
+    /// validation (rank 0).
+    pub frontier: Option<&'a aligner_gen::Frontier>,
 }
 
 /// What the actor's update reports (means over its mini-batches).
@@ -147,12 +150,18 @@ impl PpoRunner<'_> {
             },
         );
         let mut pool = WorkerPool::new(engine, cfg.workers);
-        let log = MetricsLog::for_run(self.run, self.run.is_resumed().then_some(start))?;
+        let log = MetricsLog::for_run_with_tensorboard(
+            self.run,
+            self.run.is_resumed().then_some(start),
+            cfg.tensorboard,
+        )?;
         let mut initial_eval = None;
         if start == 0 && !self.eval_prompts.is_empty() {
             let reward = self.evaluate(&mut pool, &actor, critic)?;
             initial_eval = Some(reward);
-            log.write(&row(&[("step", 0.0), ("eval_reward", reward)]))?;
+            let mut first = row(&[("step", 0.0), ("eval_reward", reward)]);
+            first.extend(self.frontier_metrics(&actor)?);
+            log.write(&first)?;
         }
         let bar = progress_bar(
             cfg.steps as u64,
@@ -252,6 +261,7 @@ impl PpoRunner<'_> {
                 let reward = self.evaluate(&mut pool, &actor, critic)?;
                 last_eval = Some(reward);
                 out.insert("eval_reward".into(), reward.into());
+                out.extend(self.frontier_metrics(&actor)?);
             }
             let reward = out.get("reward").and_then(Value::as_f64).unwrap_or(f64::NAN);
             bar.set_position(done as u64);
@@ -278,6 +288,17 @@ impl PpoRunner<'_> {
     }
 
     /// `checkpoints/step-N/`: actor, its optimiser, the critic, the run position.
+    /// The frontier figures of `actor` (rank 0 measures them; the others log nothing).
+    fn frontier_metrics(&self, actor: &CausalLm) -> Result<Map<String, Value>> {
+        match self.frontier.filter(|_| self.run.is_writer()) {
+            Some(frontier) => Ok(aligner_core::train::ModelEval::evaluate(
+                frontier,
+                &actor.valid(),
+            )?),
+            None => Ok(Map::new()),
+        }
+    }
+
     fn save_checkpoint(
         &self,
         step: usize,

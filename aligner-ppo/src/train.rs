@@ -54,6 +54,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     run.start_with_steps(config, &["reward_model"])?;
     let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
     let lm = load_model(&config.model, device)?;
+    let frontier = config.frontier.for_start_model(&lm, device)?;
     let (train_prompts, eval_prompts) = data_files(&config.data)?
         .load(|path, _| load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings))?;
     let reward_folder = LoadedRewardModel::from_dir(&rm_dir, device)?;
@@ -96,6 +97,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         run,
         device: device.clone(),
         local_reward: (!combined).then_some(reward),
+        frontier: frontier.as_ref(),
     };
     let summary = runner.run(model, critic.as_deref())?;
     run.write_shared(|| {
@@ -124,8 +126,16 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     let lm = load_model(&config.model, device)?;
     // Checked before the first round's samples are drawn.
     config.data.max_len(&lm.config)?;
+    aligner_core::train::check_value(
+        "rs.kl_coef",
+        config.rs.kl_coef,
+        aligner_core::train::Range::NonNegative,
+    )?;
     let (train_prompts, eval_prompts) = data_files(&config.data)?
         .load(|path, _| render_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings))?;
+    let frontier = config.frontier.for_start_model(&lm, device)?;
+    // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.
+    let reference = lm.model.clone();
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     let sampling = RejectionSampling {
@@ -138,6 +148,8 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         eval_prompts: &eval_prompts,
         run,
         device: device.clone(),
+        reference: Some(&reference),
+        frontier: frontier.as_ref(),
     };
     sampling.run(model)
 }

@@ -96,6 +96,9 @@ pub struct SpinConfig {
     /// The loop of each iteration (`train.epochs` is replaced by `spin.epochs`).
     pub train: TrainSection,
     pub spin: SpinSection,
+    /// The reward–KL figures of the policy's own samples (KL to the start model), at every
+    /// validation of every iteration.
+    pub frontier: aligner_gen::FrontierSection,
 }
 
 impl Default for SpinConfig {
@@ -110,6 +113,7 @@ impl Default for SpinConfig {
             data: DataSection::shipped("train.sft.jsonl", "test.sft.jsonl"),
             train,
             spin: SpinSection::default(),
+            frontier: aligner_gen::FrontierSection::shipped(),
         }
     }
 }
@@ -166,6 +170,7 @@ pub fn train(
     let lm = load_model(&config.model, device)?;
     // Checked before the first iteration's answers are generated.
     config.data.max_len(&lm.config)?;
+    let frontier = config.frontier.for_start_model(&lm, device)?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     let spin = Spin {
@@ -176,6 +181,7 @@ pub fn train(
         store: store.as_ref(),
         run,
         device: device.clone(),
+        frontier: frontier.as_ref(),
     };
     spin.run(model)
 }
@@ -191,6 +197,8 @@ pub struct Spin<'a> {
     /// The SPIN run's folder (each iteration is a run of its own inside it).
     pub run: &'a RunDir,
     pub device: Device,
+    /// Measured at every validation: the frontier against the start model.
+    pub frontier: Option<&'a aligner_gen::Frontier>,
 }
 
 impl Spin<'_> {
@@ -280,6 +288,9 @@ impl Spin<'_> {
                 validation: &validation,
                 run: &iteration,
                 device: self.device.clone(),
+                model_eval: self
+                    .frontier
+                    .map(|f| f as &dyn aligner_core::train::ModelEval<CausalLm>),
             };
             let (trained, summary) = trainer.run(policy)?;
             // The reference takes the policy's weights at the start of the next iteration.
@@ -415,9 +426,9 @@ fn pairs(rows: &[PromptResponseRow], answers: Vec<String>) -> Vec<DpoRow> {
     rows.iter()
         .zip(answers)
         .map(|(r, answer)| DpoRow {
-            prompt: r.prompt.clone(),
-            chosen: r.response.clone(),
-            rejected: answer,
+            prompt: Some(r.prompt.clone()),
+            chosen: r.response.clone().into(),
+            rejected: answer.into(),
             chosen_reward: None,
             rejected_reward: None,
         })

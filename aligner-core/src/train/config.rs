@@ -40,9 +40,13 @@ impl Default for ModelSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
+    /// A `.jsonl`, `.json` (an array of rows) or `.parquet` file, or a folder of such shards.
     pub train: Option<PathBuf>,
     pub validation: Option<PathBuf>,
     pub max_seq_len: usize,
+    /// Column renames applied as rows are read: `{ question = "prompt" }` reads a dataset's
+    /// `question` column as the prompt.
+    pub fields: std::collections::BTreeMap<String, String>,
 }
 
 impl Default for DataSection {
@@ -51,6 +55,7 @@ impl Default for DataSection {
             train: None,
             validation: None,
             max_seq_len: 256,
+            fields: Default::default(),
         }
     }
 }
@@ -93,6 +98,32 @@ pub struct TrainSection {
     /// gradient checkpointing: memory-bound ops are recomputed, compute-bound ones such as the
     /// matmuls and aligner's fused ops keep their outputs). Less memory, more time per step.
     pub activation_checkpointing: bool,
+    /// Keep the model of the best validation by this metric (e.g. `"eval_nll"`) in `best/`
+    /// and make it `final/` (the step it is from is in `final_step.json`); none = the last.
+    pub keep_best: Option<String>,
+    /// Whether `keep_best` is best at its lowest (`min`, as for a loss or an NLL) or highest.
+    pub keep_best_mode: BestMode,
+    /// Write TensorBoard event files to `<run>/tb/` (every scalar of metrics.jsonl).
+    pub tensorboard: bool,
+}
+
+/// Which end of a metric is best.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BestMode {
+    #[default]
+    Min,
+    Max,
+}
+
+impl BestMode {
+    /// Whether `value` is better than `best`.
+    pub fn improves(self, value: f64, best: f64) -> bool {
+        match self {
+            BestMode::Min => value < best,
+            BestMode::Max => value > best,
+        }
+    }
 }
 
 impl Default for TrainSection {
@@ -116,6 +147,9 @@ impl Default for TrainSection {
             sync_check_every: 50,
             shard_optimizer: false,
             activation_checkpointing: false,
+            keep_best: None,
+            keep_best_mode: BestMode::Min,
+            tensorboard: true,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `metrics.jsonl` rows and the end-of-run SVG plot.
+//! `metrics.jsonl` rows (and the same scalars as TensorBoard events in `tb/`) and the
+//! end-of-run SVG plot.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -7,13 +8,20 @@ use plotters::prelude::*;
 use serde_json::{Map, Value};
 
 use crate::error::{CoreError, Result};
+use crate::train::tensorboard::EventWriter;
 
-/// Appends one JSON object per logged step to `metrics.jsonl`.
+/// Appends one JSON object per logged step to `metrics.jsonl`, and its numbers as scalars
+/// (its `text/...` strings as text summaries, which metrics.jsonl leaves out) to a TensorBoard
+/// event file in `tb/`.
 pub struct MetricsLog {
     path: PathBuf,
     /// Only rank 0 of a data-parallel run writes; the others' log is silent.
     enabled: bool,
+    tensorboard: Option<EventWriter>,
 }
+
+/// Row keys with this prefix hold text for TensorBoard (sample responses), not metrics.
+pub const TEXT_PREFIX: &str = "text/";
 
 impl MetricsLog {
     /// The run's log: [`MetricsLog::open`] on rank 0, a silent one on the other ranks.
@@ -24,8 +32,22 @@ impl MetricsLog {
             Ok(Self {
                 path: run.join("metrics.jsonl"),
                 enabled: false,
+                tensorboard: None,
             })
         }
+    }
+
+    /// The run's log with TensorBoard events in `<run>/tb/` when `tensorboard` is set.
+    pub fn for_run_with_tensorboard(
+        run: &crate::run::RunDir,
+        keep_through_step: Option<usize>,
+        tensorboard: bool,
+    ) -> Result<Self> {
+        let mut log = Self::for_run(run, keep_through_step)?;
+        if log.enabled && tensorboard {
+            log.tensorboard = Some(EventWriter::create(&run.join("tb"))?);
+        }
+        Ok(log)
     }
 
     /// Opens `dir/metrics.jsonl`, dropping rows after `keep_through_step` (rows a killed run
@@ -46,7 +68,11 @@ impl MetricsLog {
             _ => String::new(),
         };
         std::fs::write(&path, kept).map_err(|e| CoreError::cannot_write(&path, e))?;
-        Ok(Self { path, enabled: true })
+        Ok(Self {
+            path,
+            enabled: true,
+            tensorboard: None,
+        })
     }
 
     /// Appends a row.
@@ -54,11 +80,30 @@ impl MetricsLog {
         if !self.enabled {
             return Ok(());
         }
+        let (texts, metrics): (Map<String, Value>, Map<String, Value>) = row
+            .clone()
+            .into_iter()
+            .partition(|(k, _)| k.starts_with(TEXT_PREFIX));
         let mut file = std::fs::OpenOptions::new()
             .append(true)
             .open(&self.path)
             .map_err(|e| CoreError::cannot_write(&self.path, e))?;
-        writeln!(file, "{}", Value::Object(row.clone())).map_err(|e| CoreError::cannot_write(&self.path, e))
+        writeln!(file, "{}", Value::Object(metrics.clone()))
+            .map_err(|e| CoreError::cannot_write(&self.path, e))?;
+        if let Some(tb) = &self.tensorboard {
+            let step = metrics.get("step").and_then(Value::as_f64).unwrap_or(0.0) as i64;
+            let scalars: Vec<(&str, f64)> = metrics
+                .iter()
+                .filter(|(k, _)| k.as_str() != "step")
+                .filter_map(|(k, v)| Some((k.as_str(), v.as_f64()?)))
+                .collect();
+            let texts: Vec<(&str, &str)> = texts
+                .iter()
+                .filter_map(|(k, v)| Some((&k[TEXT_PREFIX.len()..], v.as_str()?)))
+                .collect();
+            tb.write_step(step, &scalars, &texts)?;
+        }
+        Ok(())
     }
 
     /// Every row written so far (none on a silent log).
@@ -77,31 +122,44 @@ impl MetricsLog {
 
 /// Draws `keys` against `step` from `rows` into an SVG, one panel per key.
 pub fn plot_metrics(rows: &[Map<String, Value>], keys: &[&str], path: &Path) -> Result<()> {
-    let series: Vec<(&str, Vec<(f64, f64)>)> = keys
+    plot_runs(&[("", rows)], keys, path)
+}
+
+/// Draws `keys` against `step` for several runs (`(label, rows)`) into one SVG: one panel
+/// per key, one line per run, a legend naming the runs (`aligner plot`).
+pub fn plot_runs(runs: &[(&str, &[Map<String, Value>])], keys: &[&str], path: &Path) -> Result<()> {
+    // Per key, the runs that have it, each with its points.
+    type Lines<'a> = Vec<(&'a str, Vec<(f64, f64)>)>;
+    let panels: Vec<(&str, Lines)> = keys
         .iter()
         .map(|k| {
-            let points = rows
+            let lines: Lines = runs
                 .iter()
-                .filter_map(|r| Some((r.get("step")?.as_f64()?, r.get(*k)?.as_f64()?)))
-                .filter(|(_, y)| y.is_finite())
+                .map(|(label, rows)| {
+                    let points = rows
+                        .iter()
+                        .filter_map(|r| Some((r.get("step")?.as_f64()?, r.get(*k)?.as_f64()?)))
+                        .filter(|(_, y)| y.is_finite())
+                        .collect();
+                    (*label, points)
+                })
+                .filter(|(_, p): &(&str, Vec<(f64, f64)>)| !p.is_empty())
                 .collect();
-            (*k, points)
+            (*k, lines)
         })
-        .filter(|(_, p): &(&str, Vec<(f64, f64)>)| !p.is_empty())
+        .filter(|(_, lines)| !lines.is_empty())
         .collect();
-    if series.is_empty() {
+    if panels.is_empty() {
         return Ok(());
     }
     let err = |e: String| CoreError::Invalid(format!("plot {}: {e}", path.display()));
-    let root = SVGBackend::new(path, (720, 300 * series.len() as u32)).into_drawing_area();
+    let root = SVGBackend::new(path, (720, 300 * panels.len() as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    for (area, (name, points)) in root.split_evenly((series.len(), 1)).iter().zip(&series) {
-        let (x0, x1) = points
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-        let (y0, y1) = points
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    for (area, (name, lines)) in root.split_evenly((panels.len(), 1)).iter().zip(&panels) {
+        let all = lines.iter().flat_map(|(_, p)| p.iter());
+        let (x0, x1, y0, y1) = all.fold((f64::MAX, f64::MIN, f64::MAX, f64::MIN), |(a, b, c, d), p| {
+            (a.min(p.0), b.max(p.0), c.min(p.1), d.max(p.1))
+        });
         let pad = ((y1 - y0) * 0.05).max(1e-6);
         let mut chart = ChartBuilder::on(area)
             .caption(*name, ("sans-serif", 18))
@@ -115,9 +173,29 @@ pub fn plot_metrics(rows: &[Map<String, Value>], keys: &[&str], path: &Path) -> 
             .x_desc("step")
             .draw()
             .map_err(|e| err(e.to_string()))?;
-        chart
-            .draw_series(LineSeries::new(points.iter().copied(), &BLUE))
-            .map_err(|e| err(e.to_string()))?;
+        for (i, (label, points)) in lines.iter().enumerate() {
+            let color = match runs.len() {
+                1 => BLUE.to_rgba(),
+                _ => Palette99::pick(i).to_rgba(),
+            };
+            let drawn = chart
+                .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?;
+            if !label.is_empty() {
+                drawn
+                    .label(label.to_string())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            }
+        }
+        if lines.iter().any(|(label, _)| !label.is_empty()) {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|e| err(e.to_string()))?;
+        }
     }
-    root.present().map_err(|e| err(e.to_string()))
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
 }

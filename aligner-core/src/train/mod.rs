@@ -17,6 +17,7 @@ pub mod grads;
 pub mod metrics;
 pub mod order;
 pub mod schedule;
+pub mod tensorboard;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -28,10 +29,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use config::{
-    ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_value, check_values,
-    config_changes, load_config, to_toml,
+    BestMode, ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_value,
+    check_values, config_changes, load_config, to_toml,
 };
-pub use metrics::{MetricsLog, plot_metrics};
+pub use metrics::{MetricsLog, plot_metrics, plot_runs};
+
 pub use order::{EpochOrder, mini_batches};
 pub use schedule::{Schedule, learning_rate};
 
@@ -122,6 +124,14 @@ pub trait Objective<M: Module> {
     }
 }
 
+/// Figures a method measures on the model itself at every validation, beside its
+/// objective's sums (the reward–KL frontier of the policy's own samples: aligner-gen's
+/// `Frontier`). Only rank 0 measures them, the rank that writes the metrics.
+pub trait ModelEval<M> {
+    /// Named figures of `model` (logged as they are named, e.g. `eval_frontier/kl`).
+    fn evaluate(&self, model: &M) -> Result<Map<String, Value>>;
+}
+
 /// A whole trainer run: `model` trained on `objective` over `data` (training and validation
 /// examples) with `config`'s loop, into `run`; the summary out (the trained model is in
 /// `final/`). Every method built on the shared trainer ends its run with this.
@@ -134,6 +144,21 @@ pub fn fit<M: Module + 'static, O: Objective<M>>(
     run: &RunDir,
     device: &Device,
 ) -> Result<RunSummary> {
+    fit_evaluated(model, objective, data, store, config, run, device, None)
+}
+
+/// [`fit`] with the figures of `model_eval` logged at every validation.
+#[allow(clippy::too_many_arguments)]
+pub fn fit_evaluated<M: Module + 'static, O: Objective<M>>(
+    model: M,
+    objective: &O,
+    data: (&[O::Example], &[O::Example]),
+    store: &dyn ModelStore<M>,
+    config: &TrainSection,
+    run: &RunDir,
+    device: &Device,
+    model_eval: Option<&dyn ModelEval<M>>,
+) -> Result<RunSummary> {
     let trainer = Trainer {
         config,
         objective,
@@ -142,6 +167,7 @@ pub fn fit<M: Module + 'static, O: Objective<M>>(
         validation: data.1,
         run,
         device: device.clone(),
+        model_eval,
     };
     Ok(trainer.run(model)?.1)
 }
@@ -192,6 +218,8 @@ pub struct Trainer<'a, M: Module, O: Objective<M>> {
     pub run: &'a RunDir,
     /// The device training runs on (autodiff is enabled on it by the trainer).
     pub device: Device,
+    /// Figures measured on the model at every validation besides the objective's.
+    pub model_eval: Option<&'a dyn ModelEval<M>>,
 }
 
 impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
@@ -238,10 +266,19 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         if world > 1 {
             totals = sum_by_name(crate::parallel::gather(comm, &totals)?);
         }
-        Ok(totals
+        let mut out: Map<String, Value> = totals
             .into_iter()
             .map(|(name, sum, weight)| (format!("eval_{name}"), Value::from(sum / weight.max(1e-12))))
-            .collect())
+            .collect();
+        if let Some(extra) = self.model_eval.filter(|_| rank == 0) {
+            out.extend(extra.evaluate(&model)?);
+        }
+        Ok(out)
+    }
+
+    /// Whether there is anything to validate.
+    fn validates(&self) -> bool {
+        !self.validation.is_empty() || self.model_eval.is_some()
     }
 
     fn save_checkpoint(&self, model: &M, optim: &ModuleOptimizer, state: &TrainerState) -> Result<()> {
@@ -322,13 +359,18 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             None => (model.fork(&train_device).train(), 0),
         };
         let owners = (shards > 0).then(|| grads::optimizer_owners(&model, world));
-        let log = MetricsLog::for_run(self.run, self.run.is_resumed().then_some(start))?;
-        let initial_eval = if start == 0 && !self.validation.is_empty() {
+        let log = MetricsLog::for_run_with_tensorboard(
+            self.run,
+            self.run.is_resumed().then_some(start),
+            cfg.tensorboard,
+        )?;
+        let initial_eval = if start == 0 && self.validates() {
             let eval = self.evaluate(&model)?;
             let mut row = Map::new();
             row.insert("step".into(), 0.into());
             row.extend(eval.clone());
             log.write(&row)?;
+            self.keep_if_best(&model, 0, &eval)?;
             Some(eval)
         } else {
             None
@@ -452,8 +494,8 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             let tokens_per_s = tokens_seen as f64 / started.elapsed().as_secs_f64().max(1e-9);
             bar.set_position(done as u64);
             bar.set_message(format!("loss {loss:.4} · {tokens_per_s:.0} tok/s"));
-            let eval_now = !self.validation.is_empty()
-                && (done == total || (cfg.eval_every > 0 && done % cfg.eval_every == 0));
+            let eval_now =
+                self.validates() && (done == total || (cfg.eval_every > 0 && done % cfg.eval_every == 0));
             if done % cfg.log_every.max(1) == 0 || eval_now || done == total {
                 let mut row = Map::new();
                 row.insert("step".into(), done.into());
@@ -464,7 +506,9 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
                     row.insert(name.clone(), (v / accum as f64).into());
                 }
                 if eval_now {
-                    row.extend(self.evaluate(&model)?);
+                    let eval = self.evaluate(&model)?;
+                    self.keep_if_best(&model, done, &eval)?;
+                    row.extend(eval);
                 }
                 log.write(&row)?;
             }
@@ -484,13 +528,81 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let mut final_eval = Map::new();
         self.run.write_shared(|| {
-            self.store.save(&model.valid(), &self.run.final_dir())?;
             let rows = log.rows()?;
             final_eval = last_eval(&rows);
+            match self.best()? {
+                Some(best) => {
+                    // `final/` is the best validation's model, and says so.
+                    let kept = self.store.load(&self.run.join(BEST_DIR), &self.device)?;
+                    self.store.save(&kept, &self.run.final_dir())?;
+                    crate::checkpoint::write_json(&self.run.join(FINAL_STEP), &best)?;
+                    tracing::info!(step = best.step, metric = %best.metric, value = best.value, "final/ is the best validation's model");
+                    if let Some(row) = rows.iter().find(|r| r.get("step").and_then(Value::as_u64) == Some(best.step as u64)) {
+                        final_eval = last_eval(std::slice::from_ref(row));
+                    }
+                }
+                None => {
+                    self.store.save(&model.valid(), &self.run.final_dir())?;
+                    let last = serde_json::json!({ "step": total });
+                    crate::checkpoint::write_json(&self.run.join(FINAL_STEP), &last)?;
+                }
+            }
             plot_metrics(&rows, &key_refs, &self.run.join("metrics.svg"))
         })?;
         let final_eval = self.run.agree(&final_eval)?;
         Ok((model, self.summary(total, initial_eval, final_eval)))
+    }
+
+    /// The best validation kept so far (`best/best.json`), when `train.keep_best` is set.
+    fn best(&self) -> Result<Option<FinalStep>> {
+        if self.config.keep_best.is_none() {
+            return Ok(None);
+        }
+        let path = self.run.join(BEST_DIR).join(BEST_FILE);
+        match path.exists() {
+            true => Ok(Some(crate::checkpoint::read_json(&path)?)),
+            false => Ok(None),
+        }
+    }
+
+    /// Saves `model` as `best/` when its validation `eval` improves on the kept one by
+    /// `train.keep_best` (written to a temporary folder, then renamed over the old one).
+    fn keep_if_best(&self, model: &M, step: usize, eval: &Map<String, Value>) -> Result<()> {
+        let Some(key) = &self.config.keep_best else {
+            return Ok(());
+        };
+        self.run.write_shared(|| {
+            let value = eval.get(key).and_then(Value::as_f64).ok_or_else(|| {
+                let known: Vec<&str> = eval.keys().map(String::as_str).collect();
+                CoreError::Invalid(format!(
+                    "train.keep_best = {key:?}: the validation reports no such metric (it reports {})",
+                    known.join(", ")
+                ))
+            })?;
+            if !value.is_finite() {
+                return Ok(());
+            }
+            if let Some(best) = self.best()?
+                && !self.config.keep_best_mode.improves(value, best.value)
+            {
+                return Ok(());
+            }
+            let dir = self.run.join(BEST_DIR);
+            let tmp = self.run.join(".tmp-best");
+            let _ = std::fs::remove_dir_all(&tmp);
+            std::fs::create_dir_all(&tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
+            self.store.save(&model.valid(), &tmp)?;
+            let best = FinalStep {
+                step,
+                metric: key.clone(),
+                value,
+            };
+            crate::checkpoint::write_json(&tmp.join(BEST_FILE), &best)?;
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::rename(&tmp, &dir).map_err(|e| CoreError::cannot_write(&dir, e))?;
+            tracing::info!(step, metric = %key, value, "best validation so far");
+            Ok(())
+        })
     }
 
     fn non_finite(&self, loss: f64, step: usize) -> CoreError {
@@ -514,6 +626,20 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             final_eval,
         }
     }
+}
+
+/// The folder `train.keep_best` keeps the best model in, and the file naming its step.
+pub const BEST_DIR: &str = "best";
+const BEST_FILE: &str = "best.json";
+/// The run-folder file saying which step `final/` holds.
+pub const FINAL_STEP: &str = "final_step.json";
+
+/// The step of the model kept by `train.keep_best`, with its `metric` and `value`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FinalStep {
+    pub step: usize,
+    pub metric: String,
+    pub value: f64,
 }
 
 /// The first rank whose weights checksum differs from rank 0's (ranks apply the same reduced
