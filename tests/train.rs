@@ -891,8 +891,41 @@ fn conversational_parquet_and_json_forms_train_dpo_alike() {
             }
         }
     }
-    // The conversation is rendered with the chat template: the prompt's user turn and the
-    // generation prompt come before each response (here the fallback template).
+    // KTO's conversational rows (a message completion after a message prompt) render as the
+    // DPO pairs do: each row's completion scores as the same pair's chosen response.
+    let unpaired: Vec<Value> = explicit
+        .iter()
+        .map(|r| serde_json::json!({"prompt": r["prompt"], "completion": r["chosen"], "label": true}))
+        .collect();
+    let kto_file = write_lines("unpaired.jsonl", &unpaired);
+    let kto = dir.path().join("kto");
+    let (ok, err) = aligner(&[
+        "kto",
+        "--out",
+        kto.to_str().unwrap(),
+        "--set",
+        &format!("data.train={}", kto_file.display()),
+        "--set",
+        "data.validation=''",
+        "--set",
+        "frontier.prompts=''",
+        "--set",
+        "train.max_steps=1",
+    ]);
+    assert!(ok, "{err}");
+    let numbers = |run: &Path| -> Vec<f64> {
+        std::fs::read_to_string(run.join("reference_train.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect()
+    };
+    let (dpo, kto) = (numbers(&dir.path().join("explicit")), numbers(&kto));
+    assert_eq!(dpo.len(), kto.len());
+    for i in (0..dpo.len()).step_by(2) {
+        assert_eq!(dpo[i], kto[i], "pair {}: chosen against completion", i / 2);
+    }
+    // A text pair needs its prompt; the error names the file and the row.
     let (ok, err) = aligner(&[
         "dpo",
         "--out",
