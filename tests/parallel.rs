@@ -32,6 +32,13 @@ fn mpirun(np: usize, program: &Path) -> Command {
 
 /// Runs `aligner args` on `np` ranks (one process without mpirun for `np == 1`).
 fn ranks(np: usize, args: &[&str]) {
+    // The frontier's samples differ between rank counts by float noise (a token drawn at a
+    // boundary flips), and only rank 0 measures them: these runs compare training alone.
+    let mut args = args.to_vec();
+    if matches!(args.first(), Some(&"dpo") | Some(&"kto")) && !args.contains(&"--resume") {
+        args.extend(["--set", "frontier.prompts=''"]);
+    }
+    let args = args.as_slice();
     let out = if np == 1 {
         Command::new(aligner_exe())
             .env("RAYON_NUM_THREADS", "1")
