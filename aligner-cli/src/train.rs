@@ -108,7 +108,6 @@ fn record_changes(dir: &Path, changes: &[ConfigChange]) -> Result<()> {
 pub(crate) fn format_metrics(metrics: &serde_json::Map<String, serde_json::Value>) -> String {
     metrics
         .iter()
-        .filter(|(k, _)| !k.starts_with(aligner_core::train::metrics::TEXT_PREFIX))
         .map(|(k, v)| match v.as_f64() {
             Some(x) => format!("{k} {}", format_number(x)),
             None => format!("{k} {v}"),
@@ -135,7 +134,6 @@ fn metric_changes(
     last: &serde_json::Map<String, serde_json::Value>,
 ) -> String {
     last.iter()
-        .filter(|(k, _)| !k.starts_with(aligner_core::train::metrics::TEXT_PREFIX))
         .map(|(k, v)| {
             let after = v.as_f64().map_or_else(|| v.to_string(), format_number);
             match initial.and_then(|i| i.get(k)).and_then(|b| b.as_f64()) {

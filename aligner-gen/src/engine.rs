@@ -42,6 +42,22 @@ pub struct GenerationRequest {
     pub guidance: Option<Guidance>,
 }
 
+impl Generation {
+    /// `request`'s prompt with these generated tokens, as a sequence to score (the response
+    /// being the generated tokens): how a reference or reward model scores a policy's samples.
+    pub fn scored(&self, request: &GenerationRequest) -> aligner_core::score::ScoredSequence {
+        aligner_core::score::ScoredSequence {
+            ids: request
+                .prompt_ids
+                .iter()
+                .chain(&self.token_ids)
+                .copied()
+                .collect(),
+            prompt_len: request.prompt_ids.len(),
+        }
+    }
+}
+
 impl GenerationRequest {
     /// A request without guidance.
     pub fn new(prompt_ids: Vec<u32>, params: SamplingParams) -> Self {

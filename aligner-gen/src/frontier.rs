@@ -381,10 +381,7 @@ impl Frontier {
         let sequences: Vec<ScoredSequence> = requests
             .iter()
             .zip(&generations)
-            .map(|(r, g)| ScoredSequence {
-                ids: r.prompt_ids.iter().chain(&g.token_ids).copied().collect(),
-                prompt_len: r.prompt_ids.len(),
-            })
+            .map(|(r, g)| g.scored(r))
             .collect();
         let reference_lp = response_logprobs(&self.reference.model, &sequences, 16)?;
         let responses = requests

@@ -218,14 +218,7 @@ impl RejectionSampling<'_> {
             Some(reference) => reference,
             None => return Ok(vec![0.0; outputs.len()]),
         };
-        let sequences: Vec<ScoredSequence> = requests
-            .iter()
-            .zip(outputs)
-            .map(|(r, o)| ScoredSequence {
-                ids: r.prompt_ids.iter().chain(&o.token_ids).copied().collect(),
-                prompt_len: r.prompt_ids.len(),
-            })
-            .collect();
+        let sequences: Vec<ScoredSequence> = requests.iter().zip(outputs).map(|(r, o)| o.scored(r)).collect();
         let reference_lp = response_logprobs(reference, &sequences, 32)?;
         Ok(outputs
             .iter()

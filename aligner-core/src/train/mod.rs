@@ -33,7 +33,6 @@ pub use config::{
     check_values, config_changes, load_config, to_toml,
 };
 pub use metrics::{MetricsLog, plot_metrics, plot_runs};
-
 pub use order::{EpochOrder, mini_batches};
 pub use schedule::{Schedule, learning_rate};
 
@@ -371,7 +370,13 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             row.extend(eval.clone());
             log.write(&row)?;
             self.keep_if_best(&model, 0, &eval)?;
-            Some(eval)
+            // As metrics.jsonl holds it (and `final_eval` is read from there): text summaries
+            // go to TensorBoard only.
+            Some(
+                eval.into_iter()
+                    .filter(|(k, _)| !k.starts_with(metrics::TEXT_PREFIX))
+                    .collect(),
+            )
         } else {
             None
         };
