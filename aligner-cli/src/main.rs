@@ -48,8 +48,11 @@ enum Command {
     /// KTO on unpaired desirable/undesirable completions.
     #[cfg(feature = "kto")]
     Kto(train::TrainArgs),
-    /// RLHF with PPO: actor, reference, critic and reward model.
+    /// RLHF with PPO: actor, reference, critic and reward model; with a critic-free
+    /// `ppo.advantage`, the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, REINFORCE++, RLOO).
     Ppo(train::TrainArgs),
+    /// Online DPO: the policy's own answer pairs, judged by a reward, one DPO step each round.
+    OnlineDpo(train::TrainArgs),
     /// SteerLM: attribute model, annotation, attribute-conditioned SFT.
     #[command(subcommand)]
     Steerlm(steerlm::SteerCommand),
@@ -195,6 +198,7 @@ fn run(cli: Cli) -> Result<()> {
         #[cfg(feature = "kto")]
         Command::Kto(args) => train::kto(args, &device),
         Command::Ppo(args) => ppo::ppo(args, &device),
+        Command::OnlineDpo(args) => ppo::online_dpo(args, &device),
         Command::Serve(cmd) => serve::run(cmd, &device),
         Command::Spin(args) => ppo::spin(args, &device),
         Command::Rs(args) => ppo::rs(args, &device),

@@ -1,4 +1,4 @@
-//! `aligner ppo`, `aligner rs` and `aligner spin`: the online methods, each one call into its
+//! `aligner ppo`, `aligner online-dpo`, `aligner rs` and `aligner spin`: the online methods, each one call into its
 //! crate, and what they print.
 
 use aligner_core::Device;
@@ -13,6 +13,23 @@ pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
     let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
     println!(
         "ppo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
+        summary.steps,
+        run.path().display(),
+        summary.final_dir.display(),
+        reward(summary.initial_eval_reward),
+        reward(summary.final_eval_reward)
+    );
+    Ok(())
+}
+
+/// `aligner online-dpo`: pairs of the policy's own answers, judged by the reward, a DPO step
+/// each.
+pub fn online_dpo(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, run) = prepare::<aligner_dpo::online::OnlineDpoConfig>(&args, "online-dpo")?;
+    let summary = aligner_dpo::online::train(&config, &crate::registry::registry(), &run, device)?;
+    let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
+    println!(
+        "online-dpo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
         summary.steps,
         run.path().display(),
         summary.final_dir.display(),

@@ -471,10 +471,13 @@ pub fn render_pair(
     })
 }
 
-/// `{"prompt": ...}` — prompts for generation (other keys are ignored).
+/// `{"prompt": ...}` — prompts for generation; the other keys are kept for what reads them
+/// (a reward function's `"answer"`, a target word).
 #[derive(Debug, Clone, Deserialize)]
 pub struct PromptRow {
     pub prompt: Prompt,
+    #[serde(flatten)]
+    pub fields: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Refuses `tokens` that do not fit in a model's `context` with `room` tokens to spare (1 for
@@ -511,6 +514,8 @@ pub struct EncodedPrompt {
     pub line: usize,
     pub text: String,
     pub ids: Vec<u32>,
+    /// The row's other fields.
+    pub fields: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Every prompt of `path`, rendered and encoded, each checked to leave room for a response
@@ -529,7 +534,12 @@ pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer, context: usize) -> R
             let text = row.prompt.render(tokenizer).map_err(at_line)?;
             let ids = tokenizer.encode(&text, true).map_err(at_line)?;
             check_fits(path, line, "prompt", ids.len(), context, 1)?;
-            Ok(EncodedPrompt { line, text, ids })
+            Ok(EncodedPrompt {
+                line,
+                text,
+                ids,
+                fields: row.fields,
+            })
         })
         .collect()
 }

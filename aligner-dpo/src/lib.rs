@@ -109,6 +109,7 @@
 
 mod losses;
 pub mod objective;
+pub mod online;
 mod registry;
 pub mod train;
 
@@ -140,6 +141,8 @@ pub enum DpoError {
     Core(#[from] aligner_core::CoreError),
     #[error(transparent)]
     Gen(#[from] aligner_gen::GenError),
+    #[error(transparent)]
+    Reward(#[from] aligner_gen::RewardError),
     #[error("{0}")]
     Invalid(String),
 }

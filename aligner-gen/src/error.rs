@@ -22,6 +22,8 @@ pub enum GenError {
     #[error("generation worker {0} panicked")]
     WorkerPanicked(usize),
     #[error(transparent)]
+    Reward(#[from] crate::reward::RewardError),
+    #[error(transparent)]
     Core(#[from] aligner_core::CoreError),
 }
 

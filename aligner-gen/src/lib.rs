@@ -33,6 +33,7 @@ mod error;
 pub mod frontier;
 mod options;
 mod pool;
+pub mod reward;
 mod runner;
 pub mod sampling;
 
@@ -41,4 +42,5 @@ pub use error::{GenError, Result};
 pub use frontier::{Frontier, FrontierSection};
 pub use options::{EngineStats, ForwardPath};
 pub use pool::{PoolReport, WorkerPool, WorkerReport};
+pub use reward::{Reward, RewardError, RewardInput, RewardSpec, RewardSpecs, Rewards};
 pub use sampling::SamplingParams;

@@ -92,10 +92,29 @@ pub enum Advantage {
     Grpo,
     /// RLOO: `r − mean(other samples of the group)`.
     Rloo,
+    /// Dr. GRPO (Liu et al., 2025): `r − mean(group)`, without GRPO's division by the group's
+    /// standard deviation (which up-weights prompts that are nearly always right or wrong).
+    /// Pair it with `ppo.loss_agg = "seq-mean-token-sum-norm"` for its length-unbiased loss.
+    DrGrpo,
+    /// REINFORCE++ (Hu, 2025): the KL penalty in each token's reward, the reward-to-go as the
+    /// advantage, normalised over the whole batch (no critic, no group baseline).
+    ReinforcePp,
 }
 
-/// Sequence-level advantages of `scores` under a group baseline (`Gae` is not one: it returns
-/// the scores unchanged). `scores.len()` must be a multiple of `group`.
+impl Advantage {
+    /// Whether the advantage needs a critic's values.
+    pub fn needs_critic(self) -> bool {
+        self == Advantage::Gae
+    }
+
+    /// Whether the advantage compares samples of the same prompt (so needs several of them).
+    pub fn needs_groups(self) -> bool {
+        matches!(self, Advantage::Grpo | Advantage::Rloo | Advantage::DrGrpo)
+    }
+}
+
+/// Sequence-level advantages of `scores` under a group baseline (`Gae` and `ReinforcePp` are
+/// not one: they return the scores unchanged). `scores.len()` must be a multiple of `group`.
 pub fn group_advantages(scores: &[f32], group: usize, mode: Advantage) -> Vec<f32> {
     let group = group.max(1);
     let mut out = Vec::with_capacity(scores.len());
@@ -117,9 +136,51 @@ pub fn group_advantages(scores: &[f32], group: usize, mode: Advantage) -> Vec<f3
                 out.extend(chunk.iter().map(|r| r - (sum - r) / (k - 1.0)));
             }
             Advantage::Rloo => out.extend(chunk.iter().map(|_| 0.0)),
+            Advantage::DrGrpo => out.extend(chunk.iter().map(|r| r - mean)),
+            Advantage::ReinforcePp => out.extend_from_slice(chunk),
         }
     }
     out
+}
+
+/// REINFORCE++ advantages: per-token rewards (`−kl_coef · kl_t`, the score added on the last
+/// token), their discounted reward-to-go, whitened over every token of the batch.
+pub fn reinforce_pp(scores: &[f32], kls: &[Vec<f32>], kl_coef: f32, gamma: f32) -> Vec<Vec<f32>> {
+    let mut rows: Vec<Vec<f32>> = scores
+        .iter()
+        .zip(kls)
+        .map(|(&s, kl)| {
+            let rewards = token_rewards(s, kl, kl_coef);
+            // GAE with no values and λ = 1 is the discounted reward-to-go.
+            gae(&rewards, &vec![0.0; rewards.len()], gamma, 1.0).0
+        })
+        .collect();
+    whiten(&mut rows);
+    rows
+}
+
+/// DAPO's overlong reward shaping: 0 up to `max_tokens − buffer` tokens, then falling
+/// linearly to `−penalty` at `max_tokens` (and below it past that).
+pub fn overlong_penalty(tokens: usize, max_tokens: usize, buffer: usize, penalty: f32) -> f32 {
+    if buffer == 0 {
+        return 0.0;
+    }
+    let free = max_tokens.saturating_sub(buffer);
+    if tokens <= free {
+        0.0
+    } else {
+        -penalty * (tokens - free) as f32 / buffer as f32
+    }
+}
+
+/// DAPO's dynamic sampling filter: for each group of `group` consecutive samples, whether its
+/// scores differ (a group whose samples all score the same has zero advantage everywhere and
+/// teaches nothing).
+pub fn informative_groups(scores: &[f32], group: usize) -> Vec<bool> {
+    scores
+        .chunks(group.max(1))
+        .map(|g| g.iter().any(|&s| (s - g[0]).abs() > 1e-6))
+        .collect()
 }
 
 #[cfg(test)]
@@ -186,5 +247,46 @@ mod tests {
         let g = group_advantages(&scores, 2, Advantage::Grpo);
         close(&g, &[-0.707_106_2, 0.707_106_2, 0.0, 0.0]);
         close(&group_advantages(&scores, 2, Advantage::Gae), &scores);
+        // Dr. GRPO: the same centring without the division: (1, 3) → ∓1.
+        close(
+            &group_advantages(&scores, 2, Advantage::DrGrpo),
+            &[-1.0, 1.0, 0.0, 0.0],
+        );
+        // Groups of 3 and 1 (a batch cut short): (1, 3, 2) → mean 2, std 1.
+        close(
+            &group_advantages(&[1.0, 3.0, 2.0, 5.0], 3, Advantage::Grpo),
+            &[-1.0, 1.0, 0.0, 0.0],
+        );
+    }
+
+    #[test]
+    fn reinforce_pp_by_hand() {
+        // Scores 1 and 0; KL per token [0.5, 0] and [1]; β = 0.2, γ = 1.
+        // Token rewards: [−0.1, 1.0] and [−0.2]; reward-to-go [0.9, 1.0] and [−0.2].
+        // Whitened over the 3 tokens: mean 17/30, sample std √(Σ(x−m)²/2).
+        let adv = reinforce_pp(&[1.0, 0.0], &[vec![0.5, 0.0], vec![1.0]], 0.2, 1.0);
+        let raw = [0.9f64, 1.0, -0.2];
+        let m = raw.iter().sum::<f64>() / 3.0;
+        let sd = (raw.iter().map(|x| (x - m).powi(2)).sum::<f64>() / 2.0).sqrt();
+        let want: Vec<f32> = raw.iter().map(|x| ((x - m) / sd) as f32).collect();
+        close(&adv[0], &want[..2]);
+        close(&adv[1], &want[2..]);
+    }
+
+    #[test]
+    fn overlong_shaping_by_hand() {
+        // max 48, buffer 8: free up to 40; 44 tokens → −0.5·1.0; 48 → −1.
+        assert_eq!(overlong_penalty(40, 48, 8, 1.0), 0.0);
+        assert_eq!(overlong_penalty(44, 48, 8, 1.0), -0.5);
+        assert_eq!(overlong_penalty(48, 48, 8, 2.0), -2.0);
+        assert_eq!(overlong_penalty(48, 48, 0, 1.0), 0.0);
+    }
+
+    #[test]
+    fn dynamic_sampling_keeps_groups_whose_scores_differ() {
+        assert_eq!(
+            informative_groups(&[1.0, 1.0, 0.0, 1.0, 0.0, 0.0], 2),
+            vec![false, true, false]
+        );
     }
 }

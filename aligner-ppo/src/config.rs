@@ -1,5 +1,5 @@
 //! `aligner ppo` configuration: `[model]` (the actor, from an SFT model; LoRA), `[reward_model]`,
-//! `[data]` (prompt files) and `[ppo]`.
+//! `[data]` (prompt files), `[ppo]` and `[[reward]]` (rewards as functions).
 
 use std::path::PathBuf;
 
@@ -7,6 +7,7 @@ use aligner_core::train::{DataSection, ModelSection};
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::{Advantage, KlEstimator};
+use crate::losses::{ImportanceRatio, LossAgg, PolicyLossOptions};
 
 /// `[reward_model]`: the frozen reward model, which also starts the critic.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -52,7 +53,26 @@ pub struct PpoSection {
     /// Passes over each rollout.
     pub epochs: usize,
     pub mini_batch: usize,
+    /// The policy ratio's clip range below 1 (and above it, unless `clip_eps_high` is set).
     pub clip_eps: f64,
+    /// DAPO's clip-higher: the range above 1 (e.g. 0.28 with `clip_eps` 0.2), so unlikely
+    /// tokens with positive advantages can gain more (against entropy collapse).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_eps_high: Option<f64>,
+    /// Token ratios (PPO, GRPO) or one length-normalised ratio per sequence (GSPO).
+    pub importance_ratio: ImportanceRatio,
+    /// How per-token policy losses are averaged (`token-mean`, `seq-mean-token-sum`,
+    /// `seq-mean-token-mean`, `seq-mean-token-sum-norm`).
+    pub loss_agg: LossAgg,
+    /// DAPO's dynamic sampling: groups whose samples all score the same are dropped and more
+    /// prompts drawn to refill the batch (group advantages only).
+    pub dynamic_sampling: bool,
+    /// How many extra draws of `rollout_prompts` prompts a step may make to refill its batch.
+    pub dynamic_sampling_max_draws: usize,
+    /// DAPO's overlong reward shaping: responses longer than `max_new_tokens −
+    /// overlong_buffer` tokens lose up to `overlong_penalty` linearly (0 = off).
+    pub overlong_buffer: usize,
+    pub overlong_penalty: f32,
     pub value_clip_eps: f64,
     /// Weight of the entropy bonus (0 = off); computed exactly from the response positions'
     /// full distributions.
@@ -102,8 +122,51 @@ impl PpoSection {
 }
 
 impl PpoSection {
+    /// The policy loss's settings.
+    pub fn policy_loss(&self) -> PolicyLossOptions {
+        PolicyLossOptions {
+            clip_low: self.clip_eps,
+            clip_high: self.clip_eps_high.unwrap_or(self.clip_eps),
+            ratio: self.importance_ratio,
+            agg: self.loss_agg,
+            max_tokens: self.max_new_tokens,
+        }
+    }
+
     /// Refuses settings PPO cannot run with, naming the key.
     pub fn check(&self) -> Result<(), aligner_core::CoreError> {
+        let invalid = |m: String| Err(aligner_core::CoreError::Invalid(m));
+        if self.advantage.needs_groups() && self.samples_per_prompt < 2 {
+            return invalid(format!(
+                "ppo.advantage = {:?} compares samples of one prompt: set ppo.samples_per_prompt to at least 2",
+                self.advantage
+            ));
+        }
+        if self.dynamic_sampling && !self.advantage.needs_groups() {
+            return invalid(
+                "ppo.dynamic_sampling drops groups whose samples score alike: it needs a group advantage \
+                 (ppo.advantage = \"grpo\", \"dr_grpo\" or \"rloo\")"
+                    .into(),
+            );
+        }
+        if self.overlong_buffer > self.max_new_tokens {
+            return invalid(format!(
+                "ppo.overlong_buffer = {} is longer than ppo.max_new_tokens = {}",
+                self.overlong_buffer, self.max_new_tokens
+            ));
+        }
+        if let Some(high) = self.clip_eps_high {
+            aligner_core::train::check_value(
+                "ppo.clip_eps_high",
+                high,
+                aligner_core::train::Range::Positive,
+            )?;
+        }
+        aligner_core::train::check_value(
+            "ppo.overlong_penalty",
+            self.overlong_penalty,
+            aligner_core::train::Range::NonNegative,
+        )?;
         use aligner_core::train::Range::{Fraction, NonNegative, OpenFraction, Positive};
         aligner_core::train::check_values(&[
             ("ppo.temperature", self.temperature.into(), NonNegative),
@@ -149,6 +212,13 @@ impl Default for PpoSection {
             epochs: 2,
             mini_batch: 16,
             clip_eps: 0.2,
+            clip_eps_high: None,
+            importance_ratio: ImportanceRatio::Token,
+            loss_agg: LossAgg::TokenMean,
+            dynamic_sampling: false,
+            dynamic_sampling_max_draws: 3,
+            overlong_buffer: 0,
+            overlong_penalty: 1.0,
             value_clip_eps: 0.2,
             entropy_coef: 0.0,
             actor_lr: 3e-4,
@@ -180,6 +250,11 @@ pub struct PpoConfig {
     pub reward_model: RewardModelSection,
     pub data: DataSection,
     pub ppo: PpoSection,
+    /// Rewards as functions: one `[reward]` table or several `[[reward]]` tables (a reward
+    /// model, `command`, `url`, `function` or `rule`), summed with their weights. Empty: the
+    /// reward model of `[reward_model]`.
+    #[serde(skip_serializing_if = "aligner_gen::RewardSpecs::is_empty")]
+    pub reward: aligner_gen::RewardSpecs,
     /// The reward–KL figures of the actor's own samples, at every validation.
     pub frontier: aligner_gen::FrontierSection,
 }
@@ -191,6 +266,7 @@ impl Default for PpoConfig {
             reward_model: RewardModelSection::default(),
             data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
             ppo: PpoSection::default(),
+            reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
         }
     }

@@ -7,6 +7,8 @@ pub enum PpoError {
     Core(#[from] aligner_core::CoreError),
     #[error(transparent)]
     Gen(#[from] aligner_gen::GenError),
+    #[error(transparent)]
+    Reward(#[from] aligner_gen::RewardError),
     #[error("critic: {0}")]
     Critic(String),
     #[error(

@@ -1,5 +1,5 @@
 //! Rejection sampling (best-of-n, as in Llama 2): for each prompt, `rs.n` samples from the
-//! policy scored by the reward model, the best kept (above an optional threshold), then SFT on
+//! policy scored by the reward (the reward model, or any `[[reward]]`), the best kept (above an optional threshold), then SFT on
 //! them; several rounds.
 //!
 //! It lives here, beside PPO, because it is made of the same roles minus the critic: the
@@ -7,21 +7,18 @@
 //! ([`crate::critic::rewards_of`] on the same [`crate::rollout::Layout`]); its update is plain
 //! SFT from aligner-core.
 
-use aligner_core::data::{Prompt, append_jsonl};
-use aligner_core::reward::RewardModel;
+use aligner_core::data::{EncodedPrompt, Prompt, append_jsonl};
 use aligner_core::run::RunDir;
 use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::sft::{SftExample, SftObjective, SftRow};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
-use aligner_gen::{Engine, GenerationRequest, SamplingParams};
+use aligner_gen::{Engine, GenerationRequest, RewardInput, Rewards, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
 
 use crate::config::RewardModelSection;
-use crate::critic::rewards_in_batches;
 use crate::error::{PpoError, Result};
-use crate::rollout::Sequence;
 
 /// `[rs]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +66,9 @@ pub struct RsConfig {
     /// The SFT loop of each round.
     pub train: TrainSection,
     pub rs: RsSection,
+    /// Rewards as functions (as `aligner ppo`'s); empty: the reward model of `[reward_model]`.
+    #[serde(skip_serializing_if = "aligner_gen::RewardSpecs::is_empty")]
+    pub reward: aligner_gen::RewardSpecs,
     /// The reward–KL figures of the policy's own samples after each round.
     pub frontier: aligner_gen::FrontierSection,
 }
@@ -88,6 +88,7 @@ impl Default for RsConfig {
             data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
             train,
             rs: RsSection::default(),
+            reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
         }
     }
@@ -120,10 +121,10 @@ pub struct RejectionSampling<'a> {
     pub llama: &'a LlamaConfig,
     pub tokenizer: &'a TextTokenizer,
     pub store: &'a dyn ModelStore<CausalLm>,
-    pub reward: &'a RewardModel,
-    /// Rendered prompt texts.
-    pub train_prompts: &'a [String],
-    pub eval_prompts: &'a [String],
+    pub reward: &'a Rewards,
+    /// Prompts with their rows' fields.
+    pub train_prompts: &'a [EncodedPrompt],
+    pub eval_prompts: &'a [EncodedPrompt],
     /// The run's folder (each round's SFT is a run of its own inside it).
     pub run: &'a RunDir,
     pub device: Device,
@@ -155,7 +156,7 @@ impl RejectionSampling<'_> {
                 if cfg.threshold.is_none_or(|t| best.reward >= t) {
                     kept_sum += best.reward as f64;
                     rows.push(SftRow::PromptResponse {
-                        prompt: Prompt::Text(prompt.clone()),
+                        prompt: Prompt::Text(prompt.text.clone()),
                         response: best.text.clone(),
                     });
                 }
@@ -233,7 +234,7 @@ impl RejectionSampling<'_> {
         &self,
         engine: &mut Option<Engine>,
         policy: &CausalLm,
-        prompts: &[String],
+        prompts: &[EncodedPrompt],
         n: usize,
         seed: u64,
     ) -> Result<Sampled> {
@@ -244,7 +245,7 @@ impl RejectionSampling<'_> {
             .enumerate()
             .map(|(i, p)| {
                 Ok(GenerationRequest {
-                    prompt_ids: self.tokenizer.encode(p, true)?,
+                    prompt_ids: p.ids.clone(),
                     params: SamplingParams {
                         temperature: cfg.temperature,
                         seed: seed.wrapping_add(i as u64),
@@ -261,19 +262,35 @@ impl RejectionSampling<'_> {
         let chunk = engine.slots().max(1);
         let (samples, work) =
             aligner_core::parallel::map_balanced(self.run.comm(), requests.len(), chunk, |range| {
+                let owners: Vec<&EncodedPrompt> = range.clone().map(|i| &prompts[i / n]).collect();
                 let requests = &requests[range];
                 let outputs = engine.generate(requests)?;
-                let sequences = Sequence::from_generations(requests, &outputs);
-                let rewards = rewards_in_batches(self.reward, &sequences, 32, &self.device)?;
-                let drift = self.drift(requests, &outputs)?;
-                requests
+                let texts: Vec<String> = requests
                     .iter()
                     .zip(&outputs)
+                    .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
+                    .collect::<Result<_, _>>()?;
+                let inputs: Vec<RewardInput<'_>> = owners
+                    .iter()
+                    .zip(&outputs)
+                    .zip(&texts)
+                    .map(|((p, o), text)| RewardInput {
+                        prompt: &p.text,
+                        response: text,
+                        prompt_ids: &p.ids,
+                        response_ids: &o.token_ids,
+                        stop_reason: o.stop_reason,
+                        fields: &p.fields,
+                    })
+                    .collect();
+                let rewards = self.reward.score_parts(&inputs)?.total;
+                let drift = self.drift(requests, &outputs)?;
+                texts
+                    .into_iter()
                     .zip(rewards)
                     .zip(drift)
-                    .map(|(((r, o), reward), drift)| {
-                        let text = self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids)?;
-                        Ok(Candidate::new(text, reward, drift, cfg.kl_coef))
+                    .map(|((text, reward), drift)| {
+                        Ok(Candidate::new(text, reward as f32, drift, cfg.kl_coef))
                     })
                     .collect::<Result<Vec<_>, PpoError>>()
             })?;

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use aligner_core::checkpoint::write_json;
+use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::{map_balanced, map_sharded};
-use aligner_core::reward::RewardModel;
 use aligner_core::run::{RunDir, progress_bar};
 use aligner_core::train::grads::{all_reduce_gradients, clip_grad_norm};
 use aligner_core::train::{
@@ -15,7 +15,8 @@ use aligner_core::train::{
 };
 use aligner_core::{CausalLm, CoreError, LlamaConfig, TextTokenizer};
 use aligner_gen::{
-    Engine, EngineOptions, Generation, GenerationRequest, SamplingParams, StopReason, WorkerPool,
+    Engine, EngineOptions, Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason,
+    WorkerPool,
 };
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -24,11 +25,14 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::advantages::{Advantage, gae, group_advantages, kl_per_token, token_rewards, whiten};
+use crate::advantages::{
+    Advantage, gae, group_advantages, informative_groups, kl_per_token, overlong_penalty, reinforce_pp,
+    token_rewards, whiten,
+};
 use crate::config::{NonEos, PpoConfig};
-use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest, rewards_in_batches};
+use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest};
 use crate::error::{PpoError, Result};
-use crate::losses::{clipped_policy_loss, entropy, masked_token_mean};
+use crate::losses::{LossAgg, entropy, masked_token_mean, policy_loss};
 use crate::rollout::{Layout, Sequence};
 pub use crate::timing::StepTimes;
 use aligner_parallel::{DEFAULT_CHUNK_TOKENS, ReduceOp, shard_range, token_logprobs_from_hidden};
@@ -58,15 +62,17 @@ pub struct PpoRunner<'a> {
     pub config: &'a PpoConfig,
     pub llama: &'a LlamaConfig,
     pub tokenizer: &'a TextTokenizer,
-    pub train_prompts: &'a [Vec<u32>],
-    pub eval_prompts: &'a [Vec<u32>],
+    /// Prompts with their rows' other fields (what reward functions read).
+    pub train_prompts: &'a [EncodedPrompt],
+    pub eval_prompts: &'a [EncodedPrompt],
     /// Saves and loads the actor (full weights or LoRA adapters).
     pub store: &'a dyn ModelStore<CausalLm>,
     /// The run folder: a new run, or one resumed from its newest checkpoint.
     pub run: &'a RunDir,
     pub device: Device,
-    /// The reward model, when it does not share the critic's process.
-    pub local_reward: Option<RewardModel>,
+    /// The rewards the actor computes itself (functions, commands, endpoints, a reward model
+    /// beside the actor); `None` when the critic's process holds the reward model.
+    pub reward: Option<&'a Rewards>,
     /// The reward–KL figures of the actor's samples against the start model, at every
     /// validation (rank 0).
     pub frontier: Option<&'a aligner_gen::Frontier>,
@@ -78,6 +84,17 @@ struct ActorStats {
     approx_kl: f64,
     policy_loss: f64,
     entropy: Option<f64>,
+}
+
+/// A step's samples and their rewards (when the actor computes them).
+struct Rollout {
+    generations: Vec<Generation>,
+    sequences: Vec<Sequence>,
+    /// Shaped scores (non-EOS penalty, overlong shaping); `None`: the critic's reply has them.
+    scores: Option<Vec<f32>>,
+    metrics: Map<String, Value>,
+    per_rank: Vec<f64>,
+    reward_seconds: f64,
 }
 
 /// A rollout after scoring: everything the updates need, one entry per sequence.
@@ -103,12 +120,7 @@ impl PpoRunner<'_> {
     /// `critic` is rank 0's alone (`None` on the others): rank 0 asks it and shares the replies.
     pub fn run(&self, actor: CausalLm, critic: Option<&dyn CriticClient>) -> Result<PpoSummary> {
         let cfg = &self.config.ppo;
-        if cfg.advantage != Advantage::Gae && cfg.samples_per_prompt < 2 {
-            return Err(PpoError::Invalid(format!(
-                "ppo.advantage = {:?} needs ppo.samples_per_prompt of at least 2",
-                cfg.advantage
-            )));
-        }
+        cfg.check()?;
         if self.train_prompts.is_empty() {
             return Err(PpoError::Invalid("no training prompts".into()));
         }
@@ -183,24 +195,47 @@ impl PpoRunner<'_> {
             times.refit = t.elapsed().as_secs_f64();
 
             let t = Instant::now();
-            let prompts = self.step_prompts(step);
-            let requests = self.requests(&prompts, step, false);
-            let (generations, per_rank) = self.generate(&mut pool, &requests)?;
-            times.generation = t.elapsed().as_secs_f64();
-            times.generation_per_rank = per_rank;
-            let sequences = Sequence::from_generations(&requests, &generations);
+            let rollout = self.rollout(&mut pool, step)?;
+            times.generation = t.elapsed().as_secs_f64() - rollout.reward_seconds;
+            times.reward = rollout.reward_seconds;
+            times.generation_per_rank = rollout.per_rank;
+            let sequences = rollout.sequences;
+            let generations = rollout.generations;
 
             // The critic scores while the actor computes the reference log-probs.
-            let pending = critic.map(|c| c.infer(sequences.clone()));
+            let needs_critic = cfg.advantage.needs_critic();
+            let pending = critic
+                .filter(|_| needs_critic)
+                .map(|c| c.infer(sequences.clone()));
             let t = Instant::now();
             let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
             times.logprobs = t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let critic_out: InferReply = self.shared_by_root(pending.map(|p| p.wait()).transpose()?)?;
+            let critic_out: InferReply = if needs_critic {
+                self.shared_by_root(pending.map(|p| p.wait()).transpose()?)?
+            } else {
+                InferReply {
+                    values: sequences
+                        .iter()
+                        .map(|s| vec![0.0; s.response_ids.len()])
+                        .collect(),
+                    rewards: Vec::new(),
+                    seconds: 0.0,
+                }
+            };
             times.critic_wait = t.elapsed().as_secs_f64();
             times.critic_compute = critic_out.seconds;
 
-            let (scored, metrics) = self.score(sequences, &generations, &ref_logprobs, critic_out)?;
+            let mut metrics = rollout.metrics;
+            let scores = match rollout.scores {
+                Some(scores) => scores,
+                None => {
+                    metrics.insert("reward".into(), mean(&critic_out.rewards).into());
+                    self.shaped(&critic_out.rewards, &generations)
+                }
+            };
+            let (scored, more) = self.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
+            metrics.extend(more);
             let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
             let value_ticket = critic.filter(|_| train_values).map(|critic| {
                 critic.train(TrainRequest {
@@ -342,19 +377,27 @@ impl PpoRunner<'_> {
     }
 
     /// This step's prompts: consecutive stretches of a per-epoch shuffle of the training
-    /// prompts (a stretch may run into the next epoch).
-    fn step_prompts(&self, step: usize) -> Vec<Vec<u32>> {
+    /// prompts (a stretch may run into the next epoch). Dynamic sampling's extra draws
+    /// (`draw` ≥ 1) take the same stretch of shuffles of their own.
+    fn step_prompts(&self, step: usize, draw: usize) -> Vec<&EncodedPrompt> {
         let per = self.config.ppo.rollout_prompts.max(1);
-        EpochOrder::new(self.train_prompts.len(), true, self.config.ppo.seed)
+        let seed = self.config.ppo.seed.wrapping_add((draw as u64) << 32);
+        EpochOrder::new(self.train_prompts.len(), true, seed)
             .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
             .items(step * per, per)
             .into_iter()
-            .map(|i| self.train_prompts[i].clone())
+            .map(|i| &self.train_prompts[i])
             .collect()
     }
 
-    /// `samples_per_prompt` requests per prompt, each with its own seed.
-    fn requests(&self, prompts: &[Vec<u32>], step: usize, eval: bool) -> Vec<GenerationRequest> {
+    /// `samples_per_prompt` requests per prompt (one for evaluation), each with its own seed.
+    fn requests(
+        &self,
+        prompts: &[&EncodedPrompt],
+        step: usize,
+        draw: usize,
+        eval: bool,
+    ) -> Vec<GenerationRequest> {
         let cfg = &self.config.ppo;
         let samples = if eval { 1 } else { cfg.samples_per_prompt.max(1) };
         let base = if eval {
@@ -363,13 +406,14 @@ impl PpoRunner<'_> {
             cfg.seed
                 .wrapping_mul(1_000_003)
                 .wrapping_add(step as u64 * 100_000)
+                .wrapping_add((draw as u64) << 40)
         };
         prompts
             .iter()
             .flat_map(|p| std::iter::repeat_n(p, samples))
             .enumerate()
             .map(|(i, p)| GenerationRequest {
-                prompt_ids: p.clone(),
+                prompt_ids: p.ids.clone(),
                 params: SamplingParams {
                     temperature: cfg.temperature,
                     top_k: cfg.top_k,
@@ -379,6 +423,170 @@ impl PpoRunner<'_> {
                     stop_strings: Vec::new(),
                 },
                 guidance: None,
+            })
+            .collect()
+    }
+
+    /// A step's samples: `rollout_prompts` prompts × `samples_per_prompt`, scored by the
+    /// actor's rewards when it holds them. With dynamic sampling, groups whose scores are all
+    /// equal are dropped and up to `dynamic_sampling_max_draws` more draws refill the batch.
+    fn rollout(&self, pool: &mut WorkerPool, step: usize) -> Result<Rollout> {
+        let cfg = &self.config.ppo;
+        let group = cfg.samples_per_prompt.max(1);
+        let wanted = cfg.rollout_prompts.max(1);
+        let draws = if cfg.dynamic_sampling {
+            1 + cfg.dynamic_sampling_max_draws
+        } else {
+            1
+        };
+        let mut out = Rollout {
+            generations: Vec::new(),
+            sequences: Vec::new(),
+            scores: None,
+            metrics: Map::new(),
+            per_rank: Vec::new(),
+            reward_seconds: 0.0,
+        };
+        // Raw scores of every sample drawn, and each reward part's, for the step's metrics.
+        let mut raw_all: Vec<f32> = Vec::new();
+        let mut parts_all: Vec<(String, Vec<f64>)> = Vec::new();
+        let mut kept_scores = Vec::new();
+        let mut draws_made = 0;
+        for draw in 0..draws {
+            draws_made += 1;
+            let prompts = self.step_prompts(step, draw);
+            let requests = self.requests(&prompts, step, draw, false);
+            let (generations, per_rank) = self.generate(pool, &requests)?;
+            if out.per_rank.len() < per_rank.len() {
+                out.per_rank.resize(per_rank.len(), 0.0);
+            }
+            out.per_rank.iter_mut().zip(&per_rank).for_each(|(a, b)| *a += b);
+            let sequences = Sequence::from_generations(&requests, &generations);
+            let Some(rewards) = self.reward else {
+                out.generations = generations;
+                out.sequences = sequences;
+                return Ok(out);
+            };
+            let t = Instant::now();
+            let owners: Vec<&EncodedPrompt> = prompts
+                .iter()
+                .flat_map(|p| std::iter::repeat_n(*p, group))
+                .collect();
+            let (raw, parts) = self.rewards_of(rewards, &owners, &generations)?;
+            out.reward_seconds += t.elapsed().as_secs_f64();
+            raw_all.extend(&raw);
+            for (name, scores) in parts {
+                match parts_all.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, all)) => all.extend(scores),
+                    None => parts_all.push((name, scores)),
+                }
+            }
+            let shaped = self.shaped(&raw, &generations);
+            let keep = if cfg.dynamic_sampling {
+                informative_groups(&shaped, group)
+            } else {
+                vec![true; prompts.len()]
+            };
+            let mut generations = generations.into_iter();
+            let mut sequences = sequences.into_iter();
+            for (g, &kept) in keep.iter().enumerate() {
+                let groups_kept = out.sequences.len() / group;
+                let take = kept && groups_kept < wanted;
+                for i in g * group..(g + 1) * group {
+                    let (Some(generation), Some(sequence)) = (generations.next(), sequences.next()) else {
+                        break;
+                    };
+                    if take {
+                        out.generations.push(generation);
+                        out.sequences.push(sequence);
+                        kept_scores.push(shaped[i]);
+                    }
+                }
+            }
+            if out.sequences.len() / group >= wanted {
+                break;
+            }
+        }
+        out.metrics.insert("reward".into(), mean(&raw_all).into());
+        if parts_all.len() > 1 || parts_all.first().is_some_and(|(n, _)| n != "reward") {
+            for (name, scores) in &parts_all {
+                let m = scores.iter().sum::<f64>() / scores.len().max(1) as f64;
+                out.metrics.insert(format!("reward/{name}"), m.into());
+            }
+        }
+        if cfg.dynamic_sampling {
+            out.metrics
+                .insert("dynamic_sampling/draws".into(), draws_made.into());
+            out.metrics.insert(
+                "dynamic_sampling/groups".into(),
+                (out.sequences.len() / group).into(),
+            );
+        }
+        out.scores = Some(kept_scores);
+        Ok(out)
+    }
+
+    /// The rewards of `generations` (each answering the prompt in `owners` at the same
+    /// index): each sample's weighted total and each part's scores. Data parallel: each rank
+    /// scores its shard (a command reward runs one process per rank).
+    fn rewards_of(
+        &self,
+        rewards: &Rewards,
+        owners: &[&EncodedPrompt],
+        generations: &[Generation],
+    ) -> Result<(Vec<f32>, Vec<(String, Vec<f64>)>)> {
+        let texts: Vec<String> = owners
+            .iter()
+            .zip(generations)
+            .map(|(p, g)| self.tokenizer.decode_continuation(&p.ids, &g.token_ids))
+            .collect::<std::result::Result<_, _>>()?;
+        let inputs: Vec<RewardInput<'_>> = owners
+            .iter()
+            .zip(generations)
+            .zip(&texts)
+            .map(|((p, g), text)| RewardInput {
+                prompt: &p.text,
+                response: text,
+                prompt_ids: &p.ids,
+                response_ids: &g.token_ids,
+                stop_reason: g.stop_reason,
+                fields: &p.fields,
+            })
+            .collect();
+        let per_sample: Vec<(f64, Vec<f64>)> = map_sharded(self.run.comm(), &inputs, |mine| {
+            let scored = rewards.score_parts(mine)?;
+            Ok::<_, PpoError>(
+                (0..mine.len())
+                    .map(|i| (scored.total[i], scored.parts.iter().map(|(_, s)| s[i]).collect()))
+                    .collect(),
+            )
+        })?;
+        let names = rewards.names();
+        let parts = names
+            .iter()
+            .enumerate()
+            .map(|(j, name)| (name.to_string(), per_sample.iter().map(|(_, p)| p[j]).collect()))
+            .collect();
+        Ok((per_sample.iter().map(|(t, _)| *t as f32).collect(), parts))
+    }
+
+    /// Raw scores with the configured shaping: the non-EOS penalty and DAPO's overlong
+    /// penalty.
+    fn shaped(&self, raw: &[f32], generations: &[Generation]) -> Vec<f32> {
+        let cfg = &self.config.ppo;
+        raw.iter()
+            .zip(generations)
+            .map(|(&score, g)| {
+                let mut s = score;
+                if cfg.non_eos == NonEos::Penalize && g.stop_reason != StopReason::Eos {
+                    s += cfg.non_eos_penalty;
+                }
+                s + overlong_penalty(
+                    g.token_ids.len(),
+                    cfg.max_new_tokens,
+                    cfg.overlong_buffer,
+                    cfg.overlong_penalty,
+                )
             })
             .collect()
     }
@@ -437,13 +645,6 @@ impl PpoRunner<'_> {
         Ok((generations, work.iter().map(|w| w.seconds).collect()))
     }
 
-    /// Rewards of the reward model held beside the actor, each rank scoring its shard.
-    fn local_rewards(&self, rm: &RewardModel, sequences: &[Sequence]) -> Result<Vec<f32>> {
-        map_sharded(self.run.comm(), sequences, |mine| {
-            rewards_in_batches(rm, mine, self.config.ppo.mini_batch, &self.device)
-        })
-    }
-
     /// Rank 0's `value` (a critic reply only rank 0 asked for) on every rank.
     fn shared_by_root<T: Serialize + DeserializeOwned>(&self, value: Option<T>) -> Result<T> {
         self.run
@@ -458,12 +659,9 @@ impl PpoRunner<'_> {
         generations: &[Generation],
         ref_logprobs: &[Vec<f32>],
         critic_out: InferReply,
+        scores: Vec<f32>,
     ) -> Result<(Scored, Map<String, Value>)> {
         let cfg = &self.config.ppo;
-        let mut scores = match &self.local_reward {
-            Some(rm) => self.local_rewards(rm, &sequences)?,
-            None => critic_out.rewards.clone(),
-        };
         if scores.len() != sequences.len() {
             return Err(PpoError::Critic(format!(
                 "{} rewards for {} sequences (is a reward model loaded where the rewards are computed?)",
@@ -471,18 +669,10 @@ impl PpoRunner<'_> {
                 sequences.len()
             )));
         }
-        let raw_mean = mean(&scores);
         let ended: Vec<bool> = generations
             .iter()
             .map(|g| g.stop_reason == StopReason::Eos)
             .collect();
-        if cfg.non_eos == NonEos::Penalize {
-            for (s, &e) in scores.iter_mut().zip(&ended) {
-                if !e {
-                    *s += cfg.non_eos_penalty;
-                }
-            }
-        }
         let old_logprobs: Vec<Vec<f32>> = generations.iter().map(|g| g.token_logprobs.clone()).collect();
         let kls: Vec<Vec<f32>> = old_logprobs
             .iter()
@@ -497,6 +687,8 @@ impl PpoRunner<'_> {
                 .zip(&values)
                 .map(|((&s, kl), v)| gae(&token_rewards(s, kl, cfg.kl_coef), v, cfg.gamma, cfg.lam))
                 .unzip(),
+            // Normalised over the batch that trains (after non-EOS exclusion, below).
+            Advantage::ReinforcePp => (Vec::new(), values.clone()),
             mode => {
                 let totals: Vec<f32> = scores
                     .iter()
@@ -512,13 +704,17 @@ impl PpoRunner<'_> {
             .filter(|&i| cfg.non_eos != NonEos::Exclude || ended[i])
             .collect();
         let pick = |rows: &[Vec<f32>]| keep.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>();
-        let mut kept_adv = pick(&advantages);
-        if cfg.whiten_advantages && cfg.advantage == Advantage::Gae {
-            whiten(&mut kept_adv);
+        if cfg.advantage == Advantage::ReinforcePp {
+            let kept_scores: Vec<f32> = keep.iter().map(|&i| scores[i]).collect();
+            advantages = reinforce_pp(&kept_scores, &pick(&kls), cfg.kl_coef, cfg.gamma);
+        } else {
+            let mut kept_adv = pick(&advantages);
+            if cfg.whiten_advantages && cfg.advantage == Advantage::Gae {
+                whiten(&mut kept_adv);
+            }
+            advantages = kept_adv;
         }
-        advantages = kept_adv;
         let metrics = row(&[
-            ("reward", raw_mean),
             (
                 "kl",
                 mean(&kls.iter().map(|k| k.iter().sum::<f32>()).collect::<Vec<_>>()),
@@ -571,8 +767,11 @@ impl PpoRunner<'_> {
         for range in mini_batches(n, cfg.mini_batch, cfg.epochs) {
             let shard = shard_range(range.len(), rank, world);
             let mine = range.start + shard.start..range.start + shard.end;
+            // The loss is a mean over tokens, or over sequences (the other aggregations).
+            let by_tokens = cfg.loss_agg == LossAgg::TokenMean;
             let share = match (world, tokens(range.clone())) {
                 (1, _) => 1.0,
+                _ if !by_tokens => mine.len() as f64 / range.len().max(1) as f64,
                 (_, 0) => 1.0 / world as f64,
                 (_, all) => tokens(mine.clone()) as f64 / all as f64,
             };
@@ -641,12 +840,12 @@ impl PpoRunner<'_> {
             .reshape([rows, width - 1, d]);
         let targets = layout.tokens.clone().narrow(1, 1, width - 1);
         let lp = token_logprobs_from_hidden(inputs, actor.output_weight(), targets, DEFAULT_CHUNK_TOKENS);
-        let mut out = clipped_policy_loss(
+        let mut out = policy_loss(
             layout.response_columns(lp),
             old,
             adv,
             &layout.response_mask,
-            cfg.clip_eps,
+            &cfg.policy_loss(),
         );
         let mut entropy_value = 0.0;
         if cfg.entropy_coef > 0.0 {
@@ -659,7 +858,8 @@ impl PpoRunner<'_> {
         Ok((out.loss, [value, out.clip_fraction, out.approx_kl, entropy_value]))
     }
 
-    /// Mean reward-model score of the policy's samples on the held-out prompts.
+    /// Mean reward (the weighted sum of the rewards, unshaped) of the policy's samples on the
+    /// held-out prompts.
     fn evaluate(
         &self,
         pool: &mut WorkerPool,
@@ -671,11 +871,12 @@ impl PpoRunner<'_> {
             n => n.min(self.eval_prompts.len()),
         };
         pool.refit(actor)?;
-        let requests = self.requests(&self.eval_prompts[..limit], 0, true);
+        let prompts: Vec<&EncodedPrompt> = self.eval_prompts[..limit].iter().collect();
+        let requests = self.requests(&prompts, 0, 0, true);
         let (generations, _) = self.generate(pool, &requests)?;
         let sequences = Sequence::from_generations(&requests, &generations);
-        let rewards = match &self.local_reward {
-            Some(rm) => self.local_rewards(rm, &sequences)?,
+        let rewards = match self.reward {
+            Some(rewards) => self.rewards_of(rewards, &prompts, &generations)?.0,
             None => {
                 let reply = critic.map(|c| c.infer(sequences).wait()).transpose()?;
                 self.shared_by_root(reply.map(|r| r.rewards))?

@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 pub struct StepTimes {
     pub refit: f64,
     pub generation: f64,
+    /// Scoring the samples with the reward functions held by the actor (a command, an
+    /// endpoint, rules, a reward model beside the actor).
+    #[serde(default)]
+    pub reward: f64,
     pub logprobs: f64,
     pub critic_wait: f64,
     pub train: f64,
@@ -23,6 +27,7 @@ impl StepTimes {
     pub(crate) fn add(&mut self, other: &StepTimes) {
         self.refit += other.refit;
         self.generation += other.generation;
+        self.reward += other.reward;
         self.logprobs += other.logprobs;
         self.critic_wait += other.critic_wait;
         self.train += other.train;
@@ -69,6 +74,7 @@ impl StepTimes {
         StepTimes {
             refit: self.refit / n,
             generation: self.generation / n,
+            reward: self.reward / n,
             logprobs: self.logprobs / n,
             critic_wait: self.critic_wait / n,
             train: self.train / n,
@@ -82,6 +88,7 @@ impl StepTimes {
     pub fn table(&self) -> String {
         let rows = [
             ("generation", self.generation),
+            ("reward functions", self.reward),
             ("log-probs (reference)", self.logprobs),
             ("refit", self.refit),
             ("critic wait", self.critic_wait),

@@ -1,15 +1,18 @@
 //! `aligner ppo` and `aligner rs` as library calls: a typed configuration, a run folder and a
 //! device in, the run's summary out. Everything the run needs is made here: the reward model
-//! (trained first into `<run>/reward_model` when `reward_model.path` is not set), the actor
-//! with LoRA when configured, the critic (a thread of this process, or `ppo.critic_url`'s
-//! server), the prompts.
+//! (trained first into `<run>/reward_model` when `reward_model.path` is not set and a reward
+//! model is needed), the rewards (`[[reward]]`), the actor with LoRA when configured, the
+//! critic (a thread of this process, or `ppo.critic_url`'s server; GAE only), the prompts.
 
 use std::path::{Path, PathBuf};
 
+use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
-use aligner_core::{Device, TextTokenizer};
+use aligner_core::{CoreError, Device};
+use aligner_gen::reward::ModelReward;
+use aligner_gen::{RewardSpecs, Rewards};
 
 use crate::config::{PpoConfig, RewardModelSection};
 use crate::critic::{CriticClient, CriticWorker, LocalCritic, single_output};
@@ -17,21 +20,37 @@ use crate::error::Result;
 use crate::rejection::{RejectionSampling, RoundReport, RsConfig};
 use crate::runner::{PpoRunner, PpoSummary};
 
-/// Prompt ids of a `{"prompt": ...}` file (messages rendered with the tokenizer's chat template).
-pub fn load_prompts(path: &Path, tokenizer: &TextTokenizer, context: usize) -> Result<Vec<Vec<u32>>> {
-    Ok(aligner_core::data::load_prompts(path, tokenizer, context)?
-        .into_iter()
-        .map(|p| p.ids)
-        .collect())
+/// Refuses prompt rows that lack a field the rewards read, naming the file and line.
+pub fn check_reward_fields(specs: &RewardSpecs, path: &Path, prompts: &[EncodedPrompt]) -> Result<()> {
+    for field in specs.fields_needed() {
+        if let Some(p) = prompts.iter().find(|p| !p.fields.contains_key(&field)) {
+            return Err(CoreError::Data(aligner_core::data::DataError {
+                path: path.to_path_buf(),
+                line: p.line,
+                message: format!("no field {field:?}, which the reward reads"),
+            })
+            .into());
+        }
+    }
+    Ok(())
 }
 
-/// The prompt texts of a `{"prompt": ...}` file, as the model sees them (each checked to fit
-/// in `context` tokens).
-pub fn render_prompts(path: &Path, tokenizer: &TextTokenizer, context: usize) -> Result<Vec<String>> {
-    Ok(aligner_core::data::load_prompts(path, tokenizer, context)?
-        .into_iter()
-        .map(|p| p.text)
-        .collect())
+/// The rewards of a run: the `[[reward]]` tables, or, without any, the reward model in
+/// `rm_dir` (`None` when the critic's process holds it: PPO with combined roles).
+pub fn run_rewards(specs: &RewardSpecs, rm_dir: Option<&Path>, device: &Device) -> Result<Option<Rewards>> {
+    if !specs.is_empty() {
+        return Ok(Some(specs.build(device)?));
+    }
+    Ok(match rm_dir {
+        Some(dir) => {
+            let model = single_output(LoadedRewardModel::from_dir(dir, device)?)?;
+            Some(Rewards::new(vec![(
+                1.0,
+                Box::new(ModelReward::new("reward", model, 32)),
+            )]))
+        }
+        None => None,
+    })
 }
 
 /// The reward model folder: the configured one, or one trained now with `aligner rm`'s
@@ -50,41 +69,62 @@ pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Dev
 /// or at `ppo.critic_url`. The mean time breakdown is written to `<run>/timing.md`.
 pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSummary> {
     config.ppo.check()?;
+    config.reward.check()?;
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
-    let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
+    let needs_critic = config.ppo.advantage.needs_critic();
+    // A reward model is needed to score (no `[[reward]]`) or to start the critic (GAE).
+    let rm_dir = (config.reward.is_empty() || needs_critic)
+        .then(|| reward_model_dir(&config.reward_model, run, device))
+        .transpose()?;
     let lm = load_model(&config.model, device)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
-    let (train_prompts, eval_prompts) = data_files(&config.data)?
-        .load(|path, _| load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings))?;
-    let reward_folder = LoadedRewardModel::from_dir(&rm_dir, device)?;
-    let store = reward_folder.store();
-    let reward = single_output(reward_folder)?;
-    let combined = config.ppo.combine_rm_and_critic;
+    let (train_prompts, eval_prompts) = data_files(&config.data)?.load(|path, _| {
+        let prompts =
+            aligner_core::data::load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings)?;
+        check_reward_fields(&config.reward, path, &prompts)?;
+        Ok::<_, crate::PpoError>(prompts)
+    })?;
+    // The critic's process scores with the reward model when the roles are combined and no
+    // reward functions are configured; otherwise the actor scores.
+    let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty();
+    let rewards = run_rewards(
+        &config.reward,
+        rm_dir
+            .as_deref()
+            .filter(|_| !combined && config.reward.is_empty()),
+        device,
+    )?;
     // Data parallel: rank 0 alone talks to the critic (server or in process) and shares its
     // replies with the other ranks.
-    let critic: Option<Box<dyn CriticClient>> = match &config.ppo.critic_url {
-        _ if !run.is_writer() => None,
-        Some(url) => Some(Box::new(crate::server::RemoteCritic::connect(
+    let critic: Option<Box<dyn CriticClient>> = match (&config.ppo.critic_url, &rm_dir) {
+        _ if !run.is_writer() || !needs_critic => None,
+        (Some(url), _) => Some(Box::new(crate::server::RemoteCritic::connect(
             url,
             config.ppo.critic_retry_seconds,
             &run.checkpoints(),
         )?)),
         // The critic starts from the reward model (NeMo-Aligner's choice).
-        None => Some(Box::new(LocalCritic::spawn(CriticWorker::new(
-            reward.clone(),
-            combined.then(|| reward.clone()),
-            store,
-            device,
-        )))),
+        (None, Some(rm_dir)) => {
+            let reward_folder = LoadedRewardModel::from_dir(rm_dir, device)?;
+            let store = reward_folder.store();
+            let reward = single_output(reward_folder)?;
+            Some(Box::new(LocalCritic::spawn(CriticWorker::new(
+                reward.clone(),
+                combined.then(|| reward.clone()),
+                store,
+                device,
+            ))))
+        }
+        (None, None) => None,
     };
     let mut model = lm.model;
     let actor_store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(
         train_prompts = train_prompts.len(),
         eval_prompts = eval_prompts.len(),
-        reward_model = %rm_dir.display(),
-        critic = config.ppo.critic_url.as_deref().unwrap_or("in process"),
+        reward = %rewards.as_ref().map(|r| r.names().join(" + ")).unwrap_or_else(|| "reward model beside the critic".into()),
+        critic = if needs_critic { config.ppo.critic_url.as_deref().unwrap_or("in process") } else { "none" },
         "PPO"
     );
     let runner = PpoRunner {
@@ -96,7 +136,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         store: actor_store.as_ref(),
         run,
         device: device.clone(),
-        local_reward: (!combined).then_some(reward),
+        reward: rewards.as_ref(),
         frontier: frontier.as_ref(),
     };
     let summary = runner.run(model, critic.as_deref())?;
@@ -119,10 +159,16 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         ("rs.n", config.rs.n),
         ("rs.max_new_tokens", config.rs.max_new_tokens),
     ])?;
+    config.reward.check()?;
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
-    let rm_dir = reward_model_dir(&config.reward_model, run, device)?;
-    let reward = single_output(LoadedRewardModel::from_dir(&rm_dir, device)?)?;
+    let rm_dir = config
+        .reward
+        .is_empty()
+        .then(|| reward_model_dir(&config.reward_model, run, device))
+        .transpose()?;
+    let reward = run_rewards(&config.reward, rm_dir.as_deref(), device)?
+        .ok_or_else(|| crate::PpoError::Invalid("rejection sampling needs a reward".into()))?;
     let lm = load_model(&config.model, device)?;
     // Checked before the first round's samples are drawn.
     config.data.max_len(&lm.config)?;
@@ -131,8 +177,12 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         config.rs.kl_coef,
         aligner_core::train::Range::NonNegative,
     )?;
-    let (train_prompts, eval_prompts) = data_files(&config.data)?
-        .load(|path, _| render_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings))?;
+    let (train_prompts, eval_prompts) = data_files(&config.data)?.load(|path, _| {
+        let prompts =
+            aligner_core::data::load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings)?;
+        check_reward_fields(&config.reward, path, &prompts)?;
+        Ok::<_, crate::PpoError>(prompts)
+    })?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.
     let reference = lm.model.clone();

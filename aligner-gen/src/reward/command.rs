@@ -1,0 +1,346 @@
+//! A reward computed by an external program that stays running for the whole run.
+//!
+//! Protocol: for each sample one JSON line on the program's stdin (see
+//! [`RewardInput::to_json`]); for each line read, one line on its stdout holding the score (a
+//! JSON number or `{"score": x}`), in order. A batch's lines are all written before its
+//! answers are read (a reader thread drains stdout meanwhile, so neither side blocks). The
+//! program's stderr is kept (its last lines) for the error message when it fails.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{Reward, RewardError, RewardInput, parse_score, shown};
+
+/// Lines of the program's stderr kept for an error message.
+const STDERR_LINES: usize = 20;
+
+/// `reward.command`: a persistent scoring process.
+pub struct CommandReward {
+    name: String,
+    argv: Vec<String>,
+    /// How long a batch may take to be answered.
+    timeout: Duration,
+    /// How many times a failed batch is retried in a fresh process before the error stands.
+    retries: usize,
+    process: Mutex<Option<Process>>,
+}
+
+struct Process {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<std::io::Result<String>>,
+    stderr: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl Process {
+    fn stderr_tail(&self) -> String {
+        let lines = self.stderr.lock().map(|l| l.iter().cloned().collect::<Vec<_>>());
+        match lines {
+            Ok(lines) if !lines.is_empty() => format!("; its stderr ends:\n  {}", lines.join("\n  ")),
+            _ => String::new(),
+        }
+    }
+
+    /// Kills the process (if still running) and says how it ended.
+    fn end(mut self) -> String {
+        let status = match self.child.try_wait() {
+            Ok(Some(status)) => status.to_string(),
+            _ => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                "still running; killed".to_string()
+            }
+        };
+        // The stderr reader may still be taking the last lines.
+        std::thread::sleep(Duration::from_millis(50));
+        format!("{status}{}", self.stderr_tail())
+    }
+}
+
+impl CommandReward {
+    /// The process starts at the first batch (so ranks that never score start none).
+    pub fn new(name: impl Into<String>, argv: Vec<String>, timeout: Duration, retries: usize) -> Self {
+        Self {
+            name: name.into(),
+            argv,
+            timeout,
+            retries,
+            process: Mutex::new(None),
+        }
+    }
+
+    fn command_line(&self) -> String {
+        self.argv.join(" ")
+    }
+
+    fn spawn(&self) -> Result<Process, String> {
+        let (program, args) = self
+            .argv
+            .split_first()
+            .ok_or_else(|| "reward.command is empty".to_string())?;
+        let mut child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start `{}`: {e}", self.command_line()))?;
+        let (stdin, stdout, stderr) = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+            (Some(i), Some(o), Some(e)) => (i, o, e),
+            _ => return Err("the process's pipes could not be opened".into()),
+        };
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let kept = Arc::new(Mutex::new(VecDeque::new()));
+        let tail = kept.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(mut tail) = tail.lock() {
+                    if tail.len() == STDERR_LINES {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line);
+                }
+            }
+        });
+        Ok(Process {
+            child,
+            stdin,
+            lines,
+            stderr: kept,
+        })
+    }
+
+    /// One attempt at a batch in `process`; the error says what went wrong.
+    fn attempt(&self, process: &mut Process, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, String> {
+        let mut payload = String::new();
+        for input in batch {
+            payload.push_str(&input.to_json().to_string());
+            payload.push('\n');
+        }
+        process
+            .stdin
+            .write_all(payload.as_bytes())
+            .and_then(|()| process.stdin.flush())
+            .map_err(|e| format!("could not write requests (the process exited?): {e}"))?;
+        let deadline = Instant::now() + self.timeout;
+        let mut scores = Vec::with_capacity(batch.len());
+        for i in 0..batch.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = match process.lines.recv_timeout(left) {
+                Ok(Ok(line)) => line,
+                Ok(Err(e)) => return Err(format!("reading its stdout failed: {e}")),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(format!(
+                        "answered {i} of {} requests within {:.1} s (reward.timeout_seconds)",
+                        batch.len(),
+                        self.timeout.as_secs_f64()
+                    ));
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(format!(
+                        "closed its stdout after answering {i} of {} requests",
+                        batch.len()
+                    ));
+                }
+            };
+            let score = serde_json::from_str(line.trim())
+                .ok()
+                .and_then(|v| parse_score(&v))
+                .ok_or_else(|| {
+                    format!(
+                        "answer {i} of the batch is {}, not a finite number or {{\"score\": number}}",
+                        shown(&line, 200)
+                    )
+                })?;
+            scores.push(score);
+        }
+        Ok(scores)
+    }
+}
+
+impl Reward for CommandReward {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn score(&self, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, RewardError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let fail = |m: String| RewardError::new(&self.name, format!("`{}` {m}", self.command_line()));
+        let mut slot = self
+            .process
+            .lock()
+            .map_err(|_| fail("is unusable: an earlier call panicked".into()))?;
+        let mut last = String::new();
+        for attempt in 0..=self.retries {
+            if slot.is_none() {
+                *slot = Some(self.spawn().map_err(fail)?);
+            }
+            let Some(process) = slot.as_mut() else { continue };
+            match self.attempt(process, batch) {
+                Ok(scores) => return Ok(scores),
+                Err(why) => {
+                    // A process that failed once is not trusted with the next batch: its
+                    // answers could be out of step with the requests.
+                    let ended = slot.take().map(Process::end).unwrap_or_default();
+                    last = format!("{why} (process: {ended})");
+                    if attempt < self.retries {
+                        tracing::warn!(reward = %self.name, attempt = attempt + 1, "{last}; retrying in a new process");
+                    }
+                }
+            }
+        }
+        Err(fail(format!(
+            "failed{}: {last}",
+            if self.retries > 0 {
+                format!(" {} times", self.retries + 1)
+            } else {
+                String::new()
+            }
+        )))
+    }
+}
+
+impl Drop for CommandReward {
+    fn drop(&mut self) {
+        if let Some(process) = self.process.get_mut().ok().and_then(Option::take) {
+            drop(process.stdin);
+            let mut child = process.child;
+            // A well-behaved program exits when its stdin closes; one that does not is killed.
+            let waited = Instant::now();
+            while waited.elapsed() < Duration::from_millis(500) {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reward::tests::inputs;
+    use serde_json::Map;
+
+    fn python(script: &str, timeout: f64, retries: usize) -> CommandReward {
+        CommandReward::new(
+            "test",
+            vec!["python3".into(), "-u".into(), "-c".into(), script.into()],
+            Duration::from_secs_f64(timeout),
+            retries,
+        )
+    }
+
+    const LENGTH: &str = r#"
+import json, sys
+for line in sys.stdin:
+    req = json.loads(line)
+    print(json.dumps({"score": len(req["response"]) + req["metadata"].get("bonus", 0)}))
+"#;
+
+    #[test]
+    fn a_persistent_process_scores_batch_after_batch() {
+        let reward = python(LENGTH, 30.0, 0);
+        let mut fields = Map::new();
+        fields.insert("bonus".into(), 10.into());
+        assert_eq!(
+            reward.score(&inputs(&["ab", "abcd"], &fields)).unwrap(),
+            vec![12.0, 14.0]
+        );
+        let pid = reward.process.lock().unwrap().as_ref().unwrap().child.id();
+        assert_eq!(reward.score(&inputs(&["a"], &fields)).unwrap(), vec![11.0]);
+        // The same process answered both batches.
+        assert_eq!(reward.process.lock().unwrap().as_ref().unwrap().child.id(), pid);
+    }
+
+    #[test]
+    fn a_crash_is_an_error_with_its_stderr() {
+        let script =
+            "import sys\nsys.stdin.readline()\nprint('boom: no verifier', file=sys.stderr)\nsys.exit(3)";
+        let e = python(script, 30.0, 0)
+            .score(&inputs(&["x", "y"], &Map::new()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"test\"") && e.contains("python3"), "{e}");
+        assert!(
+            e.contains("answering 0 of 2") && e.contains("boom: no verifier"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_hang_is_an_error_after_the_timeout() {
+        let script = "import time, sys\nsys.stdin.readline()\ntime.sleep(60)";
+        let started = Instant::now();
+        let e = python(script, 0.5, 0)
+            .score(&inputs(&["x"], &Map::new()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("answered 0 of 1 requests within 0.5 s"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(20));
+    }
+
+    #[test]
+    fn garbage_is_an_error_quoting_it() {
+        let script = "import sys\nfor line in sys.stdin:\n    print('looks good to me')";
+        let e = python(script, 30.0, 0)
+            .score(&inputs(&["x"], &Map::new()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"looks good to me\"") && e.contains("not a finite number"),
+            "{e}"
+        );
+        let nan = "import sys\nfor line in sys.stdin:\n    print('NaN')";
+        assert!(python(nan, 30.0, 0).score(&inputs(&["x"], &Map::new())).is_err());
+    }
+
+    #[test]
+    fn retries_start_a_fresh_process() {
+        // The first process crashes (it leaves a marker file); the second one scores.
+        let marker = std::env::temp_dir().join(format!("aligner-reward-retry-{}", std::process::id()));
+        let _ = std::fs::remove_file(&marker);
+        let script = format!(
+            "import os, sys\nm = {:?}\nif not os.path.exists(m):\n    open(m, 'w').close()\n    sys.exit(1)\nfor line in sys.stdin:\n    print(7)",
+            marker.display().to_string()
+        );
+        assert_eq!(
+            python(&script, 30.0, 1)
+                .score(&inputs(&["x"], &Map::new()))
+                .unwrap(),
+            vec![7.0]
+        );
+        let _ = std::fs::remove_file(&marker);
+        let e = python("import sys\nsys.exit(1)", 30.0, 2)
+            .score(&inputs(&["x"], &Map::new()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("failed 3 times"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_program_is_named() {
+        let reward = CommandReward::new("v", vec!["./no-such-verifier".into()], Duration::from_secs(1), 0);
+        let e = reward
+            .score(&inputs(&["x"], &Map::new()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot start `./no-such-verifier`"), "{e}");
+    }
+}
