@@ -534,3 +534,30 @@ fn online_dpo_and_rejection_sampling_take_reward_functions() {
     // of all samples do.
     assert!(round["kept_reward"].as_f64().unwrap() > 0.3, "{round}");
 }
+
+/// One-step-off: each step after the first trains on samples drawn, during the step before,
+/// from the weights that step started with (`behaviour_lag` 1), the drawing overlapped with
+/// training; the held-out reward still rises.
+#[test]
+fn one_step_off_trains_on_samples_one_update_old_and_still_learns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (start, end, _, rows) = verifiable_run(dir.path(), "async", &["ppo.one_step_off=true"]);
+    let steps: Vec<&Value> = rows.iter().filter(|r| r["behaviour_lag"].is_number()).collect();
+    assert_eq!(steps.len(), 16);
+    let lags: Vec<f64> = steps
+        .iter()
+        .map(|r| r["behaviour_lag"].as_f64().unwrap())
+        .collect();
+    assert_eq!(lags[0], 0.0, "the first step samples from its own weights");
+    assert!(lags[1..].iter().all(|&l| l == 1.0), "{lags:?}");
+    // Every step after the first had its samples drawn on the side (the seconds that took).
+    let overlapped: Vec<f64> = steps
+        .iter()
+        .map(|r| r["time_generation_overlapped"].as_f64().unwrap())
+        .collect();
+    assert!(
+        overlapped[0] == 0.0 && overlapped[1..].iter().all(|&s| s > 0.0),
+        "{overlapped:?}"
+    );
+    assert!(end > start + 0.1, "held-out reward {start} -> {end}");
+}

@@ -42,6 +42,7 @@ run kto kto
 run spin spin
 run ppo ppo
 run rs rs
+run online-dpo online-dpo
 run simpo dpo --set dpo.loss=simpo --set dpo.beta=2.0 --set dpo.params.gamma=0.5
 run dpo-lr1e-3 dpo --set train.lr=1e-3 --set train.schedule=constant --set train.warmup_steps=0 \
     --set train.max_steps=300 --set train.save_every=0
@@ -53,9 +54,10 @@ evaluate kto '`aligner kto`'
 evaluate spin '`aligner spin`'
 evaluate ppo '`aligner ppo`'
 evaluate rs '`aligner rs`'
+evaluate online-dpo '`aligner online-dpo`'
 evaluate simpo '`aligner dpo --set dpo.loss=simpo --set dpo.beta=2.0 --set dpo.params.gamma=0.5`'
 evaluate dpo-lr1e-3 '`aligner dpo`, lr 1e-3 constant, 300 steps × 16'
 # The runs' paths on the frontier (eval_frontier/... at every validation) on one chart.
 "$A" eval --plot "$M/dpo" "$M/kto" "$M/ppo" "$M/spin/iter-2" "$M/dpo-lr1e-3" "$M/eval-sft" "$M/eval-rs" \
-    "$M/eval-simpo" --out "$M" >/dev/null
+    "$M/eval-simpo" "$M/online-dpo" --out "$M" >/dev/null
 echo "chart: $M/frontier.svg" >&2

@@ -100,6 +100,11 @@ pub struct PpoSection {
     /// `train.activation_checkpointing` does for the trainer's methods): less memory for the
     /// actor's update, more time.
     pub activation_checkpointing: bool,
+    /// One-step-off asynchronous RL: the next step's samples are drawn (and scored) on a
+    /// second thread from the weights this step starts with, while it trains; each step
+    /// trains on samples one update old (`behaviour_lag` 1 in metrics.jsonl), the clipped
+    /// ratio taken against the log-probs of the weights that drew them. One process only.
+    pub one_step_off: bool,
     /// Keep the frozen reference in host memory and score it on the CPU backend, leaving the
     /// accelerator's memory to the actor (NeMo-Aligner offloads its reference the same way;
     /// the rollout's reference log-probs are then computed on the CPU).
@@ -231,6 +236,7 @@ impl Default for PpoSection {
             critic_retry_seconds: 30.0,
             activation_checkpointing: false,
             offload_reference: false,
+            one_step_off: false,
             tensorboard: true,
             slots: 64,
             workers: 1,

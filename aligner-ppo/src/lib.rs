@@ -26,6 +26,7 @@ pub mod losses;
 pub mod rejection;
 pub mod rollout;
 pub mod runner;
+mod sampler;
 pub mod server;
 mod timing;
 pub mod train;

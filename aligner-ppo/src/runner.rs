@@ -7,17 +7,14 @@ use std::time::Instant;
 
 use aligner_core::checkpoint::write_json;
 use aligner_core::data::EncodedPrompt;
-use aligner_core::parallel::{map_balanced, map_sharded};
+use aligner_core::parallel::map_sharded;
 use aligner_core::run::{RunDir, progress_bar};
 use aligner_core::train::grads::{all_reduce_gradients, clip_grad_norm};
 use aligner_core::train::{
-    EpochOrder, MetricsLog, ModelStore, adamw, load_optimizer, mini_batches, plot_metrics, save_optimizer,
+    MetricsLog, ModelStore, adamw, load_optimizer, mini_batches, plot_metrics, save_optimizer,
 };
 use aligner_core::{CausalLm, CoreError, LlamaConfig, TextTokenizer};
-use aligner_gen::{
-    Engine, EngineOptions, Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason,
-    WorkerPool,
-};
+use aligner_gen::{Engine, EngineOptions, Generation, Rewards, StopReason, WorkerPool};
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
@@ -26,14 +23,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::advantages::{
-    Advantage, gae, group_advantages, informative_groups, kl_per_token, overlong_penalty, reinforce_pp,
-    token_rewards, whiten,
+    Advantage, gae, group_advantages, kl_per_token, reinforce_pp, token_rewards, whiten,
 };
 use crate::config::{NonEos, PpoConfig};
 use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest};
 use crate::error::{PpoError, Result};
 use crate::losses::{LossAgg, entropy, masked_token_mean, policy_loss};
 use crate::rollout::{Layout, Sequence};
+use crate::sampler::{Rollout, Sampler};
 pub use crate::timing::StepTimes;
 use aligner_parallel::{DEFAULT_CHUNK_TOKENS, ReduceOp, shard_range, token_logprobs_from_hidden};
 
@@ -86,15 +83,34 @@ struct ActorStats {
     entropy: Option<f64>,
 }
 
-/// A step's samples and their rewards (when the actor computes them).
-struct Rollout {
-    generations: Vec<Generation>,
-    sequences: Vec<Sequence>,
-    /// Shaped scores (non-EOS penalty, overlong shaping); `None`: the critic's reply has them.
-    scores: Option<Vec<f32>>,
-    metrics: Map<String, Value>,
-    per_rank: Vec<f64>,
-    reward_seconds: f64,
+/// One-step-off sampling: the next step's samples, drawn on another thread from the weights
+/// the current step starts with, while it trains.
+enum Ahead<'scope> {
+    Drawing(std::thread::ScopedJoinHandle<'scope, (WorkerPool, Result<Rollout>, f64)>),
+    /// Drawn (the thread joined early, to free the engines for an evaluation).
+    Drawn(Result<Rollout>, f64),
+}
+
+impl Ahead<'_> {
+    /// The samples and the seconds drawing them took, the engines handed back to `pool`.
+    fn land(self, pool: &mut Option<WorkerPool>) -> Result<(Result<Rollout>, f64)> {
+        match self {
+            Ahead::Drawing(handle) => {
+                let (engines, rollout, seconds) = handle
+                    .join()
+                    .map_err(|_| PpoError::Invalid("the generation thread panicked".into()))?;
+                *pool = Some(engines);
+                Ok((rollout, seconds))
+            }
+            Ahead::Drawn(rollout, seconds) => Ok((rollout, seconds)),
+        }
+    }
+}
+
+/// The engines, which one-step-off sampling lends to its thread between steps.
+fn engines(pool: &mut Option<WorkerPool>) -> Result<&mut WorkerPool> {
+    pool.as_mut()
+        .ok_or_else(|| PpoError::Invalid("the generation engines were not handed back".into()))
 }
 
 /// A rollout after scoring: everything the updates need, one entry per sequence.
@@ -107,6 +123,18 @@ struct Scored {
 }
 
 impl PpoRunner<'_> {
+    /// What drawing samples needs of this run (`Sync`: a one-step-off run samples on another
+    /// thread).
+    fn sampler(&self) -> Sampler<'_> {
+        Sampler {
+            config: self.config,
+            tokenizer: self.tokenizer,
+            train_prompts: self.train_prompts,
+            reward: self.reward,
+            run: self.run,
+        }
+    }
+
     fn checkpoints(&self) -> PathBuf {
         self.run.checkpoints()
     }
@@ -161,7 +189,12 @@ impl PpoRunner<'_> {
                 ..EngineOptions::default()
             },
         );
-        let mut pool = WorkerPool::new(engine, cfg.workers);
+        if cfg.one_step_off && self.run.comm().world_size() > 1 {
+            return Err(PpoError::Invalid(
+                "ppo.one_step_off samples on a second thread of one process; run it without mpirun".into(),
+            ));
+        }
+        let mut pool = Some(WorkerPool::new(engine, cfg.workers));
         let log = MetricsLog::for_run_with_tensorboard(
             self.run,
             self.run.is_resumed().then_some(start),
@@ -169,7 +202,7 @@ impl PpoRunner<'_> {
         )?;
         let mut initial_eval = None;
         if start == 0 && !self.eval_prompts.is_empty() {
-            let reward = self.evaluate(&mut pool, &actor, critic)?;
+            let reward = self.evaluate(engines(&mut pool)?, &actor, critic)?;
             initial_eval = Some(reward);
             let mut first = row(&[("step", 0.0), ("eval_reward", reward)]);
             first.extend(self.frontier_metrics(&actor)?);
@@ -182,129 +215,178 @@ impl PpoRunner<'_> {
         bar.set_position(start as u64);
         let mut totals = StepTimes::default();
         let mut last_eval = None;
-        for step in start..cfg.steps {
-            if self.run.stops_after().is_some_and(|s| step >= s) {
-                bar.abandon();
-                return Ok(self.summary(step, initial_eval, last_eval, &totals, step - start));
-            }
-            let began = Instant::now();
-            let mut times = StepTimes::default();
-
-            let t = Instant::now();
-            pool.refit(&actor)?;
-            times.refit = t.elapsed().as_secs_f64();
-
-            let t = Instant::now();
-            let rollout = self.rollout(&mut pool, step)?;
-            times.generation = t.elapsed().as_secs_f64() - rollout.reward_seconds;
-            times.reward = rollout.reward_seconds;
-            times.generation_per_rank = rollout.per_rank;
-            let sequences = rollout.sequences;
-            let generations = rollout.generations;
-
-            // The critic scores while the actor computes the reference log-probs.
-            let needs_critic = cfg.advantage.needs_critic();
-            let pending = critic
-                .filter(|_| needs_critic)
-                .map(|c| c.infer(sequences.clone()));
-            let t = Instant::now();
-            let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
-            times.logprobs = t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            let critic_out: InferReply = if needs_critic {
-                self.shared_by_root(pending.map(|p| p.wait()).transpose()?)?
-            } else {
-                InferReply {
-                    values: sequences
-                        .iter()
-                        .map(|s| vec![0.0; s.response_ids.len()])
-                        .collect(),
-                    rewards: Vec::new(),
-                    seconds: 0.0,
+        // `Some` when the run stops early (`--stop-after`).
+        let stopped = std::thread::scope(|scope| {
+            let mut ahead: Option<Ahead<'_>> = None;
+            for step in start..cfg.steps {
+                if self.run.stops_after().is_some_and(|s| step >= s) {
+                    bar.abandon();
+                    return Ok(Some(self.summary(
+                        step,
+                        initial_eval,
+                        last_eval,
+                        &totals,
+                        step - start,
+                    )));
                 }
-            };
-            times.critic_wait = t.elapsed().as_secs_f64();
-            times.critic_compute = critic_out.seconds;
+                let began = Instant::now();
+                let mut times = StepTimes::default();
 
-            let mut metrics = rollout.metrics;
-            let scores = match rollout.scores {
-                Some(scores) => scores,
-                None => {
-                    metrics.insert("reward".into(), mean(&critic_out.rewards).into());
-                    self.shaped(&critic_out.rewards, &generations)
-                }
-            };
-            let (scored, more) = self.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
-            metrics.extend(more);
-            let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
-            let value_ticket = critic.filter(|_| train_values).map(|critic| {
-                critic.train(TrainRequest {
-                    sequences: scored.sequences.clone(),
-                    old_values: scored.old_values.clone(),
-                    returns: scored.returns.clone(),
-                    settings: CriticSettings {
-                        lr: cfg.critic_lr,
-                        clip_eps: cfg.value_clip_eps,
-                        epochs: cfg.epochs,
-                        mini_batch: cfg.mini_batch,
-                        max_grad_norm: cfg.max_grad_norm,
-                    },
-                })
-            });
-            let t = Instant::now();
-            let stats = self.update_actor(&mut actor, &mut optim, &scored)?;
-            times.train = t.elapsed().as_secs_f64();
-            let mut value_loss = None;
-            if train_values {
+                // This step's samples: drawn now from the current weights, or (one-step-off) drawn
+                // during the last step from the weights it started with, one update behind.
                 let t = Instant::now();
-                let reply = value_ticket.map(|t| t.wait()).transpose()?;
-                let (loss, seconds): (f64, f64) =
-                    self.shared_by_root(reply.map(|r| (r.value_loss, r.seconds)))?;
-                times.critic_wait += t.elapsed().as_secs_f64();
-                times.critic_compute += seconds;
-                value_loss = Some(loss);
-            }
-            times.total = began.elapsed().as_secs_f64();
-            totals.add(&times);
+                let (rollout, lag) = match ahead.take() {
+                    Some(drawing) => {
+                        let (rollout, seconds) = drawing.land(&mut pool)?;
+                        times.generation_overlapped = seconds;
+                        (rollout?, 1)
+                    }
+                    None => {
+                        let engines = engines(&mut pool)?;
+                        engines.refit(&actor)?;
+                        times.refit = t.elapsed().as_secs_f64();
+                        (self.sampler().rollout(engines, step)?, 0)
+                    }
+                };
+                // The time the actor waited for its samples.
+                times.generation = t.elapsed().as_secs_f64() - times.refit;
+                if lag == 0 {
+                    times.generation -= rollout.reward_seconds;
+                    times.reward = rollout.reward_seconds;
+                }
+                times.generation_per_rank = rollout.per_rank;
+                if cfg.one_step_off && step + 1 < cfg.steps {
+                    // The next step's samples come from the weights this step starts with.
+                    let t = Instant::now();
+                    let mut lent = pool.take().ok_or_else(|| {
+                        PpoError::Invalid("the generation engines were not handed back".into())
+                    })?;
+                    lent.refit(&actor)?;
+                    times.refit += t.elapsed().as_secs_f64();
+                    let sampler = self.sampler();
+                    ahead = Some(Ahead::Drawing(scope.spawn(move || {
+                        let t = Instant::now();
+                        let rollout = sampler.rollout(&mut lent, step + 1);
+                        (lent, rollout, t.elapsed().as_secs_f64())
+                    })));
+                }
+                let sequences = rollout.sequences;
+                let generations = rollout.generations;
 
-            let done = step + 1;
-            let mut out = metrics;
-            out.insert("step".into(), done.into());
-            for (k, v) in [
-                ("policy_loss", stats.policy_loss),
-                ("clip_fraction", stats.clip_fraction),
-                ("approx_kl", stats.approx_kl),
-            ] {
-                out.insert(k.into(), v.into());
+                // The critic scores while the actor computes the reference log-probs.
+                let needs_critic = cfg.advantage.needs_critic();
+                let pending = critic
+                    .filter(|_| needs_critic)
+                    .map(|c| c.infer(sequences.clone()));
+                let t = Instant::now();
+                let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
+                times.logprobs = t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                let critic_out: InferReply = if needs_critic {
+                    self.shared_by_root(pending.map(|p| p.wait()).transpose()?)?
+                } else {
+                    InferReply {
+                        values: sequences
+                            .iter()
+                            .map(|s| vec![0.0; s.response_ids.len()])
+                            .collect(),
+                        rewards: Vec::new(),
+                        seconds: 0.0,
+                    }
+                };
+                times.critic_wait = t.elapsed().as_secs_f64();
+                times.critic_compute = critic_out.seconds;
+
+                let mut metrics = rollout.metrics;
+                metrics.insert("behaviour_lag".into(), lag.into());
+                let scores = match rollout.scores {
+                    Some(scores) => scores,
+                    None => {
+                        metrics.insert("reward".into(), mean(&critic_out.rewards).into());
+                        self.sampler().shaped(&critic_out.rewards, &generations)
+                    }
+                };
+                let (scored, more) =
+                    self.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
+                metrics.extend(more);
+                let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
+                let value_ticket = critic.filter(|_| train_values).map(|critic| {
+                    critic.train(TrainRequest {
+                        sequences: scored.sequences.clone(),
+                        old_values: scored.old_values.clone(),
+                        returns: scored.returns.clone(),
+                        settings: CriticSettings {
+                            lr: cfg.critic_lr,
+                            clip_eps: cfg.value_clip_eps,
+                            epochs: cfg.epochs,
+                            mini_batch: cfg.mini_batch,
+                            max_grad_norm: cfg.max_grad_norm,
+                        },
+                    })
+                });
+                let t = Instant::now();
+                let stats = self.update_actor(&mut actor, &mut optim, &scored)?;
+                times.train = t.elapsed().as_secs_f64();
+                let mut value_loss = None;
+                if train_values {
+                    let t = Instant::now();
+                    let reply = value_ticket.map(|t| t.wait()).transpose()?;
+                    let (loss, seconds): (f64, f64) =
+                        self.shared_by_root(reply.map(|r| (r.value_loss, r.seconds)))?;
+                    times.critic_wait += t.elapsed().as_secs_f64();
+                    times.critic_compute += seconds;
+                    value_loss = Some(loss);
+                }
+                times.total = began.elapsed().as_secs_f64();
+                totals.add(&times);
+
+                let done = step + 1;
+                let mut out = metrics;
+                out.insert("step".into(), done.into());
+                for (k, v) in [
+                    ("policy_loss", stats.policy_loss),
+                    ("clip_fraction", stats.clip_fraction),
+                    ("approx_kl", stats.approx_kl),
+                ] {
+                    out.insert(k.into(), v.into());
+                }
+                if let Some(h) = stats.entropy {
+                    out.insert("entropy".into(), h.into());
+                }
+                if let Some(v) = value_loss {
+                    out.insert("value_loss".into(), v.into());
+                }
+                for (k, v) in serde_json::to_value(&times)
+                    .ok()
+                    .and_then(|v| v.as_object().cloned())
+                    .unwrap_or_default()
+                {
+                    out.insert(format!("time_{k}"), v);
+                }
+                if !self.eval_prompts.is_empty()
+                    && (done == cfg.steps || (cfg.eval_every > 0 && done.is_multiple_of(cfg.eval_every)))
+                {
+                    if let Some(drawing) = ahead.take() {
+                        let (rollout, seconds) = drawing.land(&mut pool)?;
+                        ahead = Some(Ahead::Drawn(rollout, seconds));
+                    }
+                    let reward = self.evaluate(engines(&mut pool)?, &actor, critic)?;
+                    last_eval = Some(reward);
+                    out.insert("eval_reward".into(), reward.into());
+                    out.extend(self.frontier_metrics(&actor)?);
+                }
+                let reward = out.get("reward").and_then(Value::as_f64).unwrap_or(f64::NAN);
+                bar.set_position(done as u64);
+                bar.set_message(format!("reward {reward:.3} · {:.1} s/step", times.total));
+                log.write(&out)?;
+                if cfg.save_every > 0 && done.is_multiple_of(cfg.save_every) && done < cfg.steps {
+                    self.save_checkpoint(done, &actor, &optim, critic)?;
+                }
             }
-            if let Some(h) = stats.entropy {
-                out.insert("entropy".into(), h.into());
-            }
-            if let Some(v) = value_loss {
-                out.insert("value_loss".into(), v.into());
-            }
-            for (k, v) in serde_json::to_value(&times)
-                .ok()
-                .and_then(|v| v.as_object().cloned())
-                .unwrap_or_default()
-            {
-                out.insert(format!("time_{k}"), v);
-            }
-            if !self.eval_prompts.is_empty()
-                && (done == cfg.steps || (cfg.eval_every > 0 && done.is_multiple_of(cfg.eval_every)))
-            {
-                let reward = self.evaluate(&mut pool, &actor, critic)?;
-                last_eval = Some(reward);
-                out.insert("eval_reward".into(), reward.into());
-                out.extend(self.frontier_metrics(&actor)?);
-            }
-            let reward = out.get("reward").and_then(Value::as_f64).unwrap_or(f64::NAN);
-            bar.set_position(done as u64);
-            bar.set_message(format!("reward {reward:.3} · {:.1} s/step", times.total));
-            log.write(&out)?;
-            if cfg.save_every > 0 && done.is_multiple_of(cfg.save_every) && done < cfg.steps {
-                self.save_checkpoint(done, &actor, &optim, critic)?;
-            }
+            Ok::<_, PpoError>(None)
+        });
+        if let Some(stopped) = stopped? {
+            return Ok(stopped);
         }
         bar.finish_and_clear();
         self.run.write_shared(|| {
@@ -376,221 +458,6 @@ impl PpoRunner<'_> {
         }
     }
 
-    /// This step's prompts: consecutive stretches of a per-epoch shuffle of the training
-    /// prompts (a stretch may run into the next epoch). Dynamic sampling's extra draws
-    /// (`draw` ≥ 1) take the same stretch of shuffles of their own.
-    fn step_prompts(&self, step: usize, draw: usize) -> Vec<&EncodedPrompt> {
-        let per = self.config.ppo.rollout_prompts.max(1);
-        let seed = self.config.ppo.seed.wrapping_add((draw as u64) << 32);
-        EpochOrder::new(self.train_prompts.len(), true, seed)
-            .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
-            .items(step * per, per)
-            .into_iter()
-            .map(|i| &self.train_prompts[i])
-            .collect()
-    }
-
-    /// `samples_per_prompt` requests per prompt (one for evaluation), each with its own seed.
-    fn requests(
-        &self,
-        prompts: &[&EncodedPrompt],
-        step: usize,
-        draw: usize,
-        eval: bool,
-    ) -> Vec<GenerationRequest> {
-        let cfg = &self.config.ppo;
-        let samples = if eval { 1 } else { cfg.samples_per_prompt.max(1) };
-        let base = if eval {
-            0xe7a1
-        } else {
-            cfg.seed
-                .wrapping_mul(1_000_003)
-                .wrapping_add(step as u64 * 100_000)
-                .wrapping_add((draw as u64) << 40)
-        };
-        prompts
-            .iter()
-            .flat_map(|p| std::iter::repeat_n(p, samples))
-            .enumerate()
-            .map(|(i, p)| GenerationRequest {
-                prompt_ids: p.ids.clone(),
-                params: SamplingParams {
-                    temperature: cfg.temperature,
-                    top_k: cfg.top_k,
-                    top_p: cfg.top_p,
-                    seed: base.wrapping_add(i as u64),
-                    max_new_tokens: cfg.max_new_tokens,
-                    stop_strings: Vec::new(),
-                },
-                guidance: None,
-            })
-            .collect()
-    }
-
-    /// A step's samples: `rollout_prompts` prompts × `samples_per_prompt`, scored by the
-    /// actor's rewards when it holds them. With dynamic sampling, groups whose scores are all
-    /// equal are dropped and up to `dynamic_sampling_max_draws` more draws refill the batch.
-    fn rollout(&self, pool: &mut WorkerPool, step: usize) -> Result<Rollout> {
-        let cfg = &self.config.ppo;
-        let group = cfg.samples_per_prompt.max(1);
-        let wanted = cfg.rollout_prompts.max(1);
-        let draws = if cfg.dynamic_sampling {
-            1 + cfg.dynamic_sampling_max_draws
-        } else {
-            1
-        };
-        let mut out = Rollout {
-            generations: Vec::new(),
-            sequences: Vec::new(),
-            scores: None,
-            metrics: Map::new(),
-            per_rank: Vec::new(),
-            reward_seconds: 0.0,
-        };
-        // Raw scores of every sample drawn, and each reward part's, for the step's metrics.
-        let mut raw_all: Vec<f32> = Vec::new();
-        let mut parts_all: Vec<(String, Vec<f64>)> = Vec::new();
-        let mut kept_scores = Vec::new();
-        let mut draws_made = 0;
-        for draw in 0..draws {
-            draws_made += 1;
-            let prompts = self.step_prompts(step, draw);
-            let requests = self.requests(&prompts, step, draw, false);
-            let (generations, per_rank) = self.generate(pool, &requests)?;
-            if out.per_rank.len() < per_rank.len() {
-                out.per_rank.resize(per_rank.len(), 0.0);
-            }
-            out.per_rank.iter_mut().zip(&per_rank).for_each(|(a, b)| *a += b);
-            let sequences = Sequence::from_generations(&requests, &generations);
-            let Some(rewards) = self.reward else {
-                out.generations = generations;
-                out.sequences = sequences;
-                return Ok(out);
-            };
-            let t = Instant::now();
-            let owners: Vec<&EncodedPrompt> = prompts
-                .iter()
-                .flat_map(|p| std::iter::repeat_n(*p, group))
-                .collect();
-            let (raw, parts) = self.rewards_of(rewards, &owners, &generations)?;
-            out.reward_seconds += t.elapsed().as_secs_f64();
-            raw_all.extend(&raw);
-            for (name, scores) in parts {
-                match parts_all.iter_mut().find(|(n, _)| *n == name) {
-                    Some((_, all)) => all.extend(scores),
-                    None => parts_all.push((name, scores)),
-                }
-            }
-            let shaped = self.shaped(&raw, &generations);
-            let keep = if cfg.dynamic_sampling {
-                informative_groups(&shaped, group)
-            } else {
-                vec![true; prompts.len()]
-            };
-            let mut generations = generations.into_iter();
-            let mut sequences = sequences.into_iter();
-            for (g, &kept) in keep.iter().enumerate() {
-                let groups_kept = out.sequences.len() / group;
-                let take = kept && groups_kept < wanted;
-                for i in g * group..(g + 1) * group {
-                    let (Some(generation), Some(sequence)) = (generations.next(), sequences.next()) else {
-                        break;
-                    };
-                    if take {
-                        out.generations.push(generation);
-                        out.sequences.push(sequence);
-                        kept_scores.push(shaped[i]);
-                    }
-                }
-            }
-            if out.sequences.len() / group >= wanted {
-                break;
-            }
-        }
-        out.metrics.insert("reward".into(), mean(&raw_all).into());
-        if parts_all.len() > 1 || parts_all.first().is_some_and(|(n, _)| n != "reward") {
-            for (name, scores) in &parts_all {
-                let m = scores.iter().sum::<f64>() / scores.len().max(1) as f64;
-                out.metrics.insert(format!("reward/{name}"), m.into());
-            }
-        }
-        if cfg.dynamic_sampling {
-            out.metrics
-                .insert("dynamic_sampling/draws".into(), draws_made.into());
-            out.metrics.insert(
-                "dynamic_sampling/groups".into(),
-                (out.sequences.len() / group).into(),
-            );
-        }
-        out.scores = Some(kept_scores);
-        Ok(out)
-    }
-
-    /// The rewards of `generations` (each answering the prompt in `owners` at the same
-    /// index): each sample's weighted total and each part's scores. Data parallel: each rank
-    /// scores its shard (a command reward runs one process per rank).
-    fn rewards_of(
-        &self,
-        rewards: &Rewards,
-        owners: &[&EncodedPrompt],
-        generations: &[Generation],
-    ) -> Result<(Vec<f32>, Vec<(String, Vec<f64>)>)> {
-        let texts: Vec<String> = owners
-            .iter()
-            .zip(generations)
-            .map(|(p, g)| self.tokenizer.decode_continuation(&p.ids, &g.token_ids))
-            .collect::<std::result::Result<_, _>>()?;
-        let inputs: Vec<RewardInput<'_>> = owners
-            .iter()
-            .zip(generations)
-            .zip(&texts)
-            .map(|((p, g), text)| RewardInput {
-                prompt: &p.text,
-                response: text,
-                prompt_ids: &p.ids,
-                response_ids: &g.token_ids,
-                stop_reason: g.stop_reason,
-                fields: &p.fields,
-            })
-            .collect();
-        let per_sample: Vec<(f64, Vec<f64>)> = map_sharded(self.run.comm(), &inputs, |mine| {
-            let scored = rewards.score_parts(mine)?;
-            Ok::<_, PpoError>(
-                (0..mine.len())
-                    .map(|i| (scored.total[i], scored.parts.iter().map(|(_, s)| s[i]).collect()))
-                    .collect(),
-            )
-        })?;
-        let names = rewards.names();
-        let parts = names
-            .iter()
-            .enumerate()
-            .map(|(j, name)| (name.to_string(), per_sample.iter().map(|(_, p)| p[j]).collect()))
-            .collect();
-        Ok((per_sample.iter().map(|(t, _)| *t as f32).collect(), parts))
-    }
-
-    /// Raw scores with the configured shaping: the non-EOS penalty and DAPO's overlong
-    /// penalty.
-    fn shaped(&self, raw: &[f32], generations: &[Generation]) -> Vec<f32> {
-        let cfg = &self.config.ppo;
-        raw.iter()
-            .zip(generations)
-            .map(|(&score, g)| {
-                let mut s = score;
-                if cfg.non_eos == NonEos::Penalize && g.stop_reason != StopReason::Eos {
-                    s += cfg.non_eos_penalty;
-                }
-                s + overlong_penalty(
-                    g.token_ids.len(),
-                    cfg.max_new_tokens,
-                    cfg.overlong_buffer,
-                    cfg.overlong_penalty,
-                )
-            })
-            .collect()
-    }
-
     fn reference_logprobs(
         &self,
         actor: &CausalLm,
@@ -619,30 +486,6 @@ impl PpoRunner<'_> {
             }
             Ok::<_, PpoError>(out)
         })
-    }
-
-    /// Generations for `requests` (in their order, on every rank), and each rank's generation
-    /// seconds when there are several: the ranks' engines take the requests a batch of
-    /// `ppo.slots` at a time from one queue, so a rank that finishes early takes more.
-    fn generate(
-        &self,
-        pool: &mut WorkerPool,
-        requests: &[GenerationRequest],
-    ) -> Result<(Vec<Generation>, Vec<f64>)> {
-        let comm = self.run.comm();
-        if comm.world_size() == 1 {
-            return Ok((pool.generate(requests, &|_| {})?.0, Vec::new()));
-        }
-        // Batches no larger than the engines take at once, and small enough that every rank
-        // gets several to balance with.
-        let engine_batch = self.config.ppo.slots.max(1) * self.config.ppo.workers.max(1);
-        let chunk = engine_batch
-            .min(requests.len().div_ceil(4 * comm.world_size()))
-            .max(1);
-        let (generations, work) = map_balanced(comm, requests.len(), chunk, |range| {
-            Ok::<_, PpoError>(pool.generate(&requests[range], &|_| {})?.0)
-        })?;
-        Ok((generations, work.iter().map(|w| w.seconds).collect()))
     }
 
     /// Rank 0's `value` (a critic reply only rank 0 asked for) on every rank.
@@ -872,11 +715,11 @@ impl PpoRunner<'_> {
         };
         pool.refit(actor)?;
         let prompts: Vec<&EncodedPrompt> = self.eval_prompts[..limit].iter().collect();
-        let requests = self.requests(&prompts, 0, 0, true);
-        let (generations, _) = self.generate(pool, &requests)?;
+        let requests = self.sampler().requests(&prompts, 0, 0, true);
+        let (generations, _) = self.sampler().generate(pool, &requests)?;
         let sequences = Sequence::from_generations(&requests, &generations);
         let rewards = match self.reward {
-            Some(rewards) => self.rewards_of(rewards, &prompts, &generations)?.0,
+            Some(rewards) => self.sampler().rewards_of(rewards, &prompts, &generations)?.0,
             None => {
                 let reply = critic.map(|c| c.infer(sequences).wait()).transpose()?;
                 self.shared_by_root(reply.map(|r| r.rewards))?

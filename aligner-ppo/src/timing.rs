@@ -16,6 +16,10 @@ pub struct StepTimes {
     pub critic_wait: f64,
     pub train: f64,
     pub total: f64,
+    /// One-step-off: the seconds the next step's samples took to draw (and score) on their
+    /// own thread, overlapped with this step's training.
+    #[serde(default)]
+    pub generation_overlapped: f64,
     /// The critic's own compute (inference + training), overlapped with the actor's work.
     pub critic_compute: f64,
     /// Data parallel: each rank's generation seconds (empty with one process).
@@ -33,6 +37,7 @@ impl StepTimes {
         self.train += other.train;
         self.total += other.total;
         self.critic_compute += other.critic_compute;
+        self.generation_overlapped += other.generation_overlapped;
         self.generation_per_rank.resize(
             other
                 .generation_per_rank
@@ -80,6 +85,7 @@ impl StepTimes {
             train: self.train / n,
             total: self.total / n,
             critic_compute: self.critic_compute / n,
+            generation_overlapped: self.generation_overlapped / n,
             generation_per_rank: self.generation_per_rank.iter().map(|t| t / n).collect(),
         }
     }
@@ -95,6 +101,10 @@ impl StepTimes {
             ("actor training", self.train),
             ("total", self.total),
             ("(critic compute, overlapped)", self.critic_compute),
+            (
+                "(next step's samples, overlapped: one-step-off)",
+                self.generation_overlapped,
+            ),
         ];
         let mut out = String::from("| part of a step | seconds | share |\n|---|---:|---:|\n");
         for (name, secs) in rows {

@@ -86,6 +86,14 @@ impl RewardSpec {
         }
     }
 
+    /// A built-in function (`tinystories_sentiment`) as the one reward.
+    pub fn function(name: &str) -> Self {
+        Self {
+            function: Some(name.to_string()),
+            ..Self::empty()
+        }
+    }
+
     fn empty() -> Self {
         Self {
             name: None,

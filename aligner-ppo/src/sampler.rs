@@ -1,0 +1,289 @@
+//! Drawing a step's samples: the prompts of each step, the generation requests, the engine
+//! pool's answers (spread over the data-parallel ranks) and their rewards, with DAPO's dynamic
+//! sampling and the reward shaping. A [`Sampler`] borrows only what sampling needs and is
+//! `Sync`, so a one-step-off run draws the next step's samples on another thread while the
+//! actor trains.
+
+use std::time::Instant;
+
+use aligner_core::TextTokenizer;
+use aligner_core::data::EncodedPrompt;
+use aligner_core::parallel::{map_balanced, map_sharded};
+use aligner_core::run::RunDir;
+use aligner_core::train::EpochOrder;
+use aligner_gen::{
+    Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason, WorkerPool,
+};
+use serde_json::{Map, Value};
+
+use crate::advantages::{informative_groups, overlong_penalty};
+use crate::config::{NonEos, PpoConfig};
+use crate::error::{PpoError, Result};
+use crate::rollout::Sequence;
+
+/// A step's samples and their rewards (when the actor computes them).
+pub(crate) struct Rollout {
+    pub generations: Vec<Generation>,
+    pub sequences: Vec<Sequence>,
+    /// Shaped scores (non-EOS penalty, overlong shaping); `None`: the critic's reply has them.
+    pub scores: Option<Vec<f32>>,
+    pub metrics: Map<String, Value>,
+    pub per_rank: Vec<f64>,
+    pub reward_seconds: f64,
+}
+
+/// What drawing samples needs of a run.
+#[derive(Clone, Copy)]
+pub(crate) struct Sampler<'a> {
+    pub config: &'a PpoConfig,
+    pub tokenizer: &'a TextTokenizer,
+    pub train_prompts: &'a [EncodedPrompt],
+    /// The rewards the actor computes itself; `None` when the critic's process scores.
+    pub reward: Option<&'a Rewards>,
+    pub run: &'a RunDir,
+}
+
+impl Sampler<'_> {
+    /// This step's prompts: consecutive stretches of a per-epoch shuffle of the training
+    /// prompts (a stretch may run into the next epoch). Dynamic sampling's extra draws
+    /// (`draw` ≥ 1) take the same stretch of shuffles of their own.
+    pub(crate) fn step_prompts(&self, step: usize, draw: usize) -> Vec<&EncodedPrompt> {
+        let per = self.config.ppo.rollout_prompts.max(1);
+        let seed = self.config.ppo.seed.wrapping_add((draw as u64) << 32);
+        EpochOrder::new(self.train_prompts.len(), true, seed)
+            .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
+            .items(step * per, per)
+            .into_iter()
+            .map(|i| &self.train_prompts[i])
+            .collect()
+    }
+
+    /// `samples_per_prompt` requests per prompt (one for evaluation), each with its own seed.
+    pub(crate) fn requests(
+        &self,
+        prompts: &[&EncodedPrompt],
+        step: usize,
+        draw: usize,
+        eval: bool,
+    ) -> Vec<GenerationRequest> {
+        let cfg = &self.config.ppo;
+        let samples = if eval { 1 } else { cfg.samples_per_prompt.max(1) };
+        let base = if eval {
+            0xe7a1
+        } else {
+            cfg.seed
+                .wrapping_mul(1_000_003)
+                .wrapping_add(step as u64 * 100_000)
+                .wrapping_add((draw as u64) << 40)
+        };
+        prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p, samples))
+            .enumerate()
+            .map(|(i, p)| GenerationRequest {
+                prompt_ids: p.ids.clone(),
+                params: SamplingParams {
+                    temperature: cfg.temperature,
+                    top_k: cfg.top_k,
+                    top_p: cfg.top_p,
+                    seed: base.wrapping_add(i as u64),
+                    max_new_tokens: cfg.max_new_tokens,
+                    stop_strings: Vec::new(),
+                },
+                guidance: None,
+            })
+            .collect()
+    }
+
+    /// A step's samples: `rollout_prompts` prompts × `samples_per_prompt`, scored by the
+    /// actor's rewards when it holds them. With dynamic sampling, groups whose scores are all
+    /// equal are dropped and up to `dynamic_sampling_max_draws` more draws refill the batch.
+    pub(crate) fn rollout(&self, pool: &mut WorkerPool, step: usize) -> Result<Rollout> {
+        let cfg = &self.config.ppo;
+        let group = cfg.samples_per_prompt.max(1);
+        let wanted = cfg.rollout_prompts.max(1);
+        let draws = if cfg.dynamic_sampling {
+            1 + cfg.dynamic_sampling_max_draws
+        } else {
+            1
+        };
+        let mut out = Rollout {
+            generations: Vec::new(),
+            sequences: Vec::new(),
+            scores: None,
+            metrics: Map::new(),
+            per_rank: Vec::new(),
+            reward_seconds: 0.0,
+        };
+        // Raw scores of every sample drawn, and each reward part's, for the step's metrics.
+        let mut raw_all: Vec<f32> = Vec::new();
+        let mut parts_all: Vec<(String, Vec<f64>)> = Vec::new();
+        let mut kept_scores = Vec::new();
+        let mut draws_made = 0;
+        for draw in 0..draws {
+            draws_made += 1;
+            let prompts = self.step_prompts(step, draw);
+            let requests = self.requests(&prompts, step, draw, false);
+            let (generations, per_rank) = self.generate(pool, &requests)?;
+            if out.per_rank.len() < per_rank.len() {
+                out.per_rank.resize(per_rank.len(), 0.0);
+            }
+            out.per_rank.iter_mut().zip(&per_rank).for_each(|(a, b)| *a += b);
+            let sequences = Sequence::from_generations(&requests, &generations);
+            let Some(rewards) = self.reward else {
+                out.generations = generations;
+                out.sequences = sequences;
+                return Ok(out);
+            };
+            let t = Instant::now();
+            let owners: Vec<&EncodedPrompt> = prompts
+                .iter()
+                .flat_map(|p| std::iter::repeat_n(*p, group))
+                .collect();
+            let (raw, parts) = self.rewards_of(rewards, &owners, &generations)?;
+            out.reward_seconds += t.elapsed().as_secs_f64();
+            raw_all.extend(&raw);
+            for (name, scores) in parts {
+                match parts_all.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, all)) => all.extend(scores),
+                    None => parts_all.push((name, scores)),
+                }
+            }
+            let shaped = self.shaped(&raw, &generations);
+            let keep = if cfg.dynamic_sampling {
+                informative_groups(&shaped, group)
+            } else {
+                vec![true; prompts.len()]
+            };
+            let mut generations = generations.into_iter();
+            let mut sequences = sequences.into_iter();
+            for (g, &kept) in keep.iter().enumerate() {
+                let groups_kept = out.sequences.len() / group;
+                let take = kept && groups_kept < wanted;
+                for i in g * group..(g + 1) * group {
+                    let (Some(generation), Some(sequence)) = (generations.next(), sequences.next()) else {
+                        break;
+                    };
+                    if take {
+                        out.generations.push(generation);
+                        out.sequences.push(sequence);
+                        kept_scores.push(shaped[i]);
+                    }
+                }
+            }
+            if out.sequences.len() / group >= wanted {
+                break;
+            }
+        }
+        out.metrics.insert("reward".into(), mean(&raw_all).into());
+        if parts_all.len() > 1 || parts_all.first().is_some_and(|(n, _)| n != "reward") {
+            for (name, scores) in &parts_all {
+                let m = scores.iter().sum::<f64>() / scores.len().max(1) as f64;
+                out.metrics.insert(format!("reward/{name}"), m.into());
+            }
+        }
+        if cfg.dynamic_sampling {
+            out.metrics
+                .insert("dynamic_sampling/draws".into(), draws_made.into());
+            out.metrics.insert(
+                "dynamic_sampling/groups".into(),
+                (out.sequences.len() / group).into(),
+            );
+        }
+        out.scores = Some(kept_scores);
+        Ok(out)
+    }
+
+    /// The rewards of `generations` (each answering the prompt in `owners` at the same
+    /// index): each sample's weighted total and each part's scores. Data parallel: each rank
+    /// scores its shard (a command reward runs one process per rank).
+    pub(crate) fn rewards_of(
+        &self,
+        rewards: &Rewards,
+        owners: &[&EncodedPrompt],
+        generations: &[Generation],
+    ) -> Result<(Vec<f32>, Vec<(String, Vec<f64>)>)> {
+        let texts: Vec<String> = owners
+            .iter()
+            .zip(generations)
+            .map(|(p, g)| self.tokenizer.decode_continuation(&p.ids, &g.token_ids))
+            .collect::<std::result::Result<_, _>>()?;
+        let inputs: Vec<RewardInput<'_>> = owners
+            .iter()
+            .zip(generations)
+            .zip(&texts)
+            .map(|((p, g), text)| RewardInput {
+                prompt: &p.text,
+                response: text,
+                prompt_ids: &p.ids,
+                response_ids: &g.token_ids,
+                stop_reason: g.stop_reason,
+                fields: &p.fields,
+            })
+            .collect();
+        let per_sample: Vec<(f64, Vec<f64>)> = map_sharded(self.run.comm(), &inputs, |mine| {
+            let scored = rewards.score_parts(mine)?;
+            Ok::<_, PpoError>(
+                (0..mine.len())
+                    .map(|i| (scored.total[i], scored.parts.iter().map(|(_, s)| s[i]).collect()))
+                    .collect(),
+            )
+        })?;
+        let names = rewards.names();
+        let parts = names
+            .iter()
+            .enumerate()
+            .map(|(j, name)| (name.to_string(), per_sample.iter().map(|(_, p)| p[j]).collect()))
+            .collect();
+        Ok((per_sample.iter().map(|(t, _)| *t as f32).collect(), parts))
+    }
+
+    /// Raw scores with the configured shaping: the non-EOS penalty and DAPO's overlong
+    /// penalty.
+    pub(crate) fn shaped(&self, raw: &[f32], generations: &[Generation]) -> Vec<f32> {
+        let cfg = &self.config.ppo;
+        raw.iter()
+            .zip(generations)
+            .map(|(&score, g)| {
+                let mut s = score;
+                if cfg.non_eos == NonEos::Penalize && g.stop_reason != StopReason::Eos {
+                    s += cfg.non_eos_penalty;
+                }
+                s + overlong_penalty(
+                    g.token_ids.len(),
+                    cfg.max_new_tokens,
+                    cfg.overlong_buffer,
+                    cfg.overlong_penalty,
+                )
+            })
+            .collect()
+    }
+
+    /// Generations for `requests` (in their order, on every rank), and each rank's generation
+    /// seconds when there are several: the ranks' engines take the requests a batch of
+    /// `ppo.slots` at a time from one queue, so a rank that finishes early takes more.
+    pub(crate) fn generate(
+        &self,
+        pool: &mut WorkerPool,
+        requests: &[GenerationRequest],
+    ) -> Result<(Vec<Generation>, Vec<f64>)> {
+        let comm = self.run.comm();
+        if comm.world_size() == 1 {
+            return Ok((pool.generate(requests, &|_| {})?.0, Vec::new()));
+        }
+        // Batches no larger than the engines take at once, and small enough that every rank
+        // gets several to balance with.
+        let engine_batch = self.config.ppo.slots.max(1) * self.config.ppo.workers.max(1);
+        let chunk = engine_batch
+            .min(requests.len().div_ceil(4 * comm.world_size()))
+            .max(1);
+        let (generations, work) = map_balanced(comm, requests.len(), chunk, |range| {
+            Ok::<_, PpoError>(pool.generate(&requests[range], &|_| {})?.0)
+        })?;
+        Ok((generations, work.iter().map(|w| w.seconds).collect()))
+    }
+}
+
+fn mean(xs: &[f32]) -> f64 {
+    xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64
+}
