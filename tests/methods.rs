@@ -379,3 +379,73 @@ fn rejection_sampling_raises_the_reward_round_over_round() {
         "{rounds:?}"
     );
 }
+
+/// Self-rewarding: after the IFT + EFT fine-tuning the model judges held-out labelled answers
+/// above chance; over two iterations of answering, judging itself and DPO on best against
+/// worst, the sentiment of its own samples rises while its judging does not fall, with the KL
+/// to the start model reported; every intermediate file is kept.
+#[test]
+fn self_rewarding_iterations_raise_the_reward_and_keep_the_judge() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("self-reward");
+    let (ok, stdout, err) = aligner_tests::aligner_output(&[
+        "self-reward",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "self_reward.iterations=2",
+        // 208 samples per evaluation (standard error about 0.07 lexicon).
+        "--set",
+        "frontier.max_prompts=104",
+        "--set",
+        "frontier.samples_per_prompt=2",
+    ]);
+    assert!(ok, "{err}");
+    assert!(stdout.contains("self-reward: 2 iterations"), "{stdout}");
+    for file in [
+        "sft/final/model.safetensors",
+        "ift_eft.train.jsonl",
+        "iter-1/candidates.jsonl",
+        "iter-1/pairs.jsonl",
+        "iter-2/dpo/final/model.safetensors",
+        "final/model.safetensors",
+    ] {
+        assert!(run.join(file).exists(), "{file}");
+    }
+    let candidates = aligner_tests::jsonl(&run.join("iter-1/candidates.jsonl"));
+    assert_eq!(candidates.len(), 256);
+    assert_eq!(candidates[0]["responses"].as_array().unwrap().len(), 4);
+    for pair in aligner_tests::jsonl(&run.join("iter-1/pairs.jsonl")) {
+        let (c, r) = (
+            pair["chosen_reward"].as_f64().unwrap(),
+            pair["rejected_reward"].as_f64().unwrap(),
+        );
+        assert!(
+            c > r + 0.1 && (0.0..=4.0).contains(&c) && (0.0..=4.0).contains(&r),
+            "{pair}"
+        );
+    }
+    let reports = aligner_tests::jsonl(&run.join("self_reward.jsonl"));
+    assert_eq!(reports.len(), 3);
+    let figure = |i: usize, key: &str| reports[i][key].as_f64().unwrap();
+    let agreement: Vec<f64> = (0..3).map(|i| figure(i, "judge_agreement")).collect();
+    let reward: Vec<f64> = (0..3)
+        .map(|i| figure(i, "eval_frontier/tinystories_sentiment"))
+        .collect();
+    let kl: Vec<f64> = (0..3).map(|i| figure(i, "eval_frontier/kl")).collect();
+    eprintln!("agreement {agreement:?}, reward {reward:?}, kl {kl:?}");
+    assert!(
+        agreement[0] > 0.55,
+        "the EFT-trained judge is at chance: {agreement:?}"
+    );
+    assert!(
+        agreement[2] > agreement[0] - 0.05,
+        "the judge fell: {agreement:?}"
+    );
+    // Measured: 2.12 → 2.37 → 2.71 (standard error about 0.07), agreement 0.61 → 0.63 → 0.63.
+    assert!(
+        reward[1] > reward[0] + 0.1 && reward[2] > reward[0] + 0.3,
+        "{reward:?}"
+    );
+    assert!(kl.iter().all(|k| k.is_finite()) && kl[2] > 0.0, "{kl:?}");
+}

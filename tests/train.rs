@@ -392,7 +392,7 @@ fn example_configs_parse_and_run() {
     // reward model with a fresh, zero head).
     let base = repo().join("assets/stories260K");
     let rm = format!("reward_model.path={}", base.display());
-    let runs: [(&[&str], &str, &[&str]); 4] = [
+    let runs: [(&[&str], &str, &[&str]); 7] = [
         (
             &["ppo"],
             "ppo",
@@ -401,6 +401,30 @@ fn example_configs_parse_and_run() {
                 "ppo.rollout_prompts=4",
                 "ppo.eval_prompts=4",
                 "ppo.mini_batch=4",
+            ],
+        ),
+        (
+            &["ppo"],
+            "grpo",
+            &["ppo.steps=1", "ppo.rollout_prompts=4", "ppo.eval_prompts=4"],
+        ),
+        (
+            &["online-dpo"],
+            "online_dpo",
+            &[
+                "online.steps=1",
+                "online.prompts_per_step=4",
+                "online.eval_prompts=4",
+            ],
+        ),
+        (
+            &["self-reward"],
+            "self_reward",
+            &[
+                "self_reward.iterations=1",
+                "self_reward.max_prompts=8",
+                "sft.max_steps=1",
+                "train.max_steps=1",
             ],
         ),
         (
@@ -442,7 +466,7 @@ fn example_configs_parse_and_run() {
         for s in sets
             .iter()
             .map(|s| s.to_string())
-            .chain((file != "spin" && file != "steerlm").then(|| rm.clone()))
+            .chain(["ppo", "rs", "online_dpo"].contains(&file).then(|| rm.clone()))
         {
             args.extend(["--set".into(), s]);
         }

@@ -58,6 +58,9 @@ enum Command {
     Steerlm(steerlm::SteerCommand),
     /// Self-play fine-tuning (SPIN) iterations.
     Spin(train::TrainArgs),
+    /// Self-rewarding language models: IFT + EFT fine-tuning, then iterations of answering,
+    /// judging its own answers and DPO on the best against the worst.
+    SelfReward(train::TrainArgs),
     /// Rejection sampling (best-of-n) rounds.
     Rs(train::TrainArgs),
     /// Serve a PPO role over gRPC.
@@ -201,6 +204,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::OnlineDpo(args) => ppo::online_dpo(args, &device),
         Command::Serve(cmd) => serve::run(cmd, &device),
         Command::Spin(args) => ppo::spin(args, &device),
+        Command::SelfReward(args) => ppo::self_reward(args, &device),
         Command::Rs(args) => ppo::rs(args, &device),
         Command::Steerlm(cmd) => steerlm::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),

@@ -68,6 +68,29 @@ pub fn rs(args: TrainArgs, device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// `aligner self-reward`: self-rewarding iterations.
+pub fn self_reward(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, run) = prepare::<aligner_selfreward::SelfRewardConfig>(&args, "self-reward")?;
+    let reports = aligner_selfreward::train(&config, &crate::registry::registry(), &run, device)?;
+    for r in &reports {
+        println!(
+            "iteration {}: judge agreement {}; {} pairs of {} prompts; {}",
+            r.iteration,
+            r.judge_agreement.map_or_else(|| "-".to_string(), format_number),
+            r.pairs,
+            r.prompts,
+            format_metrics(&r.frontier)
+        );
+    }
+    println!(
+        "self-reward: {} iterations; run in {}, policy in {}",
+        reports.len().saturating_sub(1),
+        run.path().display(),
+        run.final_dir().display()
+    );
+    Ok(())
+}
+
 /// `aligner spin`: self-play fine-tuning iterations.
 pub fn spin(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "spin")?;
