@@ -399,7 +399,7 @@ fn every_grpo_family_option_raises_the_verifiable_reward() {
             // Dynamic sampling: never more groups than asked for, and extra draws made when
             // groups were dropped.
             let groups = values(&rows, "dynamic_sampling/groups");
-            assert!(groups.iter().all(|&g| g >= 1.0 && g <= 16.0), "{groups:?}");
+            assert!(groups.iter().all(|g| (1.0..=16.0).contains(g)), "{groups:?}");
             assert!(values(&rows, "dynamic_sampling/draws").iter().any(|&d| d > 1.0));
         }
     }

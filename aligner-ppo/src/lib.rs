@@ -7,8 +7,10 @@
 //! or from `aligner serve critic` over gRPC — so their work overlaps the actor's.
 //!
 //! The arithmetic is in pure functions: [`advantages`] (KL estimators, per-token rewards, GAE,
-//! whitening, GRPO / RLOO group baselines) and [`losses`] (the clipped policy and value
-//! losses). [`runner::PpoRunner`] is the loop; [`critic`] holds the critic's roles;
+//! whitening, the GRPO family's advantages: GRPO, RLOO, Dr. GRPO, REINFORCE++, DAPO's dynamic
+//! sampling filter and overlong shaping) and [`losses`] (the clipped policy and value losses,
+//! decoupled clip ranges, GSPO's sequence ratio, the loss aggregations). Rewards are
+//! [`Reward`]s: a reward model, an external command, an HTTP endpoint, rules, weighted sums. [`runner::PpoRunner`] is the loop; [`critic`] holds the critic's roles;
 //! [`rejection`] is best-of-n rejection sampling on the same roles. [`train()`] and
 //! [`rejection_sampling`] are the whole runs (what `aligner ppo` and `aligner rs` call):
 //!
@@ -31,6 +33,13 @@ pub mod server;
 mod timing;
 pub mod train;
 
+/// Rewards as functions (the `Reward` trait and its implementations) live in aligner-gen, beside
+/// the engine, so every online method (PPO, rejection sampling, online DPO, self-rewarding)
+/// shares them; re-exported here for PPO's users.
+pub use aligner_gen::reward::{
+    CommandReward, FunctionReward, HttpReward, ModelReward, Reward, RewardError, RewardInput, RewardSpec,
+    RewardSpecs, Rewards, RuleReward,
+};
 pub use config::{NonEos, PpoConfig, PpoSection, RewardModelSection};
 pub use critic::{CriticClient, CriticSettings, CriticWorker, LocalCritic};
 pub use error::{PpoError, Result};

@@ -32,6 +32,9 @@ pub(crate) struct Rollout {
     pub reward_seconds: f64,
 }
 
+/// Each reward part's name and its scores.
+pub(crate) type PartScores = Vec<(String, Vec<f64>)>;
+
 /// What drawing samples needs of a run.
 #[derive(Clone, Copy)]
 pub(crate) struct Sampler<'a> {
@@ -155,19 +158,14 @@ impl Sampler<'_> {
             } else {
                 vec![true; prompts.len()]
             };
-            let mut generations = generations.into_iter();
-            let mut sequences = sequences.into_iter();
-            for (g, &kept) in keep.iter().enumerate() {
-                let groups_kept = out.sequences.len() / group;
-                let take = kept && groups_kept < wanted;
-                for i in g * group..(g + 1) * group {
-                    let (Some(generation), Some(sequence)) = (generations.next(), sequences.next()) else {
-                        break;
-                    };
+            let mut samples = generations.into_iter().zip(sequences).zip(shaped);
+            for &kept in &keep {
+                let take = kept && out.sequences.len() / group < wanted;
+                for ((generation, sequence), score) in samples.by_ref().take(group) {
                     if take {
                         out.generations.push(generation);
                         out.sequences.push(sequence);
-                        kept_scores.push(shaped[i]);
+                        kept_scores.push(score);
                     }
                 }
             }
@@ -202,7 +200,7 @@ impl Sampler<'_> {
         rewards: &Rewards,
         owners: &[&EncodedPrompt],
         generations: &[Generation],
-    ) -> Result<(Vec<f32>, Vec<(String, Vec<f64>)>)> {
+    ) -> Result<(Vec<f32>, PartScores)> {
         let texts: Vec<String> = owners
             .iter()
             .zip(generations)

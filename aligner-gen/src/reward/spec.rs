@@ -195,13 +195,13 @@ impl RewardSpec {
             return Err(bad(format!("{key}.function = {f:?}: not one of {known:?}")));
         }
         match self.rule {
-            Some(Rule::Contains | Rule::Exact | Rule::Regex) => {
-                if self.field.is_some() == self.pattern.is_some() {
-                    return Err(bad(format!(
-                        "{key}: rule {:?} needs one of field (a prompt row's field) or pattern",
-                        rule_name(self.rule.unwrap_or(Rule::Contains))
-                    )));
-                }
+            Some(rule @ (Rule::Contains | Rule::Exact | Rule::Regex))
+                if self.field.is_some() == self.pattern.is_some() =>
+            {
+                return Err(bad(format!(
+                    "{key}: rule {:?} needs one of field (a prompt row's field) or pattern",
+                    rule_name(rule)
+                )));
             }
             Some(Rule::Length) if self.target.is_none_or(|t| t == 0) => {
                 return Err(bad(format!(
