@@ -8,10 +8,11 @@ fn main() -> Result<(), aligner_selfreward::SelfRewardError> {
         .nth(1)
         .unwrap_or_else(|| "runs/example-self-reward".into());
     let mut config = aligner_selfreward::SelfRewardConfig::default();
-    // A short run: one iteration on 64 prompts after a short IFT + EFT fine-tuning.
+    // A short run: one iteration on 64 prompts after a short IFT + EFT fine-tuning (the full
+    // one is two epochs, 386 steps).
     config.self_reward.iterations = 1;
     config.self_reward.max_prompts = 64;
-    config.sft.max_steps = 30;
+    config.sft.max_steps = 100;
     let reports = aligner_selfreward::train(
         &config,
         &aligner_dpo::LossRegistry::with_builtin(),
