@@ -35,6 +35,21 @@ pub fn check_reward_fields(specs: &RewardSpecs, path: &Path, prompts: &[EncodedP
     Ok(())
 }
 
+/// The train and validation prompts of `data` with their rows' fields, each row checked to fit
+/// the model's context and to carry every field the rewards read.
+fn prompt_files(
+    data: &aligner_core::train::DataSection,
+    lm: &aligner_core::LoadedModel,
+    rewards: &RewardSpecs,
+) -> Result<(Vec<EncodedPrompt>, Vec<EncodedPrompt>)> {
+    data_files(data)?.load(|path, _| {
+        let prompts =
+            aligner_core::data::load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings)?;
+        check_reward_fields(rewards, path, &prompts)?;
+        Ok::<_, crate::PpoError>(prompts)
+    })
+}
+
 /// The rewards of a run: the `[[reward]]` tables, or, without any, the reward model in
 /// `rm_dir` (`None` when the critic's process holds it: PPO with combined roles).
 pub fn run_rewards(specs: &RewardSpecs, rm_dir: Option<&Path>, device: &Device) -> Result<Option<Rewards>> {
@@ -79,12 +94,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         .transpose()?;
     let lm = load_model(&config.model, device)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
-    let (train_prompts, eval_prompts) = data_files(&config.data)?.load(|path, _| {
-        let prompts =
-            aligner_core::data::load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings)?;
-        check_reward_fields(&config.reward, path, &prompts)?;
-        Ok::<_, crate::PpoError>(prompts)
-    })?;
+    let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     // The critic's process scores with the reward model when the roles are combined and no
     // reward functions are configured; otherwise the actor scores.
     let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty();
@@ -177,12 +187,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         config.rs.kl_coef,
         aligner_core::train::Range::NonNegative,
     )?;
-    let (train_prompts, eval_prompts) = data_files(&config.data)?.load(|path, _| {
-        let prompts =
-            aligner_core::data::load_prompts(path, &lm.tokenizer, lm.config.max_position_embeddings)?;
-        check_reward_fields(&config.reward, path, &prompts)?;
-        Ok::<_, crate::PpoError>(prompts)
-    })?;
+    let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.
     let reference = lm.model.clone();
