@@ -454,3 +454,89 @@ fn kto_on_two_and_three_ranks_trains_as_one_process() {
         }
     }
 }
+
+/// Self-rewarding and Constitutional AI on two ranks with LoRA adapters, then resumed: a
+/// finished iteration or stage is kept (its model not trained again), an unfinished one is run.
+#[test]
+fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let modified = |path: PathBuf| std::fs::metadata(&path).unwrap().modified().unwrap();
+    ranks(
+        2,
+        &[
+            "self-reward",
+            "--out",
+            &out("self-reward"),
+            "--set",
+            "model.lora_rank=4",
+            "--set",
+            "self_reward.iterations=1",
+            "--set",
+            "self_reward.max_prompts=16",
+            "--set",
+            "sft.max_steps=20",
+            "--set",
+            "frontier.max_prompts=8",
+        ],
+    );
+    let sr = dir.path().join("self-reward");
+    for file in [
+        "sft/final/adapter",
+        "iter-1/pairs.jsonl",
+        "iter-1/dpo/final/adapter",
+        "final/model.safetensors",
+    ] {
+        assert!(sr.join(file).exists(), "{file}");
+    }
+    // Written once, by rank 0: iteration 0 and 1.
+    assert_eq!(aligner_tests::jsonl(&sr.join("self_reward.jsonl")).len(), 2);
+
+    ranks(
+        2,
+        &[
+            "cai",
+            "--out",
+            &out("cai"),
+            "--set",
+            "model.lora_rank=4",
+            "--set",
+            "cai.rl=dpo",
+            "--set",
+            "cai.max_prompts=32",
+            "--set",
+            "judge.max_steps=20",
+            "--set",
+            "frontier.max_prompts=8",
+        ],
+    );
+    let cai = dir.path().join("cai");
+    for file in [
+        "sl/sft/final/adapter",
+        "judge/final/adapter",
+        "rl/dpo/final/adapter",
+        "final/model.safetensors",
+    ] {
+        assert!(cai.join(file).exists(), "{file}");
+    }
+    assert_eq!(aligner_tests::jsonl(&cai.join("rl/labels.jsonl")).len(), 32);
+    assert_eq!(aligner_tests::jsonl(&cai.join("cai.jsonl")).len(), 3);
+
+    // Interrupted in the RL stage: its model gone, its report not written.
+    let kept = [
+        cai.join("sl/sft/final/model.safetensors"),
+        cai.join("judge/final/model.safetensors"),
+    ];
+    let before: Vec<_> = kept.iter().map(|p| modified(p.clone())).collect();
+    std::fs::remove_dir_all(cai.join("rl/dpo/final")).unwrap();
+    let reports = std::fs::read_to_string(cai.join("cai.jsonl")).unwrap();
+    let first_two: String = reports.lines().take(2).map(|l| format!("{l}\n")).collect();
+    std::fs::write(cai.join("cai.jsonl"), first_two).unwrap();
+    ranks(2, &["cai", "--resume", &out("cai")]);
+    let after: Vec<_> = kept.iter().map(|p| modified(p.clone())).collect();
+    assert_eq!(before, after, "a finished stage was trained again");
+    assert!(cai.join("rl/dpo/final/adapter").exists());
+    let reports = aligner_tests::jsonl(&cai.join("cai.jsonl"));
+    let stages: Vec<&str> = reports.iter().map(|r| r["stage"].as_str().unwrap()).collect();
+    assert_eq!(stages, ["start", "sl", "rl"]);
+}

@@ -392,7 +392,7 @@ fn example_configs_parse_and_run() {
     // reward model with a fresh, zero head).
     let base = repo().join("assets/stories260K");
     let rm = format!("reward_model.path={}", base.display());
-    let runs: [(&[&str], &str, &[&str]); 7] = [
+    let runs: [(&[&str], &str, &[&str]); 8] = [
         (
             &["ppo"],
             "ppo",
@@ -425,6 +425,20 @@ fn example_configs_parse_and_run() {
                 "self_reward.max_prompts=8",
                 "sft.max_steps=1",
                 "train.max_steps=1",
+            ],
+        ),
+        (
+            &["cai"],
+            "cai",
+            &[
+                "cai.max_prompts=4",
+                "cai.min_confidence=0",
+                "judge.max_steps=1",
+                "sl.max_steps=1",
+                "reward_model.max_steps=1",
+                "online.steps=1",
+                "online.prompts_per_step=4",
+                "frontier.max_prompts=4",
             ],
         ),
         (

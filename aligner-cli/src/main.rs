@@ -61,6 +61,10 @@ enum Command {
     /// Self-rewarding language models: IFT + EFT fine-tuning, then iterations of answering,
     /// judging its own answers and DPO on the best against the worst.
     SelfReward(train::TrainArgs),
+    /// Constitutional AI: answers critiqued and revised under a constitution's principles
+    /// (SFT on the revisions), then AI preference labels from a feedback model and DPO or a
+    /// reward model on them (RLAIF).
+    Cai(train::TrainArgs),
     /// Rejection sampling (best-of-n) rounds.
     Rs(train::TrainArgs),
     /// Serve a PPO role over gRPC.
@@ -205,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(cmd) => serve::run(cmd, &device),
         Command::Spin(args) => ppo::spin(args, &device),
         Command::SelfReward(args) => ppo::self_reward(args, &device),
+        Command::Cai(args) => ppo::cai(args, &device),
         Command::Rs(args) => ppo::rs(args, &device),
         Command::Steerlm(cmd) => steerlm::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),

@@ -91,6 +91,40 @@ pub fn self_reward(args: TrainArgs, device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// `aligner cai`: Constitutional AI's supervised and RL-from-AI-feedback stages.
+pub fn cai(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, run) = prepare::<aligner_selfreward::cai::CaiConfig>(&args, "cai")?;
+    let reports = aligner_selfreward::cai::train(&config, &crate::registry::registry(), &run, device)?;
+    for r in &reports {
+        let mut parts = Vec::new();
+        if let Some(n) = r.revisions {
+            parts.push(format!("{n} revisions"));
+        }
+        if let (Some(n), Some(kept)) = (r.pairs, r.pairs_kept) {
+            parts.push(format!("{kept} of {n} AI-labelled pairs kept"));
+        }
+        if let Some(a) = r.ai_label_agreement {
+            parts.push(format!(
+                "AI labels agree with {} on {}",
+                config.frontier.reward_function.map_or("the check", |f| f.name()),
+                format_number(a)
+            ));
+        }
+        if let Some(a) = r.judge_agreement {
+            parts.push(format!("judge agreement {}", format_number(a)));
+        }
+        parts.push(format_metrics(&r.frontier));
+        println!("{}: {}", r.stage, parts.join("; "));
+    }
+    println!(
+        "cai: {} stages; run in {}, policy in {}",
+        reports.len().saturating_sub(1),
+        run.path().display(),
+        run.final_dir().display()
+    );
+    Ok(())
+}
+
 /// `aligner spin`: self-play fine-tuning iterations.
 pub fn spin(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "spin")?;

@@ -18,20 +18,26 @@ use crate::tokenizer::TextTokenizer;
 use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
 
 /// A preference line: `{"prompt", "chosen", "rejected"}`, in any of TRL's forms (see
-/// [`crate::data::render_pair`]).
+/// [`crate::data::render_pair`]), optionally with a soft label `"chosen_probability"`: how
+/// likely the labeller holds `chosen` the better one (Constitutional AI's AI labels; 1 when
+/// absent).
 #[derive(Debug, Clone, Deserialize)]
 pub struct PreferenceRow {
     #[serde(default)]
     pub prompt: Option<Prompt>,
     pub chosen: Completion,
     pub rejected: Completion,
+    #[serde(default)]
+    pub chosen_probability: Option<f64>,
 }
 
-/// A tokenized preference pair (`encode(prompt + response)`, truncated).
+/// A tokenized preference pair (`encode(prompt + response)`, truncated) and the probability
+/// that `chosen` is preferred.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PairExample {
     pub chosen: Vec<u32>,
     pub rejected: Vec<u32>,
+    pub target: f32,
 }
 
 impl PairExample {
@@ -42,9 +48,16 @@ impl PairExample {
             ids.truncate(max_len.max(1));
             Ok(ids)
         };
+        let target = row.chosen_probability.unwrap_or(1.0);
+        if !(0.0..=1.0).contains(&target) {
+            return Err(crate::CoreError::Invalid(format!(
+                "chosen_probability {target} is not a probability (0 to 1)"
+            )));
+        }
         Ok(Self {
             chosen: encode(&pair.chosen)?,
             rejected: encode(&pair.rejected)?,
+            target: target as f32,
         })
     }
 }
@@ -59,6 +72,19 @@ pub fn load_pairs(path: &Path, tokenizer: &TextTokenizer, max_len: usize) -> Res
 /// Bradley–Terry loss `-log σ(r_c - r_r)` per pair.
 pub fn bradley_terry_loss(chosen: Tensor<1>, rejected: Tensor<1>) -> Tensor<1> {
     log_sigmoid(chosen - rejected).neg()
+}
+
+/// Bradley–Terry loss on soft labels: the cross-entropy `-(p log σ(m) + (1 - p) log σ(-m))`,
+/// `m = r_c - r_r`, `p` the probability that `chosen` is preferred (`p = 1`: the plain loss).
+pub fn soft_bradley_terry_loss(chosen: Tensor<1>, rejected: Tensor<1>, target: Tensor<1>) -> Tensor<1> {
+    let margin = chosen - rejected;
+    let ones = target.ones_like();
+    (target.clone() * log_sigmoid(margin.clone()) + (ones - target) * log_sigmoid(margin.neg())).neg()
+}
+
+fn targets(batch: &[&PairExample], device: &Device) -> Tensor<1> {
+    let t: Vec<f32> = batch.iter().map(|p| p.target).collect();
+    Tensor::<1>::from_floats(t.as_slice(), device)
 }
 
 /// Masked mean squared error: `Σ mask·(pred - target)² / Σ mask`.
@@ -95,7 +121,7 @@ impl Objective<RewardModel> for RewardObjective {
             .unwrap_or_default();
         let accuracy = margin.iter().filter(|&&m| m > 0.0).count() as f64 / margin.len().max(1) as f64;
         let mean_margin = margin.iter().map(|&m| m as f64).sum::<f64>() / margin.len().max(1) as f64;
-        let loss = bradley_terry_loss(c, r).mean();
+        let loss = soft_bradley_terry_loss(c, r, targets(batch, &device)).mean();
         Ok(StepOutput {
             loss,
             metrics: vec![("accuracy".into(), accuracy), ("margin".into(), mean_margin)],
@@ -106,7 +132,7 @@ impl Objective<RewardModel> for RewardObjective {
     fn evaluate(&self, model: &RewardModel, batch: &[&PairExample]) -> Result<Vec<EvalSum>> {
         let device = model.score.weight.device();
         let (c, r) = pair_rewards(model, batch, &device);
-        let loss: f64 = bradley_terry_loss(c.clone(), r.clone())
+        let loss: f64 = soft_bradley_terry_loss(c.clone(), r.clone(), targets(batch, &device))
             .sum()
             .into_scalar::<f32>() as f64;
         let margin: Vec<f32> = (c - r).into_data().try_to_vec().unwrap_or_default();
@@ -166,6 +192,39 @@ mod tests {
         let gc = c.grad(&grads).unwrap().into_scalar::<f32>();
         let gr = r.grad(&grads).unwrap().into_scalar::<f32>();
         assert!((gc + 0.5).abs() < 1e-6 && (gr - 0.5).abs() < 1e-6, "{gc} {gr}");
+    }
+
+    #[test]
+    fn soft_labels_by_hand() {
+        let device = Device::flex();
+        let c = Tensor::<1>::from_floats([1.0, 1.0, 0.5], &device);
+        let r = Tensor::<1>::from_floats([0.0, 0.0, 0.5], &device);
+        let p = Tensor::<1>::from_floats([1.0, 0.75, 0.3], &device);
+        let got: Vec<f32> = soft_bradley_terry_loss(c, r, p).into_data().try_to_vec().unwrap();
+        let softplus = |x: f64| (1.0 + x.exp()).ln();
+        // p = 1: the plain loss; p = 0.75 at margin 1: 0.75·softplus(-1) + 0.25·softplus(1);
+        // margin 0: log 2 whatever p.
+        let want = [
+            softplus(-1.0),
+            0.75 * softplus(-1.0) + 0.25 * softplus(1.0),
+            2f64.ln(),
+        ];
+        for (g, w) in got.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-6, "{got:?} {want:?}");
+        }
+    }
+
+    #[test]
+    fn soft_label_gradient_vanishes_at_the_labelled_margin() {
+        // d/dm of the soft loss is σ(m) - p: zero where σ(m) = p.
+        let device = Device::flex().autodiff();
+        let m = 0.75f32.ln() - 0.25f32.ln();
+        let c = Tensor::<1>::from_floats([m], &device).require_grad();
+        let r = Tensor::<1>::from_floats([0.0], &device);
+        let p = Tensor::<1>::from_floats([0.75], &device);
+        let grads = soft_bradley_terry_loss(c.clone(), r, p).sum().backward();
+        let g = c.grad(&grads).unwrap().into_scalar::<f32>();
+        assert!(g.abs() < 1e-6, "{g}");
     }
 
     #[test]

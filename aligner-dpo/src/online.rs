@@ -380,21 +380,13 @@ impl Sampler<'_> {
         n: usize,
         seed: u64,
     ) -> Result<(Vec<ScoredSequence>, Vec<f64>), DpoError> {
-        let requests: Vec<GenerationRequest> = prompts
-            .iter()
-            .flat_map(|p| std::iter::repeat_n(p, n))
-            .enumerate()
-            .map(|(i, p)| GenerationRequest {
-                prompt_ids: p.ids.clone(),
-                params: SamplingParams {
-                    temperature: self.config.temperature,
-                    seed: seed.wrapping_add(i as u64),
-                    max_new_tokens: self.config.max_new_tokens,
-                    ..SamplingParams::default()
-                },
-                guidance: None,
-            })
-            .collect();
+        let params = SamplingParams {
+            temperature: self.config.temperature,
+            seed,
+            max_new_tokens: self.config.max_new_tokens,
+            ..SamplingParams::default()
+        };
+        let requests = GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), n, &params);
         let outputs: Vec<Generation> = engine.generate(&requests)?;
         let texts: Vec<String> = requests
             .iter()

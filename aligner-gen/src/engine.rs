@@ -42,6 +42,30 @@ pub struct GenerationRequest {
     pub guidance: Option<Guidance>,
 }
 
+impl GenerationRequest {
+    /// Each prompt `n` times, in order, request `i` drawing with `params.seed + i`: its own
+    /// random stream, so a sample does not depend on what else is in the batch.
+    pub fn repeated<'a>(
+        prompts: impl IntoIterator<Item = &'a [u32]>,
+        n: usize,
+        params: &SamplingParams,
+    ) -> Vec<Self> {
+        prompts
+            .into_iter()
+            .flat_map(|ids| std::iter::repeat_n(ids, n))
+            .enumerate()
+            .map(|(i, ids)| Self {
+                prompt_ids: ids.to_vec(),
+                params: SamplingParams {
+                    seed: params.seed.wrapping_add(i as u64),
+                    ..params.clone()
+                },
+                guidance: None,
+            })
+            .collect()
+    }
+}
+
 impl Generation {
     /// `request`'s prompt with these generated tokens, as a sequence to score (the response
     /// being the generated tokens): how a reference or reward model scores a policy's samples.
@@ -566,4 +590,29 @@ pub(crate) fn validate(requests: &[GenerationRequest], max_positions: usize) -> 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_requests_keep_prompt_order_and_seed_each_draw() {
+        let params = SamplingParams {
+            seed: 10,
+            max_new_tokens: 7,
+            ..SamplingParams::default()
+        };
+        let (a, b) = ([1u32, 2], [3u32]);
+        let requests = GenerationRequest::repeated([&a[..], &b[..]], 2, &params);
+        let prompts: Vec<&[u32]> = requests.iter().map(|r| r.prompt_ids.as_slice()).collect();
+        assert_eq!(prompts, [&a[..], &a[..], &b[..], &b[..]]);
+        let seeds: Vec<u64> = requests.iter().map(|r| r.params.seed).collect();
+        assert_eq!(seeds, [10, 11, 12, 13]);
+        assert!(
+            requests
+                .iter()
+                .all(|r| r.params.max_new_tokens == 7 && r.guidance.is_none())
+        );
+    }
 }

@@ -239,23 +239,13 @@ impl RejectionSampling<'_> {
         seed: u64,
     ) -> Result<Sampled> {
         let cfg = &self.config.rs;
-        let requests = prompts
-            .iter()
-            .flat_map(|p| std::iter::repeat_n(p, n))
-            .enumerate()
-            .map(|(i, p)| {
-                Ok(GenerationRequest {
-                    prompt_ids: p.ids.clone(),
-                    params: SamplingParams {
-                        temperature: cfg.temperature,
-                        seed: seed.wrapping_add(i as u64),
-                        max_new_tokens: cfg.max_new_tokens,
-                        ..SamplingParams::default()
-                    },
-                    guidance: None,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let params = SamplingParams {
+            temperature: cfg.temperature,
+            seed,
+            max_new_tokens: cfg.max_new_tokens,
+            ..SamplingParams::default()
+        };
+        let requests = GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), n, &params);
         let (engine, refit) = Engine::refit_or_build(engine, policy, self.llama, Some(self.tokenizer))?;
         // Data parallel: the ranks' engines take the requests a batch at a time (a rank whose
         // samples come out shorter takes more), each scoring its own.

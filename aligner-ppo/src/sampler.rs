@@ -79,23 +79,15 @@ impl Sampler<'_> {
                 .wrapping_add(step as u64 * 100_000)
                 .wrapping_add((draw as u64) << 40)
         };
-        prompts
-            .iter()
-            .flat_map(|p| std::iter::repeat_n(p, samples))
-            .enumerate()
-            .map(|(i, p)| GenerationRequest {
-                prompt_ids: p.ids.clone(),
-                params: SamplingParams {
-                    temperature: cfg.temperature,
-                    top_k: cfg.top_k,
-                    top_p: cfg.top_p,
-                    seed: base.wrapping_add(i as u64),
-                    max_new_tokens: cfg.max_new_tokens,
-                    stop_strings: Vec::new(),
-                },
-                guidance: None,
-            })
-            .collect()
+        let params = SamplingParams {
+            temperature: cfg.temperature,
+            top_k: cfg.top_k,
+            top_p: cfg.top_p,
+            seed: base,
+            max_new_tokens: cfg.max_new_tokens,
+            stop_strings: Vec::new(),
+        };
+        GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), samples, &params)
     }
 
     /// A step's samples: `rollout_prompts` prompts × `samples_per_prompt`, scored by the

@@ -28,6 +28,11 @@ impl Judge {
         format!(" {score}")
     }
 
+    /// The scores `min..=max` in order.
+    pub fn scores(&self) -> Vec<u32> {
+        (self.min..=self.max).collect()
+    }
+
     /// The expected score of each `(prompt, response)`: `Σ s · p(s)` with `p` the model's
     /// probabilities of the score answers, normalised over them.
     pub fn expected_scores(
@@ -37,7 +42,24 @@ impl Judge {
         answers: &[(&str, &str)],
         batch_size: usize,
     ) -> Result<Vec<f64>, CoreError> {
-        let scores: Vec<u32> = (self.min..=self.max).collect();
+        let scores: Vec<f64> = self.scores().into_iter().map(f64::from).collect();
+        let distributions = self.score_distributions(model, tokenizer, answers, batch_size)?;
+        Ok(distributions
+            .iter()
+            .map(|p| p.iter().zip(&scores).map(|(p, s)| p * s).sum())
+            .collect())
+    }
+
+    /// The judge's probability of each score `min..=max` for each `(prompt, response)`: the
+    /// model's probabilities of the score answers, normalised over them.
+    pub fn score_distributions(
+        &self,
+        model: &CausalLm,
+        tokenizer: &TextTokenizer,
+        answers: &[(&str, &str)],
+        batch_size: usize,
+    ) -> Result<Vec<Vec<f64>>, CoreError> {
+        let scores = self.scores();
         let mut sequences = Vec::with_capacity(answers.len() * scores.len());
         for (prompt, response) in answers {
             let judged = self.prompt(prompt, response);
@@ -48,20 +70,38 @@ impl Judge {
         let logprobs = response_logprobs(model, &sequences, batch_size)?;
         Ok(logprobs
             .chunks(scores.len())
-            .map(|lp| expected_score(&scores, &lp.iter().map(|l| l.total()).collect::<Vec<_>>()))
+            .map(|lp| softmax(&lp.iter().map(|l| l.total()).collect::<Vec<_>>()))
             .collect())
     }
 }
 
-/// `Σ s · softmax(logprobs)_s`.
-pub fn expected_score(scores: &[u32], logprobs: &[f64]) -> f64 {
+/// `softmax(logprobs)`: probabilities normalised over the given options.
+pub fn softmax(logprobs: &[f64]) -> Vec<f64> {
     let top = logprobs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let weights: Vec<f64> = logprobs.iter().map(|l| (l - top).exp()).collect();
     let total: f64 = weights.iter().sum();
+    weights.iter().map(|w| w / total).collect()
+}
+
+/// The probability that an answer whose score is drawn from `a` beats one drawn from `b`
+/// (both over the same ascending scores), an equal draw counting half:
+/// `Σ_{i>j} a_i b_j + ½ Σ_i a_i b_i`. `P(a, b) + P(b, a) = 1`.
+pub fn probability_better(a: &[f64], b: &[f64]) -> f64 {
+    let mut p = 0.0;
+    let mut b_below = 0.0;
+    for (ai, bi) in a.iter().zip(b) {
+        p += ai * (b_below + 0.5 * bi);
+        b_below += bi;
+    }
+    p
+}
+
+/// `Σ s · softmax(logprobs)_s`.
+pub fn expected_score(scores: &[u32], logprobs: &[f64]) -> f64 {
     scores
         .iter()
-        .zip(&weights)
-        .map(|(&s, w)| s as f64 * w / total)
+        .zip(softmax(logprobs))
+        .map(|(&s, p)| s as f64 * p)
         .sum()
 }
 
@@ -110,6 +150,19 @@ mod tests {
         // Shifting every log-prob changes nothing.
         let shifted: Vec<f64> = lp.iter().map(|l| l - 30.0).collect();
         assert!((expected_score(&[0, 1, 2], &shifted) - 1.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn probability_better_by_hand() {
+        // a = (0.5, 0.5), b = (0.25, 0.75) over scores (0, 1):
+        // a wins only as 1 over 0: 0.5·0.25 = 0.125; ties 0.5·0.25 + 0.5·0.75 = 0.5, half: 0.25.
+        let (a, b) = ([0.5, 0.5], [0.25, 0.75]);
+        assert!((probability_better(&a, &b) - 0.375).abs() < 1e-12);
+        assert!((probability_better(&a, &b) + probability_better(&b, &a) - 1.0).abs() < 1e-12);
+        // Certain scores: the higher wins, equal ones are a coin.
+        assert_eq!(probability_better(&[0.0, 0.0, 1.0], &[0.0, 1.0, 0.0]), 1.0);
+        assert_eq!(probability_better(&[0.0, 1.0, 0.0], &[0.0, 1.0, 0.0]), 0.5);
+        assert!((softmax(&[0.0, 3f64.ln()])[1] - 0.75).abs() < 1e-12);
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! # aligner-selfreward
 //!
+//! The NeMo-Aligner paper's §7 methods built on AI feedback: self-rewarding language models
+//! (this module's [`train`]) and Constitutional AI ([`cai`]).
+//!
 //! Self-rewarding language models (Yuan et al., 2024), the NeMo-Aligner paper's §7 pipeline on
 //! aligner's trainers: the model is first fine-tuned on instruction data (IFT) and on evaluation
 //! data (EFT: "judge this response" prompts answered with a score), so it can both answer and
@@ -22,6 +25,7 @@
 //! println!("{:?}", reports.last());
 //! ```
 
+pub mod cai;
 pub mod judge;
 
 use std::collections::BTreeMap;
@@ -52,6 +56,8 @@ pub enum SelfRewardError {
     Dpo(#[from] aligner_dpo::DpoError),
     #[error("{0}")]
     Invalid(String),
+    #[error("{path}: {message}")]
+    Constitution { path: PathBuf, message: String },
 }
 
 pub type Result<T, E = SelfRewardError> = std::result::Result<T, E>;
@@ -196,7 +202,9 @@ struct Labelled {
     label: u32,
 }
 
-fn read_labelled(path: &Path, key: &str, section: &SelfRewardSection) -> Result<Vec<Labelled>> {
+/// The labelled responses of `path`, each label a `key` of the row's `attributes` (or of the
+/// row) within `range` (`range_keys` names the config keys that set it, for the error).
+fn read_labelled(path: &Path, key: &str, range: (u32, u32), range_keys: &str) -> Result<Vec<Labelled>> {
     let rows: Vec<Value> = read_jsonl(path)?;
     rows.into_iter()
         .enumerate()
@@ -221,10 +229,10 @@ fn read_labelled(path: &Path, key: &str, section: &SelfRewardSection) -> Result<
                 .and_then(Value::as_f64)
                 .ok_or_else(|| bad(format!("no numeric label {key:?} (in \"attributes\" or the row)")))?;
             let label = label.round();
-            if label < section.score_min as f64 || label > section.score_max as f64 {
+            if label < range.0 as f64 || label > range.1 as f64 {
                 return Err(bad(format!(
-                    "label {key} = {label} is outside self_reward.score_min..=score_max ({}..={})",
-                    section.score_min, section.score_max
+                    "label {key} = {label} is outside {range_keys} ({}..={})",
+                    range.0, range.1
                 )));
             }
             Ok(Labelled {
@@ -271,8 +279,10 @@ pub fn train(
     }
     run.start_with_steps(config, &["sft"])?;
     let judge = section.judge();
-    let eft = read_labelled(&section.eft, &section.eft_label, section)?;
-    let eft_validation = read_labelled(&section.eft_validation, &section.eft_label, section)?;
+    let range = (section.score_min, section.score_max);
+    let range_keys = "self_reward.score_min..=score_max";
+    let eft = read_labelled(&section.eft, &section.eft_label, range, range_keys)?;
+    let eft_validation = read_labelled(&section.eft_validation, &section.eft_label, range, range_keys)?;
     let start = load_model(&config.model, device)?;
     let frontier = config.frontier.for_start_model(&start, device)?;
 
@@ -440,28 +450,17 @@ fn self_judge(
     seed: u64,
 ) -> Result<(Vec<Value>, Vec<Value>, f64)> {
     let n = section.candidates;
-    let requests: Vec<GenerationRequest> = prompts
+    let ids: Vec<&[u32]> = prompts
         .iter()
-        .flat_map(|p| std::iter::repeat_n(p, n))
-        .enumerate()
-        .map(|(i, p)| GenerationRequest {
-            prompt_ids: p.ids.clone(),
-            params: SamplingParams {
-                temperature: section.temperature,
-                seed: seed.wrapping_add(i as u64),
-                max_new_tokens: section.max_new_tokens,
-                ..SamplingParams::default()
-            },
-            guidance: None,
-        })
+        .flat_map(|p| std::iter::repeat_n(p.ids.as_slice(), n))
         .collect();
-    let mut engine = Engine::for_model(lm, EngineOptions::default());
-    let outputs = engine.generate(&requests)?;
-    let texts: Vec<String> = requests
-        .iter()
-        .zip(&outputs)
-        .map(|(r, o)| lm.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
-        .collect::<Result<_, _>>()?;
+    let sampling = Sampling {
+        max_new_tokens: section.max_new_tokens,
+        temperature: section.temperature,
+        seed,
+        stop: Vec::new(),
+    };
+    let texts = sampling.texts(lm, &ids)?;
     let answers: Vec<(&str, &str)> = texts
         .iter()
         .enumerate()
@@ -484,6 +483,57 @@ fn self_judge(
     }
     let mean = scores.iter().sum::<f64>() / scores.len().max(1) as f64;
     Ok((candidates, pairs, mean))
+}
+
+/// How a batch of prompts is answered once each: request `i` draws with `seed + i`.
+pub(crate) struct Sampling {
+    pub max_new_tokens: usize,
+    pub temperature: f32,
+    pub seed: u64,
+    /// The answer ends before the first of these (which is dropped).
+    pub stop: Vec<String>,
+}
+
+impl Sampling {
+    /// One answer per prompt, decoded. A prompt that leaves no room for `max_new_tokens` in the
+    /// model's context is cut from the left (few-shot text goes first).
+    pub fn texts(&self, lm: &LoadedModel, prompts: &[&[u32]]) -> Result<Vec<String>> {
+        let room = lm
+            .config
+            .max_position_embeddings
+            .saturating_sub(self.max_new_tokens)
+            .max(1);
+        let params = SamplingParams {
+            temperature: self.temperature,
+            seed: self.seed,
+            max_new_tokens: self.max_new_tokens,
+            stop_strings: self.stop.clone(),
+            ..SamplingParams::default()
+        };
+        let cut = prompts.iter().map(|ids| &ids[ids.len().saturating_sub(room)..]);
+        let requests = GenerationRequest::repeated(cut, 1, &params);
+        let mut engine = Engine::for_model(lm, EngineOptions::default());
+        let outputs = engine.generate(&requests)?;
+        requests
+            .iter()
+            .zip(&outputs)
+            .map(|(r, o)| {
+                let text = lm.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids)?;
+                Ok(cut_at_stop(&text, &self.stop).to_string())
+            })
+            .collect()
+    }
+}
+
+/// `text` up to the first of `stop`.
+pub(crate) fn cut_at_stop<'a>(text: &'a str, stop: &[String]) -> &'a str {
+    let end = stop
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+        .unwrap_or(text.len());
+    &text[..end]
 }
 
 /// Copies the files of `from` into `to` (a model folder, one level of subfolders).
