@@ -491,6 +491,28 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
     }
     // Written once, by rank 0: iteration 0 and 1.
     assert_eq!(aligner_tests::jsonl(&sr.join("self_reward.jsonl")).len(), 2);
+    // Interrupted in iteration 1: resumed, the IFT + EFT model is kept and iteration 1 redone.
+    let sft_model = sr.join("sft/final/model.safetensors");
+    let before = modified(sft_model.clone());
+    std::fs::remove_dir_all(sr.join("iter-1/dpo/final")).unwrap();
+    let first = std::fs::read_to_string(sr.join("self_reward.jsonl")).unwrap();
+    std::fs::write(
+        sr.join("self_reward.jsonl"),
+        format!("{}\n", first.lines().next().unwrap()),
+    )
+    .unwrap();
+    ranks(2, &["self-reward", "--resume", &out("self-reward")]);
+    assert_eq!(
+        modified(sft_model),
+        before,
+        "the finished IFT + EFT step was trained again"
+    );
+    assert!(sr.join("iter-1/dpo/final/adapter").exists());
+    let iterations: Vec<u64> = aligner_tests::jsonl(&sr.join("self_reward.jsonl"))
+        .iter()
+        .map(|r| r["iteration"].as_u64().unwrap())
+        .collect();
+    assert_eq!(iterations, [0, 1]);
 
     ranks(
         2,
