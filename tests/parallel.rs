@@ -543,6 +543,39 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
     }
     assert_eq!(aligner_tests::jsonl(&cai.join("rl/labels.jsonl")).len(), 32);
     assert_eq!(aligner_tests::jsonl(&cai.join("cai.jsonl")).len(), 3);
+    // The ranks' engines shared the answering, critiques and revisions: each request draws from
+    // its own seed, so one process writes the same texts.
+    ranks(
+        1,
+        &[
+            "cai",
+            "--out",
+            &out("cai-one"),
+            "--set",
+            "model.lora_rank=4",
+            "--set",
+            "cai.rl=dpo",
+            "--set",
+            "cai.max_prompts=32",
+            "--set",
+            "judge.max_steps=1",
+            "--set",
+            "sl.max_steps=1",
+            "--set",
+            "train.max_steps=1",
+            "--set",
+            "cai.min_confidence=0",
+            "--set",
+            "frontier.prompts=''",
+        ],
+    );
+    for file in ["sl/answers.jsonl", "sl/critiques.jsonl", "sl/revisions.jsonl"] {
+        assert_eq!(
+            aligner_tests::jsonl(&cai.join(file)),
+            aligner_tests::jsonl(&dir.path().join("cai-one").join(file)),
+            "{file}"
+        );
+    }
 
     // Interrupted in the RL stage: its model gone, its report not written.
     let kept = [

@@ -36,7 +36,7 @@ use aligner_core::run::RunDir;
 use aligner_core::sft::SftConfig;
 use aligner_core::start::load_model;
 use aligner_core::train::{DataSection, ModelEval, ModelSection, TrainSection};
-use aligner_core::{CoreError, Device, LoadedModel};
+use aligner_core::{Communicator, CoreError, Device, LoadedModel};
 use aligner_dpo::LossRegistry;
 use aligner_dpo::objective::{DpoConfig, DpoSection};
 use aligner_gen::{Engine, EngineOptions, FrontierSection, GenerationRequest, SamplingParams};
@@ -367,7 +367,7 @@ pub fn train(
         } else {
             let lm = LoadedModel::from_dir(&model_dir, device)?;
             let seed = section.seed.wrapping_add(k as u64 * 1_000_003);
-            let (candidates, pairs, mean) = self_judge(section, &judge, &lm, &prompts, seed)?;
+            let (candidates, pairs, mean) = self_judge(section, &judge, &lm, &prompts, seed, run.comm())?;
             run.write_shared(|| {
                 std::fs::create_dir_all(folder.path())
                     .map_err(|e| CoreError::cannot_write(folder.path(), e))?;
@@ -448,6 +448,7 @@ fn self_judge(
     lm: &LoadedModel,
     prompts: &[aligner_core::data::EncodedPrompt],
     seed: u64,
+    comm: &dyn Communicator,
 ) -> Result<(Vec<Value>, Vec<Value>, f64)> {
     let n = section.candidates;
     let ids: Vec<&[u32]> = prompts
@@ -460,7 +461,7 @@ fn self_judge(
         seed,
         stop: Vec::new(),
     };
-    let texts = sampling.texts(lm, &ids)?;
+    let texts = sampling.texts(lm, &ids, comm)?;
     let answers: Vec<(&str, &str)> = texts
         .iter()
         .enumerate()
@@ -495,9 +496,16 @@ pub(crate) struct Sampling {
 }
 
 impl Sampling {
-    /// One answer per prompt, decoded. A prompt that leaves no room for `max_new_tokens` in the
-    /// model's context is cut from the left (few-shot text goes first).
-    pub fn texts(&self, lm: &LoadedModel, prompts: &[&[u32]]) -> Result<Vec<String>> {
+    /// One answer per prompt, decoded, on every rank. A prompt that leaves no room for
+    /// `max_new_tokens` in the model's context is cut from the left (few-shot text goes first).
+    /// Data parallel: the ranks' engines take the requests a batch at a time; each request draws
+    /// from its own seed, so the answers do not depend on the rank count.
+    pub fn texts(
+        &self,
+        lm: &LoadedModel,
+        prompts: &[&[u32]],
+        comm: &dyn Communicator,
+    ) -> Result<Vec<String>> {
         let room = lm
             .config
             .max_position_embeddings
@@ -513,15 +521,27 @@ impl Sampling {
         let cut = prompts.iter().map(|ids| &ids[ids.len().saturating_sub(room)..]);
         let requests = GenerationRequest::repeated(cut, 1, &params);
         let mut engine = Engine::for_model(lm, EngineOptions::default());
-        let outputs = engine.generate(&requests)?;
-        requests
-            .iter()
-            .zip(&outputs)
-            .map(|(r, o)| {
-                let text = lm.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids)?;
-                Ok(cut_at_stop(&text, &self.stop).to_string())
-            })
-            .collect()
+        // A batch fills the engine's slots, but small jobs are still split over the ranks.
+        let chunk = engine
+            .slots()
+            .min(requests.len().div_ceil(comm.world_size()))
+            .max(1);
+        let (texts, work) = aligner_core::parallel::map_balanced(comm, requests.len(), chunk, |range| {
+            let requests = &requests[range];
+            let outputs = engine.generate(requests)?;
+            requests
+                .iter()
+                .zip(&outputs)
+                .map(|(r, o)| {
+                    let text = lm.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids)?;
+                    Ok(cut_at_stop(&text, &self.stop).to_string())
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        if work.len() > 1 {
+            tracing::info!(?work, "answers per rank");
+        }
+        Ok(texts)
     }
 }
 

@@ -33,7 +33,7 @@ use aligner_core::run::RunDir;
 use aligner_core::sft::SftConfig;
 use aligner_core::start::load_model;
 use aligner_core::train::{DataSection, ModelEval, ModelSection, TrainSection};
-use aligner_core::{CoreError, Device, LoadedModel};
+use aligner_core::{Communicator, CoreError, Device, LoadedModel};
 use aligner_dpo::LossRegistry;
 use aligner_dpo::objective::{DpoConfig, DpoSection};
 use aligner_dpo::online::{OnlineDpoConfig, OnlineRewardModel, OnlineSection};
@@ -286,7 +286,7 @@ pub fn train(
         let finished = run.agree(&sft_run.final_dir().join("config.json").exists())?;
         let mut revised = None;
         if !finished {
-            let rows = critique_and_revise(section, &constitution, &start, &prompts)?;
+            let rows = critique_and_revise(section, &constitution, &start, &prompts, run.comm())?;
             run.write_shared(|| {
                 std::fs::create_dir_all(sl.path()).map_err(|e| CoreError::cannot_write(sl.path(), e))?;
                 write_jsonl(&sl.join("answers.jsonl"), &rows.answers)?;
@@ -373,7 +373,14 @@ pub fn train(
     if !finished {
         let policy = LoadedModel::from_dir(&policy_dir, device)?;
         let feedback_model = LoadedModel::from_dir(&feedback_dir, device)?;
-        let (labels, preferences) = label_pairs(config, &constitution, &policy, &feedback_model, &prompts)?;
+        let (labels, preferences) = label_pairs(
+            config,
+            &constitution,
+            &policy,
+            &feedback_model,
+            &prompts,
+            run.comm(),
+        )?;
         drop((policy, feedback_model));
         run.write_shared(|| {
             std::fs::create_dir_all(rl.path()).map_err(|e| CoreError::cannot_write(rl.path(), e))?;
@@ -478,6 +485,7 @@ fn critique_and_revise(
     constitution: &Constitution,
     lm: &LoadedModel,
     prompts: &[EncodedPrompt],
+    comm: &dyn Communicator,
 ) -> Result<Revised> {
     let answer = Sampling {
         max_new_tokens: section.max_new_tokens,
@@ -486,7 +494,7 @@ fn critique_and_revise(
         stop: Vec::new(),
     };
     let ids: Vec<&[u32]> = prompts.iter().map(|p| p.ids.as_slice()).collect();
-    let mut current = answer.texts(lm, &ids)?;
+    let mut current = answer.texts(lm, &ids, comm)?;
     let answers = prompts
         .iter()
         .zip(&current)
@@ -516,7 +524,7 @@ fn critique_and_revise(
             seed,
             stop: vec!["\n".into()],
         };
-        let written = critique.texts(lm, &encoded.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+        let written = critique.texts(lm, &encoded.iter().map(Vec::as_slice).collect::<Vec<_>>(), comm)?;
         let revision_prompts: Vec<String> = prompts
             .iter()
             .zip(&principles)
@@ -530,7 +538,7 @@ fn critique_and_revise(
             seed: seed.wrapping_add(500_009),
             stop: vec!["\n\n".into()],
         };
-        let revised = revision.texts(lm, &encoded.iter().map(Vec::as_slice).collect::<Vec<_>>())?;
+        let revised = revision.texts(lm, &encoded.iter().map(Vec::as_slice).collect::<Vec<_>>(), comm)?;
         for i in 0..prompts.len() {
             let (prompt, principle) = (&prompts[i].text, &principles[i].name);
             critiques.push(json!({
@@ -571,6 +579,7 @@ fn label_pairs(
     policy: &LoadedModel,
     feedback_model: &LoadedModel,
     prompts: &[EncodedPrompt],
+    comm: &dyn Communicator,
 ) -> Result<(Vec<Value>, Vec<Value>)> {
     let section = &config.cai;
     let sampling = Sampling {
@@ -583,7 +592,7 @@ fn label_pairs(
         .iter()
         .flat_map(|p| [p.ids.as_slice(), p.ids.as_slice()])
         .collect();
-    let answers = sampling.texts(policy, &ids)?;
+    let answers = sampling.texts(policy, &ids, comm)?;
     let mut rng = ChaCha8Rng::seed_from_u64(section.seed.wrapping_add(1));
     let principles: Vec<&Principle> = prompts.iter().map(|_| constitution.sample(&mut rng)).collect();
     let pairs: Vec<FeedbackPair<'_>> = prompts
