@@ -310,20 +310,12 @@ pub fn train(
         aligner_core::sft::train(&sft, sft_run, device).map(drop)
     })?;
 
-    let reports_file = run.join("self_reward.jsonl");
-    let mut reports: Vec<IterationReport> = if reports_file.exists() {
-        read_jsonl(&reports_file)?
-    } else {
-        Vec::new()
-    };
-    let record = |report: IterationReport, reports: &mut Vec<IterationReport>| -> Result<()> {
-        tracing::info!(?report, "self-rewarding");
-        if !reports.iter().any(|r| r.iteration == report.iteration) {
-            run.write_shared(|| append_jsonl(&reports_file, &report))?;
-            reports.push(report);
-        }
-        Ok(())
-    };
+    let mut reports = StageLog::open(
+        run,
+        "self_reward.jsonl",
+        "self-rewarding",
+        |r: &IterationReport| r.iteration,
+    )?;
     let measure = |dir: &Path| -> Result<(Option<f64>, Map<String, Value>)> {
         let lm = LoadedModel::from_dir(dir, device)?;
         let agreement = judge_agreement(&judge, &lm, &eft_validation)?;
@@ -333,19 +325,16 @@ pub fn train(
         };
         Ok((agreement, figures))
     };
-    if !reports.iter().any(|r| r.iteration == 0) {
+    if !reports.has(&0) {
         let (judge_agreement, frontier) = measure(&sft_dir)?;
-        record(
-            IterationReport {
-                iteration: 0,
-                judge_agreement,
-                pairs: 0,
-                prompts: 0,
-                mean_judged: None,
-                frontier,
-            },
-            &mut reports,
-        )?;
+        reports.record(IterationReport {
+            iteration: 0,
+            judge_agreement,
+            pairs: 0,
+            prompts: 0,
+            mean_judged: None,
+            frontier,
+        })?;
     }
 
     let prompts: Vec<aligner_core::data::EncodedPrompt> = {
@@ -402,20 +391,71 @@ pub fn train(
         };
         model_dir = dpo_run.final_dir();
         let (judge_agreement, frontier) = measure(&model_dir)?;
-        record(
-            IterationReport {
-                iteration: k,
-                judge_agreement,
-                pairs,
-                prompts: prompts.len(),
-                mean_judged,
-                frontier,
-            },
-            &mut reports,
-        )?;
+        reports.record(IterationReport {
+            iteration: k,
+            judge_agreement,
+            pairs,
+            prompts: prompts.len(),
+            mean_judged,
+            frontier,
+        })?;
     }
     run.write_shared(|| copy_dir(&model_dir, &run.final_dir()))?;
-    Ok(reports)
+    Ok(reports.into_reports())
+}
+
+/// A run's record of its finished stages (`self_reward.jsonl`'s iterations, `cai.jsonl`'s
+/// stages): one JSON line per stage, read back when the run resumes, each stage appended once
+/// (by rank 0).
+pub(crate) struct StageLog<'a, T, K> {
+    run: &'a RunDir,
+    file: PathBuf,
+    /// What the log line says (`tracing`).
+    what: &'static str,
+    key: fn(&T) -> K,
+    reports: Vec<T>,
+}
+
+impl<'a, T, K> StageLog<'a, T, K>
+where
+    T: Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+    K: PartialEq,
+{
+    /// The log `name` in `run`, with the stages an earlier attempt recorded.
+    pub fn open(run: &'a RunDir, name: &str, what: &'static str, key: fn(&T) -> K) -> Result<Self> {
+        let file = run.join(name);
+        let reports = if file.exists() {
+            read_jsonl(&file)?
+        } else {
+            Vec::new()
+        };
+        Ok(Self {
+            run,
+            file,
+            what,
+            key,
+            reports,
+        })
+    }
+
+    /// Whether the stage `key` is recorded.
+    pub fn has(&self, key: &K) -> bool {
+        self.reports.iter().any(|r| (self.key)(r) == *key)
+    }
+
+    /// Logs `report` and appends it, unless its stage is recorded already.
+    pub fn record(&mut self, report: T) -> Result<()> {
+        tracing::info!(?report, "{}", self.what);
+        if !self.has(&(self.key)(&report)) {
+            self.run.write_shared(|| append_jsonl(&self.file, &report))?;
+            self.reports.push(report);
+        }
+        Ok(())
+    }
+
+    pub fn into_reports(self) -> Vec<T> {
+        self.reports
+    }
 }
 
 /// An EFT row: the judge prompt answered with the label.

@@ -27,7 +27,7 @@ pub mod feedback;
 
 use std::path::PathBuf;
 
-use aligner_core::data::{EncodedPrompt, append_jsonl, read_jsonl, write_jsonl};
+use aligner_core::data::{EncodedPrompt, read_jsonl, write_jsonl};
 use aligner_core::rm::RmConfig;
 use aligner_core::run::RunDir;
 use aligner_core::sft::SftConfig;
@@ -46,7 +46,7 @@ use serde_json::{Map, Value, json};
 pub use constitution::{Constitution, Example, Principle};
 pub use feedback::{FeedbackMode, FeedbackPair, FeedbackSection, given, order_debiased};
 
-use crate::{Result, Sampling, SelfRewardError, judge_agreement, read_labelled};
+use crate::{Result, Sampling, SelfRewardError, StageLog, judge_agreement, judge_row, read_labelled};
 
 /// How the RL stage learns from the AI labels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,29 +251,17 @@ pub fn train(
         all
     };
 
-    let reports_file = run.join("cai.jsonl");
-    let mut reports: Vec<StageReport> = if reports_file.exists() {
-        read_jsonl(&reports_file)?
-    } else {
-        Vec::new()
-    };
-    let done = |stage: &str, reports: &[StageReport]| reports.iter().any(|r| r.stage == stage);
-    let record = |report: StageReport, reports: &mut Vec<StageReport>| -> Result<()> {
-        tracing::info!(?report, "constitutional AI");
-        if !reports.iter().any(|r| r.stage == report.stage) {
-            run.write_shared(|| append_jsonl(&reports_file, &report))?;
-            reports.push(report);
-        }
-        Ok(())
-    };
+    let mut reports = StageLog::open(run, "cai.jsonl", "constitutional AI", |r: &StageReport| {
+        r.stage.clone()
+    })?;
     let evaluate = |lm: &LoadedModel| -> Result<Map<String, Value>> {
         Ok(match frontier.as_ref().filter(|_| run.is_writer()) {
             Some(f) => ModelEval::evaluate(f, &lm.model)?,
             None => Map::new(),
         })
     };
-    if !done("start", &reports) {
-        record(StageReport::new("start", evaluate(&start)?), &mut reports)?;
+    if !reports.has(&"start".into()) {
+        reports.record(StageReport::new("start", evaluate(&start)?))?;
     }
 
     // The supervised stage.
@@ -284,7 +272,6 @@ pub fn train(
         let sl = run.child("sl");
         let sft_run = sl.child("sft");
         let finished = run.agree(&sft_run.final_dir().join("config.json").exists())?;
-        let mut revised = None;
         if !finished {
             let rows = critique_and_revise(section, &constitution, &start, &prompts, run.comm())?;
             run.write_shared(|| {
@@ -310,16 +297,12 @@ pub fn train(
                 sft: Default::default(),
             };
             aligner_core::sft::train(&sft, &sft_run, device)?;
-            revised = Some(rows.train.len());
         }
-        if !done("sl", &reports) {
+        if !reports.has(&"sl".into()) {
             let lm = LoadedModel::from_dir(&sft_run.final_dir(), device)?;
             let mut report = StageReport::new("sl", evaluate(&lm)?);
-            report.revisions = match revised {
-                Some(n) => Some(n),
-                None => Some(read_jsonl::<Value>(&sl.join("sft.train.jsonl"))?.len()),
-            };
-            record(report, &mut reports)?;
+            report.revisions = Some(read_jsonl::<Value>(&sl.join("sft.train.jsonl"))?.len());
+            reports.record(report)?;
         }
         sft_run.final_dir()
     };
@@ -334,11 +317,7 @@ pub fn train(
             let mut rng = ChaCha8Rng::seed_from_u64(section.seed.wrapping_add(2));
             let rows: Vec<Value> = labelled
                 .iter()
-                .map(|e| {
-                    let principle = constitution.sample(&mut rng);
-                    let judge = fb.judge(&principle.feedback);
-                    json!({"prompt": judge.prompt(&e.prompt, &e.response), "response": crate::judge::Judge::answer(e.label)})
-                })
+                .map(|e| judge_row(&fb.judge(&constitution.sample(&mut rng).feedback), e))
                 .collect();
             let train_file = run.join("judge.train.jsonl");
             run.write_shared(|| write_jsonl(&train_file, &rows))?;
@@ -447,7 +426,7 @@ pub fn train(
             }
         }
     }
-    if !done("rl", &reports) {
+    if !reports.has(&"rl".into()) {
         let lm = LoadedModel::from_dir(&final_run.final_dir(), device)?;
         let mut report = StageReport::new("rl", evaluate(&lm)?);
         let labels: Vec<Value> = read_jsonl(&labels_file)?;
@@ -463,10 +442,10 @@ pub fn train(
                 &labelled,
             )?;
         }
-        record(report, &mut reports)?;
+        reports.record(report)?;
     }
     run.write_shared(|| crate::copy_dir(&final_run.final_dir(), &run.final_dir()))?;
-    Ok(reports)
+    Ok(reports.into_reports())
 }
 
 /// The supervised stage's files.
