@@ -144,3 +144,156 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
     );
     assert!(run.join("final/model.safetensors").exists());
 }
+
+/// A model folder's `model.safetensors`: its dtype, and each tensor's values as f32.
+fn saved_weights(dir: &Path) -> (String, std::collections::BTreeMap<String, Vec<f32>>) {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut dtype = String::new();
+    let mut out = std::collections::BTreeMap::new();
+    for (name, view) in file.tensors() {
+        dtype = format!("{:?}", view.dtype());
+        let values = match view.dtype() {
+            safetensors::Dtype::F16 => view
+                .data()
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            safetensors::Dtype::F32 => view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            other => panic!("{name}: {other:?}"),
+        };
+        out.insert(name, values);
+    }
+    (dtype, out)
+}
+
+/// `model.dtype = "f16"` on wgpu (lavapipe has shader-f16): activations and weights in f16,
+/// f32 master weights in the optimizer. The losses track the f32 CPU run within f16's
+/// rounding and the held-out NLL falls as it does; the final folder is saved in f16 as HF saves such a model
+/// (`torch_dtype: float16`) and its weights are the f32 run's within f16 rounding; a run cut
+/// after its step-3 checkpoint and resumed ends where the uninterrupted one does, because
+/// it continues from `master.safetensors`, not from the rounded f16 folder.
+#[test]
+fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (half, cut, cpu) = (
+        dir.path().join("f16"),
+        dir.path().join("cut"),
+        dir.path().join("cpu"),
+    );
+    let run = |device: &str, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "--device",
+            device,
+            "sft",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "train.max_steps=6",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "train.save_every=3",
+            "--set",
+            "train.lr=3e-4",
+        ];
+        if device == "wgpu" {
+            args.extend(["--set", "model.dtype=\"f16\""]);
+        }
+        args.extend(extra);
+        let (ok, err) = aligner(&args);
+        assert!(ok, "{device} {extra:?}: {err}");
+    };
+    run("wgpu", &half, &[]);
+    run("cpu", &cpu, &[]);
+    let losses =
+        |run: &Path| -> Vec<f64> { metrics(run).iter().filter_map(|r| r["loss"].as_f64()).collect() };
+    let (l16, l32) = (losses(&half), losses(&cpu));
+    assert_eq!(l16.len(), 6, "{l16:?}");
+    for (step, (a, b)) in l16.iter().zip(&l32).enumerate() {
+        assert!((a - b).abs() < 0.05, "step {}: f16 loss {a} vs f32 {b}", step + 1);
+    }
+    // Held-out NLL at the start and the end: f16 lowers it as f32 does (1.794 -> 1.770 there).
+    let (first16, last16) = aligner_tests::first_and_last(&metrics(&half), "eval_nll");
+    let (first32, last32) = aligner_tests::first_and_last(&metrics(&cpu), "eval_nll");
+    eprintln!("eval_nll f16 {first16:.4} -> {last16:.4}, f32 {first32:.4} -> {last32:.4}");
+    assert!(
+        last16 < first16 - 0.01,
+        "f16 training lowers the held-out NLL: {first16} -> {last16}"
+    );
+    assert!((last16 - last32).abs() < 0.01 && (first16 - first32).abs() < 0.01);
+
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(half.join("final/config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "float16");
+    let (dtype, f16_weights) = saved_weights(&half.join("final"));
+    assert_eq!(dtype, "F16");
+    let (_, f32_weights) = saved_weights(&cpu.join("final"));
+    let worst = f16_weights
+        .iter()
+        .flat_map(|(name, w)| w.iter().zip(&f32_weights[name]).map(|(a, b)| (a - b).abs()))
+        .fold(0.0f32, f32::max);
+    assert!(worst < 0.02, "f16 weights vs the f32 run: {worst}");
+    assert!(half.join("checkpoints/step-3/master.safetensors").exists());
+    assert!(
+        !cpu.join("checkpoints/step-3/master.safetensors").exists(),
+        "an f32 run keeps no second copy"
+    );
+
+    // Cut after step 4 (the newest checkpoint is step 3), then resumed.
+    run("wgpu", &cut, &["--stop-after", "4"]);
+    assert!(!cut.join("final").exists());
+    let (ok, err) = aligner(&["--device", "wgpu", "sft", "--resume", cut.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let (resumed, full) = (losses(&cut), l16);
+    for (a, b) in resumed.iter().zip(&full) {
+        assert!(
+            (a - b).abs() < 1e-5,
+            "resumed {resumed:?} vs uninterrupted {full:?}"
+        );
+    }
+    let (_, resumed_weights) = saved_weights(&cut.join("final"));
+    assert_eq!(
+        resumed_weights, f16_weights,
+        "the resumed run ends on the same f16 weights"
+    );
+}
+
+/// Greedy generation in f16 on wgpu (`--dtype f16`: the engine's weights, activations and KV
+/// cache in f16, logits compared in f32) follows the f32 tokens of transformers.
+#[test]
+fn greedy_generation_in_f16_on_wgpu_follows_transformers() {
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("tests/reference/stories260K_transformers.json")).unwrap(),
+    )
+    .unwrap();
+    let case = &reference["greedy"][0];
+    let prompt = case["prompt"].as_str().unwrap();
+    let new_tokens = case["max_new_tokens"].as_u64().unwrap().to_string();
+    let (ok, stdout, stderr) = aligner_tests::aligner_output(&[
+        "--device",
+        "wgpu",
+        "generate",
+        "--dtype",
+        "f16",
+        "--prompt",
+        prompt,
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        &new_tokens,
+    ]);
+    assert!(ok, "{stderr}");
+    let expected = format!("{prompt} {}", case["text"].as_str().unwrap());
+    assert_eq!(stdout.trim_end(), expected.trim_end());
+    // The CPU computes in f32 and says so.
+    let (ok, _, stderr) = aligner_tests::aligner_output(&["generate", "--dtype", "bf16", "--prompt", "x"]);
+    assert!(
+        !ok && stderr.contains("--dtype") && stderr.contains("f32"),
+        "{stderr}"
+    );
+}

@@ -65,10 +65,12 @@ run() {
     echo "== bench generate on $backend (16M)"
     "$aligner" --device "$device" bench --only random-16M generate --prompts 64 --new-tokens 128 --batch-sizes 64 || true
   done
-  echo "== bench train on cuda (random ~1B Llama)"
-  "$bin/aligner-cuda" --device cuda:0 bench --only random-1B train --batch 8 --seq 1024 --steps 3 --peak-tflops "$peak" || true
-  echo "== bench generate on cuda (random ~1B Llama)"
-  "$bin/aligner-cuda" --device cuda:0 bench --only random-1B generate --prompts 64 --new-tokens 128 --batch-sizes 64 || true
+  echo "== bench train on cuda (random ~1B Llama, bf16 with f32 master weights)"
+  "$bin/aligner-cuda" --device cuda:0 bench --only random-1B --dtype bf16 train --batch 8 --seq 1024 --steps 3 --peak-tflops "$peak" || true
+  echo "== the same with Burn's attention instead of aligner's flash-attention kernels"
+  "$bin/aligner-cuda" --device cuda:0 bench --only random-1B --dtype bf16 --attention burn train --batch 8 --seq 1024 --steps 3 --peak-tflops "$peak" || true
+  echo "== bench generate on cuda (random ~1B Llama, bf16)"
+  "$bin/aligner-cuda" --device cuda:0 bench --only random-1B --dtype bf16 generate --prompts 64 --new-tokens 128 --batch-sizes 64 || true
 }
 
 case "${1:-run}" in

@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use aligner_core::config::Precision;
 use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, model::parameter_count};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
 use anyhow::Result;
@@ -15,6 +16,14 @@ pub struct BenchArgs {
     /// Only the models whose name contains this (`stories260K`, `random-16M`).
     #[arg(long, global = true, default_value = "")]
     only: String,
+    /// What the models compute in: f32, or bf16 / f16 on GPU devices (f32 master weights
+    /// when training).
+    #[arg(long, global = true, default_value = "f32", value_parser = crate::parse_precision)]
+    dtype: Precision,
+    /// Attention on GPU devices: aligner's flash-attention kernels (`kernel`) or Burn's
+    /// composed ops (`burn`), to measure one against the other.
+    #[arg(long, global = true, default_value = "kernel", value_parser = ["kernel", "burn"])]
+    attention: String,
 }
 
 #[derive(Subcommand)]
@@ -89,8 +98,29 @@ pub fn random_1b_config() -> LlamaConfig {
     LlamaConfig::llama(32000, 2048, 22, 32, 4, 5632)
 }
 
-/// The benchmark models whose name contains `only`; the others are not built.
-fn models(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
+/// Which benchmark models: those whose name contains `only`, computing in `precision`.
+pub struct Selection {
+    only: String,
+    precision: Precision,
+}
+
+/// The selected benchmark models; the others are not built.
+fn models(device: &Device, selection: &Selection) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
+    let precision = selection.precision;
+    precision
+        .check_device(device)
+        .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+    Ok(models_f32(device, &selection.only)?
+        .into_iter()
+        .map(|(name, mut config, mut model)| {
+            config.precision = precision;
+            model.model.precision = precision;
+            (name, config, model)
+        })
+        .collect())
+}
+
+fn models_f32(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
     let mut out = Vec::new();
     if "stories260K".contains(only) {
         let shipped = LoadedModel::from_dir(&aligner_core::default_model_dir()?, device)?;
@@ -112,7 +142,11 @@ fn models(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, Causa
 }
 
 pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
-    let only = args.only.as_str();
+    aligner_parallel::use_burn_attention(args.attention == "burn");
+    let only = &Selection {
+        only: args.only,
+        precision: args.dtype,
+    };
     match args.what {
         BenchCommand::Forward { batch, seq, iters } => forward(device, only, batch, seq, iters),
         BenchCommand::Train {
@@ -140,7 +174,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
     }
 }
 
-fn forward(device: &Device, only: &str, batch: usize, seq: usize, iters: usize) -> Result<()> {
+fn forward(device: &Device, only: &Selection, batch: usize, seq: usize, iters: usize) -> Result<()> {
     println!("| model | params | batch × seq | ms / forward | tokens/s |");
     println!("|---|---:|---:|---:|---:|");
     for (name, config, model) in models(device, only)? {
@@ -175,7 +209,7 @@ fn forward(device: &Device, only: &str, batch: usize, seq: usize, iters: usize) 
 
 fn generate(
     device: &Device,
-    only: &str,
+    only: &Selection,
     prompts: usize,
     new_tokens: usize,
     batch_sizes: &[usize],
@@ -288,7 +322,7 @@ fn flops_per_token(config: &LlamaConfig, params: usize, seq: usize) -> f64 {
 #[allow(clippy::too_many_arguments)]
 fn train(
     device: &Device,
-    only: &str,
+    only: &Selection,
     batch: usize,
     seq: usize,
     steps: usize,
@@ -359,7 +393,7 @@ fn train(
     Ok(())
 }
 
-fn dpo(device: &Device, only: &str, pairs: usize, seq: usize, steps: usize) -> Result<()> {
+fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize) -> Result<()> {
     use aligner_core::score::ScoredSequence;
     use aligner_dpo::LossSpec;
     use aligner_dpo::objective::{DpoExample, DpoObjective};

@@ -86,6 +86,12 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// A `--dtype` value: `f32`, `bf16` or `f16` (HF's `float32`, `bfloat16`, `float16` too).
+fn parse_precision(text: &str) -> std::result::Result<aligner_core::config::Precision, String> {
+    serde_json::from_value(serde_json::Value::String(text.to_string()))
+        .map_err(|_| format!("{text:?} is not a dtype: f32, bf16 or f16"))
+}
+
 /// The device `--device` names: `cpu`, and in GPU builds `wgpu` (Burn's wgpu backend: Vulkan,
 /// Metal or DX12; `wgpu:cpu` for a software adapter such as lavapipe, `wgpu:N` for the N-th
 /// discrete GPU) and `cuda` / `cuda:N`.

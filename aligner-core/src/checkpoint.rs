@@ -13,7 +13,7 @@ use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Device, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, Precision};
 use crate::error::{CoreError, Result};
 use crate::model::{CausalLm, LlamaModel, named_param};
 
@@ -281,7 +281,11 @@ pub fn hf_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 /// The tensors of `slots` under HF names and layout.
 pub fn slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut out = Vec::new();
-    let values = |t: TensorData| t.try_to_vec::<f32>().expect("model tensors are f32");
+    let values = |t: TensorData| {
+        t.convert::<f32>()
+            .try_to_vec::<f32>()
+            .expect("model tensors are floats")
+    };
     for (prefix, slot) in slots {
         match slot {
             Slot::Linear(linear) => {
@@ -319,16 +323,41 @@ pub fn slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<(String, Vec<usize>, 
 
 /// Writes `tensors` as one F32 safetensors file, via a temporary name and a rename.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<()> {
+    write_safetensors_as(path, tensors, Precision::F32)
+}
+
+/// Writes `tensors` as one safetensors file of `precision` (f32 values rounded to nearest),
+/// via a temporary name and a rename.
+pub fn write_safetensors_as(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    precision: Precision,
+) -> Result<()> {
+    let encode = |values: &[f32]| -> Vec<u8> {
+        match precision {
+            Precision::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Precision::Bf16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            Precision::F16 => values
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+        }
+    };
+    let dtype = match precision {
+        Precision::F32 => Dtype::F32,
+        Precision::Bf16 => Dtype::BF16,
+        Precision::F16 => Dtype::F16,
+    };
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
-        .map(|(name, shape, values)| {
-            let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (name.clone(), shape.clone(), raw)
-        })
+        .map(|(name, shape, values)| (name.clone(), shape.clone(), encode(values)))
         .collect();
     let mut views = BTreeMap::new();
     for (name, shape, raw) in &bytes {
-        let view = TensorView::new(Dtype::F32, shape.clone(), raw).map_err(|e| CoreError::Safetensors {
+        let view = TensorView::new(dtype, shape.clone(), raw).map_err(|e| CoreError::Safetensors {
             path: path.to_path_buf(),
             message: format!("tensor {name:?}: {e}"),
         })?;
@@ -390,8 +419,12 @@ pub fn save_causal_lm(
     if config.architectures.is_none() {
         config.architectures = Some(vec![default_architecture(&config.model_type).into()]);
     }
-    config.extra.insert("torch_dtype".into(), "float32".into());
-    write_safetensors(&dir.join("model.safetensors"), &hf_tensors(model))?;
+    // Saved in the type the model computes in, as HF saves a model loaded in it.
+    let precision = model.model.precision;
+    config
+        .extra
+        .insert("torch_dtype".into(), precision.torch_dtype().into());
+    write_safetensors_as(&dir.join("model.safetensors"), &hf_tensors(model), precision)?;
     write_atomic(&dir.join("config.json"), config.to_json_string().as_bytes())?;
     if let Some(src) = tokenizer_from {
         copy_tokenizer_files(src, dir)?;

@@ -7,6 +7,76 @@ use serde_json::{Map, Value};
 
 use crate::error::{CoreError, Result};
 
+/// The floating-point type a model computes in (`model.dtype`): f32 everywhere, or half
+/// precision on GPU backends — weights and activations in bf16 / f16, with the trained
+/// weights kept in f32 (the optimizer's master copy) and the kernels' reductions in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    #[serde(alias = "float32")]
+    F32,
+    #[serde(alias = "bfloat16")]
+    Bf16,
+    #[serde(alias = "float16")]
+    F16,
+}
+
+impl Precision {
+    /// Burn's float type of this precision.
+    pub fn float_dtype(self) -> burn::tensor::FloatDType {
+        use burn::tensor::FloatDType;
+        match self {
+            Precision::F32 => FloatDType::F32,
+            Precision::Bf16 => FloatDType::BF16,
+            Precision::F16 => FloatDType::F16,
+        }
+    }
+
+    /// HF's `torch_dtype` name.
+    pub fn torch_dtype(self) -> &'static str {
+        match self {
+            Precision::F32 => "float32",
+            Precision::Bf16 => "bfloat16",
+            Precision::F16 => "float16",
+        }
+    }
+
+    /// The `model.dtype` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
+
+    /// Whether `device` can compute in this precision: f32 everywhere; half precision on GPU
+    /// backends that have the type (the CPU computes in f32; wgpu's WGSL has f16 where the
+    /// adapter offers `shader-f16`, and no bf16).
+    pub fn check_device(self, device: &burn::tensor::Device) -> std::result::Result<(), String> {
+        if self == Precision::F32 {
+            return Ok(());
+        }
+        if aligner_parallel::fused_available(device) {
+            return Err(format!(
+                "model.dtype = \"{}\": the CPU computes in f32; half precision needs a GPU device \
+                 (--device cuda, or wgpu with f16)",
+                self.name()
+            ));
+        }
+        if !device.supports_dtype(self.float_dtype()) {
+            return Err(format!(
+                "model.dtype = \"{}\": device {device:?} has no {} arithmetic (wgpu offers f16 where \
+                 the adapter has shader-f16, and no bf16; CUDA has both)",
+                self.name(),
+                self.torch_dtype()
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Model types whose checkpoints share the Llama decoder layout.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen2", "mistral"];
 
@@ -73,6 +143,10 @@ pub struct LlamaConfig {
     /// Every other key of the file, written back unchanged.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+    /// What models built from this configuration compute in (`model.dtype`; not a key of
+    /// the file: a bf16 checkpoint loads into f32 unless the run asks for half precision).
+    #[serde(skip)]
+    pub precision: Precision,
 }
 
 fn default_model_type() -> String {
@@ -137,6 +211,7 @@ impl LlamaConfig {
             eos_token_id: Some(Value::from(2)),
             pad_token_id: None,
             extra: Map::new(),
+            precision: Precision::F32,
         }
     }
 

@@ -215,6 +215,15 @@ impl LoadedModel {
         })
     }
 
+    /// The same model computing in `precision` (refused, naming `model.dtype`, where the
+    /// device cannot); runs built from its configuration save in that type.
+    pub fn in_precision(mut self, precision: config::Precision, device: &Device) -> Result<Self> {
+        precision.check_device(device).map_err(CoreError::Invalid)?;
+        self.config.precision = precision;
+        self.model.model.precision = precision;
+        Ok(self)
+    }
+
     /// Saves the model as a HF folder (tokenizer files copied from the source folder).
     pub fn save(&self, dir: &Path) -> Result<()> {
         checkpoint::save_causal_lm(&self.model, &self.config, dir, Some(&self.dir))

@@ -9,7 +9,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde_json::Value;
 
-use crate::checkpoint::{Slot, load_slots, slot_tensors, trunk_slots, write_atomic, write_safetensors};
+use crate::checkpoint::{Slot, load_slots, slot_tensors, trunk_slots, write_atomic, write_safetensors_as};
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
 use crate::model::{LlamaModel, default_positions};
@@ -73,7 +73,7 @@ impl RewardModel {
             .reshape([batch, 1, 1])
             .expand([batch, 1, d]);
         let pooled = hidden.gather(1, index).reshape([batch, d]);
-        self.score.forward(pooled)
+        self.head(pooled)
     }
 
     /// Head outputs at every position, `[batch, seq, outputs]`, of `tokens` at `positions`
@@ -86,9 +86,15 @@ impl RewardModel {
     ) -> Tensor<3> {
         let hidden = self.model.forward(tokens, positions, mask, None);
         let [b, s, d] = hidden.dims();
-        self.score
-            .forward(hidden.reshape([b * s, d]))
+        self.head(hidden.reshape([b * s, d]))
             .reshape([b, s, self.outputs()])
+    }
+
+    /// The head on pooled hidden states `[rows, hidden]`, in the trunk's compute type; the
+    /// outputs are f32.
+    fn head(&self, pooled: Tensor<2>) -> Tensor<2> {
+        let weight = crate::model::as_type_of(self.score.weight.val(), &pooled);
+        pooled.matmul(weight).cast(burn::tensor::FloatDType::F32)
     }
 
     fn slots(&mut self) -> Vec<(String, Slot<'_>)> {
@@ -123,9 +129,16 @@ impl RewardModel {
     ) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
         let mut this = self.clone();
-        write_safetensors(&dir.join("model.safetensors"), &slot_tensors(this.slots()))?;
+        let precision = self.model.precision;
+        write_safetensors_as(
+            &dir.join("model.safetensors"),
+            &slot_tensors(this.slots()),
+            precision,
+        )?;
         let mut config = sequence_classification_config(config, labels);
-        config.extra.insert("torch_dtype".into(), "float32".into());
+        config
+            .extra
+            .insert("torch_dtype".into(), precision.torch_dtype().into());
         write_atomic(&dir.join("config.json"), config.to_json_string().as_bytes())?;
         if let Some(src) = tokenizer_from {
             crate::checkpoint::copy_tokenizer_files(src, dir)?;

@@ -266,7 +266,8 @@ impl Default for RmConfig {
 pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
     let files = data_files(&config.data)?;
-    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, &["reward".into()], device)?;
+    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, &["reward".into()], device)?
+        .in_precision(config.model.dtype, device)?;
     let max_len = config.data.max_len(&start.config)?;
     let (train, validation) = files.load(|path, _| load_pairs(path, &start.tokenizer, max_len))?;
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");

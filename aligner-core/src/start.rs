@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use crate::LoadedModel;
 use crate::adapter::{LoraStore, RewardLoraStore};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, Precision};
+use crate::error::CoreError;
 use crate::error::Result;
 use crate::model::{CausalLm, LoraSpec};
 use crate::reward::{RewardModel, labels_of};
@@ -20,9 +21,10 @@ pub fn model_dir(section: &ModelSection) -> Result<PathBuf> {
     crate::model_dir_or_default(section.path.as_deref())
 }
 
-/// The model a run starts from: `[model]`'s folder loaded (configuration, weights, tokenizer).
+/// The model a run starts from: `[model]`'s folder loaded (configuration, weights, tokenizer),
+/// computing in `model.dtype`.
 pub fn load_model(section: &ModelSection, device: &Device) -> Result<LoadedModel> {
-    LoadedModel::from_dir(&model_dir(section)?, device)
+    LoadedModel::from_dir(&model_dir(section)?, device)?.in_precision(section.dtype, device)
 }
 
 /// The LoRA settings of `[model]`, when `lora_rank > 0`.
@@ -105,6 +107,15 @@ pub struct LoadedRewardModel {
 }
 
 impl LoadedRewardModel {
+    /// The same model computing in `precision` (refused, naming `model.dtype`, where the
+    /// device cannot); its stores save in that type.
+    pub fn in_precision(mut self, precision: Precision, device: &Device) -> Result<Self> {
+        precision.check_device(device).map_err(CoreError::Invalid)?;
+        self.config.precision = precision;
+        self.model.model.precision = precision;
+        Ok(self)
+    }
+
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
         let config = LlamaConfig::from_file(&dir.join("config.json"))?;
         let mut labels = labels_of(&config);

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::Device;
 
 use crate::checkpoint::{load_causal_lm, save_causal_lm};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, Precision};
 use crate::error::Result;
 use crate::model::CausalLm;
 use crate::reward::RewardModel;
@@ -17,6 +17,11 @@ pub trait ModelStore<M> {
     fn save(&self, model: &M, dir: &Path) -> Result<()>;
     /// Loads a model saved by [`ModelStore::save`].
     fn load(&self, dir: &Path, device: &Device) -> Result<M>;
+    /// The type the saved model folder holds the weights in (f32 unless the stored model
+    /// computes in half precision; adapters are saved in f32).
+    fn precision(&self) -> Precision {
+        Precision::F32
+    }
 }
 
 /// Saves and loads causal LMs as HF folders, copying the tokenizer of the base folder.
@@ -32,6 +37,10 @@ impl ModelStore<CausalLm> for CausalLmStore {
 
     fn load(&self, dir: &Path, device: &Device) -> Result<CausalLm> {
         load_causal_lm(dir, &self.config, device)
+    }
+
+    fn precision(&self) -> Precision {
+        self.config.precision
     }
 }
 
@@ -50,5 +59,9 @@ impl ModelStore<RewardModel> for RewardModelStore {
     fn load(&self, dir: &Path, device: &Device) -> Result<RewardModel> {
         let config = crate::reward::sequence_classification_config(&self.config, &self.labels);
         RewardModel::load(dir, &config, self.labels.len(), device)
+    }
+
+    fn precision(&self) -> Precision {
+        self.config.precision
     }
 }

@@ -16,8 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{GenError, Result};
 use crate::options::{EngineStats, ForwardPath};
-use crate::runner::Runner;
-use crate::sampling::{SamplingParams, guided_logits, log_prob, sample};
+use crate::runner::{Logits, Runner};
+use crate::sampling::{
+    SamplingParams, device_uniform, guided_logits, log_prob, sample, sample_on_device, samples_on_device,
+};
 
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -422,8 +424,7 @@ impl Engine {
                     }
                 }
                 let logits = self.runner.prefill(&prompts);
-                self.sample_rows(&logits, first_row, requests, &mut active, max_positions, done)?;
-                self.runner.recycle(logits);
+                self.sample_rows(logits, first_row, requests, &mut active, max_positions, done)?;
             }
             if active.is_empty() {
                 break;
@@ -438,30 +439,70 @@ impl Engine {
             for slot in active.iter_mut() {
                 slot.next_pos += 1;
             }
-            self.sample_rows(&logits, 0, requests, &mut active, max_positions, done)?;
-            self.runner.recycle(logits);
+            self.sample_rows(logits, 0, requests, &mut active, max_positions, done)?;
         }
         Ok(())
     }
 
     /// Samples the next token of rows `first_row..` from `logits` (one row of logits each),
-    /// finishes the sequences that stop, and closes the gaps they leave.
+    /// finishes the sequences that stop, and closes the gaps they leave. Logits left on the
+    /// device are drawn from there when every row's request allows it (no guidance, no top-k /
+    /// top-p); otherwise they come to the host.
     #[allow(clippy::too_many_arguments)]
     fn sample_rows(
         &mut self,
-        logits: &[f32],
+        logits: Logits,
         first_row: usize,
         requests: &[GenerationRequest],
         active: &mut Vec<Slot>,
         max_positions: usize,
         done: &mut dyn FnMut(usize, Generation),
     ) -> Result<()> {
+        let on_device = matches!(logits, Logits::Device(_))
+            && active[first_row..].iter().all(|slot| {
+                let request = &requests[slot.request];
+                request.guidance.is_none() && samples_on_device(&request.params)
+            });
+        let draws: Vec<Option<(usize, f32)>> = match logits {
+            Logits::Device(logits) if on_device => {
+                let rows = &mut active[first_row..];
+                let temperatures: Vec<f32> = rows
+                    .iter()
+                    .map(|slot| requests[slot.request].params.temperature)
+                    .collect();
+                let uniforms: Vec<f64> = rows
+                    .iter_mut()
+                    .map(|slot| device_uniform(&requests[slot.request].params, &mut slot.rng))
+                    .collect();
+                sample_on_device(*logits, &temperatures, &uniforms)
+                    .into_iter()
+                    .map(Some)
+                    .collect()
+            }
+            logits => {
+                let logits = logits.into_host();
+                let draws = self.host_draws(&logits, first_row, requests, active);
+                self.runner.recycle(logits);
+                draws
+            }
+        };
+        self.finish_rows(draws, first_row, requests, active, max_positions, done)
+    }
+
+    /// Each row's draw from host logits (`None` for a guided request's negative row).
+    fn host_draws(
+        &self,
+        logits: &[f32],
+        first_row: usize,
+        requests: &[GenerationRequest],
+        active: &mut [Slot],
+    ) -> Vec<Option<(usize, f32)>> {
         use rayon::prelude::*;
         let vocab = self.config.vocab_size;
         let row_logits = |row: usize| &logits[(row - first_row) * vocab..(row - first_row + 1) * vocab];
         // Rows sample in parallel, each from its own stream; a guided request's row draws from
         // the guided distribution (its negative row, admitted with it, draws nothing).
-        let draws: Vec<Option<(usize, f32)>> = active[first_row..]
+        active[first_row..]
             .par_iter_mut()
             .enumerate()
             .map(|(j, slot)| {
@@ -477,7 +518,20 @@ impl Engine {
                     _ => Some(sample(own, &request.params, &mut slot.rng)),
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// Appends each row's draw, finishes the sequences that stop, and closes their gaps.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_rows(
+        &mut self,
+        draws: Vec<Option<(usize, f32)>>,
+        first_row: usize,
+        requests: &[GenerationRequest],
+        active: &mut Vec<Slot>,
+        max_positions: usize,
+        done: &mut dyn FnMut(usize, Generation),
+    ) -> Result<()> {
         for (j, draw) in draws.iter().enumerate() {
             let row = first_row + j;
             let (token, logprob) = match draw {

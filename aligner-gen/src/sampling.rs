@@ -3,6 +3,7 @@
 
 use aligner_parallel::fused::host::fast_exp;
 use aligner_parallel::fused::infer::{log_sum_exp, row_max, scaled_exp_sum};
+use burn::tensor::{Bool, Tensor, TensorData};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -151,6 +152,69 @@ fn sample_unfiltered(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> (u
     (chosen, logprob)
 }
 
+/// Whether a request's draw can run where its logits are ([`sample_on_device`]): greedy, or
+/// temperature sampling without top-k / top-p (the filters sort the vocabulary, on the host).
+pub fn samples_on_device(params: &SamplingParams) -> bool {
+    params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0)
+}
+
+/// The uniform draw a request's next token takes, from its own stream: none for greedy, one
+/// for temperature sampling, exactly as [`sample`] consumes it (so a request samples the same
+/// tokens whichever side draws them).
+pub fn device_uniform(params: &SamplingParams, rng: &mut impl Rng) -> f64 {
+    if params.temperature <= 0.0 {
+        0.0
+    } else {
+        rng.random::<f64>()
+    }
+}
+
+/// [`sample`] for every row of `logits: [rows, vocab]` where they are (a GPU's memory), for
+/// requests [`samples_on_device`] accepts: row `r` takes the greedy token when
+/// `temperatures[r]` is 0, otherwise the token where `uniforms[r]` falls in the cumulative
+/// distribution of `softmax(logits / t)` — the inverse CDF [`sample`] walks on the host. Only
+/// each row's token and its log-prob under the model (temperature 1) come back: `2·rows`
+/// numbers instead of `rows·vocab`.
+pub fn sample_on_device(logits: Tensor<2>, temperatures: &[f32], uniforms: &[f64]) -> Vec<(usize, f32)> {
+    let [rows, vocab] = logits.dims();
+    let device = logits.device();
+    let column = |values: Vec<f32>| Tensor::<2>::from_data(TensorData::new(values, [rows, 1]), &device);
+    let greedy_rows: Vec<bool> = temperatures.iter().map(|&t| t <= 0.0).collect();
+    let inv_t = column(
+        temperatures
+            .iter()
+            .map(|&t| if t > 0.0 { 1.0 / t } else { 1.0 })
+            .collect(),
+    );
+    let uniform = column(uniforms.iter().map(|&u| u as f32).collect());
+    let greedy_rows = Tensor::<2, Bool>::from_data(TensorData::new(greedy_rows, [rows, 1]), &device);
+
+    let max = logits.clone().max_dim(1);
+    let shifted = logits - max;
+    let log_z = shifted.clone().exp().sum_dim(1).log();
+    let weights = (shifted.clone() * inv_t).exp();
+    let cdf = weights.clone().cumsum(1);
+    let target = cdf.clone().narrow(1, vocab - 1, 1) * uniform;
+    // The first token whose cumulative weight passes the draw: the count of those before it.
+    let drawn = cdf
+        .lower_equal(target.expand([rows, vocab]))
+        .int()
+        .sum_dim(1)
+        .clamp_max(vocab as i64 - 1);
+    let argmax = shifted.clone().argmax(1);
+    // Rounding can put the draw past the last token with any weight; such a row takes the
+    // most likely token instead of one the distribution rules out.
+    let no_weight = weights.gather(1, drawn.clone()).equal_elem(0.0);
+    let token = drawn.mask_where(greedy_rows.bool_or(no_weight), argmax);
+    let logprob = shifted.gather(1, token.clone()) - log_z;
+    let both: Vec<f32> = Tensor::cat(vec![token.float(), logprob], 1)
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("draws are floats");
+    both.chunks(2).map(|pair| (pair[0] as usize, pair[1])).collect()
+}
+
 /// Index of the largest logit (the first one on ties, like `argmax`).
 pub fn argmax(logits: &[f32]) -> usize {
     let max = row_max(logits);
@@ -224,6 +288,75 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
+
+    /// The device draw takes the same tokens as the host's inverse CDF from the same stream
+    /// positions, greedy and sampled rows mixed in one batch, with the model's log-probs; and
+    /// the streams advance alike, so the next draws agree too.
+    #[test]
+    fn device_draws_equal_host_draws() {
+        let device = burn::tensor::Device::flex();
+        let (rows, vocab) = (24, 301);
+        let mut stream = ChaCha8Rng::seed_from_u64(3);
+        let logits: Vec<f32> = (0..rows * vocab)
+            .map(|i| {
+                // Peaked rows and flat ones, a few tokens ruled out entirely.
+                let scale = if (i / vocab) % 3 == 0 { 6.0 } else { 1.5 };
+                if i % 97 == 5 {
+                    f32::NEG_INFINITY
+                } else {
+                    stream.random_range(-scale..scale)
+                }
+            })
+            .collect();
+        let temperatures: Vec<f32> = (0..rows).map(|r| [0.0, 0.5, 1.0, 1.7][r % 4]).collect();
+        let params = |r: usize| SamplingParams {
+            temperature: temperatures[r],
+            seed: r as u64,
+            ..SamplingParams::default()
+        };
+        let mut host_rngs: Vec<ChaCha8Rng> = (0..rows).map(|r| ChaCha8Rng::seed_from_u64(r as u64)).collect();
+        let mut device_rngs = host_rngs.clone();
+        let mut sampled = 0;
+        for round in 0..3 {
+            let host: Vec<(usize, f32)> = (0..rows)
+                .map(|r| sample(&logits[r * vocab..(r + 1) * vocab], &params(r), &mut host_rngs[r]))
+                .collect();
+            let uniforms: Vec<f64> = (0..rows)
+                .map(|r| device_uniform(&params(r), &mut device_rngs[r]))
+                .collect();
+            let tensor = Tensor::<2>::from_data(TensorData::new(logits.clone(), [rows, vocab]), &device);
+            let on_device = sample_on_device(tensor, &temperatures, &uniforms);
+            for r in 0..rows {
+                assert_eq!(
+                    on_device[r].0, host[r].0,
+                    "round {round} row {r} (t = {})",
+                    temperatures[r]
+                );
+                assert!(
+                    (on_device[r].1 - host[r].1).abs() < 1e-4,
+                    "row {r}: {:?} vs {:?}",
+                    on_device[r],
+                    host[r]
+                );
+                assert!(on_device[r].1.is_finite());
+                sampled += usize::from(
+                    temperatures[r] > 0.0 && host[r].0 != argmax(&logits[r * vocab..(r + 1) * vocab]),
+                );
+            }
+        }
+        // The draws are not all the greedy token: sampling really happened.
+        assert!(sampled > 10, "{sampled}");
+        assert!(samples_on_device(&SamplingParams::default()));
+        assert!(samples_on_device(&SamplingParams::greedy(1)));
+        assert!(!samples_on_device(&SamplingParams {
+            top_p: 0.9,
+            ..SamplingParams::default()
+        }));
+        assert!(!samples_on_device(&SamplingParams {
+            top_k: 5,
+            ..SamplingParams::default()
+        }));
+    }
 
     #[test]
     fn log_prob_is_log_softmax() {

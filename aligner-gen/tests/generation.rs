@@ -257,6 +257,15 @@ fn sampled(max_new_tokens: usize) -> SamplingParams {
     }
 }
 
+/// Temperature sampling without filters: the Burn path draws it on the device.
+fn plain(max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        max_new_tokens,
+        ..SamplingParams::default()
+    }
+}
+
 #[test]
 fn continuous_batching_gives_each_prompt_what_it_gets_alone() {
     let lm = shipped();
@@ -428,7 +437,8 @@ fn worker_pool_shares_one_queue() {
 #[test]
 fn host_and_burn_paths_agree() {
     let lm = shipped();
-    for params in [SamplingParams::greedy(0), sampled(0)] {
+    // Greedy and plain temperature draw on the Burn path's device; top-k on the host.
+    for params in [SamplingParams::greedy(0), sampled(0), plain(0)] {
         let reqs = many_requests(&lm, 12, &params);
         let host = engine(&lm, 5, ForwardPath::Host).generate(&reqs).unwrap();
         let burn = engine(&lm, 5, ForwardPath::Burn).generate(&reqs).unwrap();
@@ -457,7 +467,7 @@ fn host_and_burn_paths_agree_on_other_shapes() {
         };
         Engine::new(model.clone(), config.clone(), None, options)
     };
-    for params in [SamplingParams::greedy(24), sampled(24)] {
+    for params in [SamplingParams::greedy(24), sampled(24), plain(24)] {
         let reqs: Vec<GenerationRequest> = (0..6)
             .map(|i| GenerationRequest {
                 prompt_ids: (0..3 + 5 * i)

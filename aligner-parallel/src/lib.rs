@@ -32,7 +32,7 @@ pub use comm::{
     shard_range, world,
 };
 pub use fused::{
-    cube_kernels_available, fused_attention, fused_available, fused_rms_norm, fused_rope, fused_swiglu,
-    fused_token_logprobs,
+    cube_kernels_available, flash_attention, flash_attention_available, fused_attention, fused_available,
+    fused_rms_norm, fused_rope, fused_swiglu, fused_token_logprobs, use_burn_attention,
 };
 pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};

@@ -62,7 +62,11 @@ pub fn token_logprobs_from_hidden(
             let len = end - start;
             crate::fused_token_logprobs(chunk, weight.clone(), ids.reshape([len])).reshape([len, 1])
         } else {
-            gathered_log_softmax(chunk.matmul(weight.clone()), ids)
+            // The log-softmax in f32 whatever the compute type (a no-op cast in f32).
+            gathered_log_softmax(
+                chunk.matmul(weight.clone()).cast(burn::tensor::FloatDType::F32),
+                ids,
+            )
         }
     });
     out.reshape([batch, seq])

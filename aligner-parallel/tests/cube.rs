@@ -238,3 +238,177 @@ fn kernels_on_the_gpu_match_the_cpu_fused_ops() {
         worst(&dx_g, &dx_c)
     );
 }
+
+/// The kernels in half precision as the model runs them under `model.dtype = "f16"`: f32
+/// leaves (the master weights) cast to f16 at use, the kernel in f16 with f32 reductions, the
+/// gradients cast back to the f32 leaves. Values and gradients equal the f32 composed ops
+/// within f16's rounding (relative to each tensor's scale), and the token log-probs come out
+/// in f32.
+#[test]
+fn kernels_in_f16_match_the_f32_composed_ops() {
+    use burn::tensor::FloatDType;
+    let device = gpu();
+    if !device.supports_dtype(FloatDType::F16) {
+        panic!("this device has no f16 (lavapipe and every CUDA GPU do)");
+    }
+    device.seed(23);
+    let half = |t: Tensor<2>| t.cast(FloatDType::F16);
+    let close = |got: Tensor<2>, want: Tensor<2>, what: &str| {
+        let scale = values(want.clone())
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(1e-3);
+        assert_close(got.cast(FloatDType::F32), want, 4e-3 * scale, what);
+    };
+    // Leaves in f32; `fused` runs the kernel on their f16 casts.
+    let (rows, width, vocab) = (37, 96, 301);
+    let x = normal([rows, width], &device);
+    let gamma = normal([1, width], &device);
+    let w = normal([width, vocab], &device).mul_scalar(0.1);
+    let up = normal([rows, width], &device);
+    let mut ids: Vec<i64> = (0..rows as i64).map(|i| (i * 53 + 7) % vocab as i64).collect();
+    ids[3] = -100;
+    let targets = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(ids.clone(), [rows]), &device);
+    let kept = Tensor::<2>::from_data(
+        burn::tensor::TensorData::new(
+            ids.iter().map(|&t| f32::from(t >= 0)).collect::<Vec<_>>(),
+            [rows, 1],
+        ),
+        &device,
+    );
+    let weights = normal([rows, 1], &device);
+    let run = |fused: bool| {
+        let leaves = [x.clone(), gamma.clone(), w.clone(), up.clone()].map(|t| t.detach().require_grad());
+        let [xs, g, ws, us] = leaves.clone();
+        let (normed, gated, logprobs) = if fused {
+            let normed = fused_rms_norm(half(xs).unsqueeze_dim::<3>(0), half(g).reshape([width]), 1e-5)
+                .reshape([rows, width]);
+            let gated = fused_swiglu(normed.clone().unsqueeze_dim::<3>(0), half(us).unsqueeze_dim(0))
+                .reshape([rows, width]);
+            let logprobs = fused_token_logprobs(gated.clone(), half(ws), targets.clone()).reshape([rows, 1]);
+            assert_eq!(logprobs.dtype(), burn::tensor::DType::F32, "log-probs in f32");
+            (normed, gated, logprobs)
+        } else {
+            let ms = xs.clone().powi_scalar(2).mean_dim(1);
+            let normed = xs / (ms + 1e-5).sqrt() * g;
+            let gated = silu(normed.clone()) * us;
+            let safe = targets.clone().clamp_min(0).reshape([rows, 1]);
+            let logprobs = log_softmax(gated.clone().matmul(ws), 1).gather(1, safe) * kept.clone();
+            (normed, gated, logprobs)
+        };
+        let grads = (logprobs.clone() * weights.clone()).sum().backward();
+        let [dx, dg, dw, du] = leaves.map(|t| t.grad(&grads).expect("a leaf's gradient"));
+        (normed, gated, logprobs, [dx, dg, dw, du])
+    };
+    let (n_k, g_k, l_k, d_k) = run(true);
+    let (n_c, g_c, l_c, d_c) = run(false);
+    assert_eq!(values(l_k.clone())[3], 0.0, "a padding target scores 0");
+    close(n_k, n_c, "rms norm in f16");
+    close(g_k, g_c, "swiglu in f16");
+    close(l_k, l_c, "token log-probs from f16");
+    for ((got, want), name) in d_k
+        .into_iter()
+        .zip(d_c)
+        .zip(["d x", "d gamma", "d weight", "d up"])
+    {
+        assert_eq!(
+            got.dtype(),
+            burn::tensor::DType::F32,
+            "{name}: the master gradient is f32"
+        );
+        close(got, want, name);
+    }
+}
+
+/// Attention composed from Burn ops: KV heads repeated, scores, `mask` (`true` = hidden) or
+/// the causal rule aligned to the last key, softmax, values.
+fn composed_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<Tensor<4, burn::tensor::Bool>>,
+) -> Tensor<4> {
+    let [b, heads, s, d] = q.dims();
+    let [_, kv, keys, _] = k.dims();
+    let groups = heads / kv;
+    let repeat = |t: Tensor<4>| {
+        t.unsqueeze_dim::<5>(2)
+            .expand([b, kv, groups, keys, d])
+            .reshape([b, heads, keys, d])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (d as f32).sqrt());
+    let hidden = match mask {
+        Some(m) => m.expand([b, heads, s, keys]),
+        None => {
+            let rows: Vec<bool> = (0..s)
+                .flat_map(|i| (0..keys).map(move |j| j + s > i + keys))
+                .collect();
+            Tensor::<4, burn::tensor::Bool>::from_data(
+                burn::tensor::TensorData::new(rows, [1, 1, s, keys]),
+                &scores.device(),
+            )
+            .expand([b, heads, s, keys])
+        }
+    };
+    let scores = scores.mask_fill(hidden, -1.0e9);
+    burn::tensor::activation::softmax(scores, 3).matmul(v)
+}
+
+/// The flash-attention kernels (forward, and the two backward kernels) against the composed
+/// ops: GQA, head widths 8 and 64, query rows fewer and more than a cube's 64 units, keys
+/// across several 32-key tiles, causal prompts, a decode step (fewer queries than keys), and
+/// left-padding masks (rows whose first keys are hidden).
+#[test]
+fn flash_attention_values_and_gradients_match_composed_ops() {
+    use aligner_parallel::flash_attention;
+    let device = gpu();
+    device.seed(31);
+    // (batch, heads, kv_heads, queries, keys, dim, masked)
+    let cases = [
+        (2, 4, 2, 5, 5, 8, false),
+        (1, 2, 1, 70, 70, 16, false),
+        (2, 4, 4, 3, 41, 8, false),
+        (2, 6, 2, 33, 33, 64, true),
+        (3, 2, 1, 1, 37, 8, true),
+    ];
+    for (b, heads, kv, s, keys, d, masked) in cases {
+        let what = format!("b {b} heads {heads}/{kv} queries {s} keys {keys} dim {d} masked {masked}");
+        let q = normal([b, heads, s, d], &device);
+        let k = normal([b, kv, keys, d], &device);
+        let v = normal([b, kv, keys, d], &device);
+        let weights = normal([b, heads, s, d], &device);
+        // Row r hides its first 2r keys (left padding) but a query's own key (as the model's
+        // padding queries keep theirs, so no row sees nothing), and keys after its own.
+        let mask = masked.then(|| {
+            let hidden: Vec<bool> = (0..b)
+                .flat_map(|r| {
+                    (0..s).flat_map(move |i| {
+                        (0..keys).map(move |j| (j < 2 * r && j + s != i + keys) || j + s > i + keys)
+                    })
+                })
+                .collect();
+            Tensor::<4, burn::tensor::Bool>::from_data(
+                burn::tensor::TensorData::new(hidden, [b, 1, s, keys]),
+                &device,
+            )
+        });
+        let run = |kernel: bool| {
+            let [qs, ks, vs] = [q.clone(), k.clone(), v.clone()].map(|t| t.detach().require_grad());
+            let out = if kernel {
+                flash_attention(qs.clone(), ks.clone(), vs.clone(), mask.as_ref())
+            } else {
+                composed_attention(qs.clone(), ks.clone(), vs.clone(), mask.clone())
+            };
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            let grad = |t: &Tensor<4>| t.grad(&grads).expect("an input's gradient");
+            (out.clone(), grad(&qs), grad(&ks), grad(&vs))
+        };
+        let (o_k, dq_k, dk_k, dv_k) = run(true);
+        let (o_c, dq_c, dk_c, dv_c) = run(false);
+        assert_close(o_k, o_c, 1e-5, &format!("attention, {what}"));
+        assert_close(dq_k, dq_c, 1e-4, &format!("d q, {what}"));
+        assert_close(dk_k, dk_c, 1e-4, &format!("d k, {what}"));
+        assert_close(dv_k, dv_c, 1e-4, &format!("d v, {what}"));
+    }
+}

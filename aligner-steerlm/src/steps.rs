@@ -58,7 +58,8 @@ pub fn train_attributes(config: &SteerConfig, run: &RunDir, device: &Device) -> 
     run.start(config)?;
     let files = data_files(&config.data)?;
     let names = &config.steerlm.attributes;
-    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, names, device)?;
+    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, names, device)?
+        .in_precision(config.model.dtype, device)?;
     let max_len = config.data.max_len(&start.config)?;
     let as_it_is = BalanceSection::default();
     let (train, validation) = files.load(|path, split| {

@@ -86,9 +86,14 @@ impl Attention {
         if q.is_autodiff() && aligner_parallel::fused_available(&q.device()) {
             return aligner_parallel::fused_attention(q, k, v, mask);
         }
-        // Flex's inference kernel shares KV heads itself and broadcasts the mask; autodiff
-        // and the Cube backends run Burn's generic attention, which needs both materialised
-        // to full size.
+        // GPUs: aligner's flash-attention kernels (KV heads shared, no score matrix; the mask
+        // stays on the device), training and inference alike.
+        if aligner_parallel::flash_attention_available(&q.device()) {
+            return aligner_parallel::flash_attention(q, k, v, mask);
+        }
+        // Flex's inference kernel shares KV heads itself and broadcasts the mask; Burn's
+        // generic attention (Cube devices when asked for it) needs both materialised to full
+        // size.
         let flex_inference = !q.is_autodiff() && aligner_parallel::fused_available(&q.device());
         let (k, v, mask) = if !flex_inference {
             let full = [batch, self.n_heads, seq, keys];

@@ -63,12 +63,15 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Zeroed buffers for `rows` sequences of at most `capacity` positions.
+    /// Zeroed buffers for `rows` sequences of at most `capacity` positions, in the type the
+    /// model computes in (`config.precision`).
     pub fn new(config: &LlamaConfig, rows: usize, capacity: usize, device: &Device) -> Self {
         let shape = [rows, config.num_kv_heads(), capacity, config.head_dim()];
+        let dtype = config.precision.float_dtype();
+        let zeros = || Tensor::<4>::zeros(shape, device).cast(dtype);
         let layer = || LayerCache {
-            keys: Tensor::zeros(shape, device),
-            values: Tensor::zeros(shape, device),
+            keys: zeros(),
+            values: zeros(),
             len: 0,
             window: 0,
         };
@@ -185,7 +188,8 @@ impl KvCache {
             .map(|layer| {
                 let grow = |t: &Tensor<4>| {
                     let [rows, heads, _, dim] = t.dims();
-                    let fresh = Tensor::zeros([rows, heads, capacity, dim], &t.device());
+                    let fresh = Tensor::<4>::zeros([rows, heads, capacity, dim], &t.device())
+                        .cast(burn::tensor::FloatDType::from(t.dtype()));
                     fresh.slice_assign([0..rows, 0..heads, 0..len, 0..dim], t.clone().narrow(2, 0, len))
                 };
                 LayerCache {

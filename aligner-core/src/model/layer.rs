@@ -58,7 +58,8 @@ pub struct DecoderLayer {
 /// mean, add, sqrt, div, mul).
 pub fn norm(norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
     if fused_here(&x) {
-        aligner_parallel::fused_rms_norm(x, norm.gamma.val(), norm.epsilon)
+        let gamma = super::as_type_of(norm.gamma.val(), &x);
+        aligner_parallel::fused_rms_norm(x, gamma, norm.epsilon)
     } else {
         norm.forward(x)
     }

@@ -8,7 +8,8 @@ use burn::tensor::{Device, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::named_param;
+use super::{as_type_of, named_param};
+use burn::tensor::module::linear;
 
 /// The trainable factors of one adapted layer: `a: [in, r]`, `b: [r, out]` (Burn layout; PEFT's
 /// `lora_A.weight` is `aᵀ`, `lora_B.weight` is `bᵀ`).
@@ -83,16 +84,18 @@ impl From<Linear> for LoraLinear {
 
 impl LoraLinear {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let y = self.base.forward(x.clone());
+        let weight = as_type_of(self.base.weight.val(), &x);
+        let bias = self.base.bias.as_ref().map(|b| as_type_of(b.val(), &x));
+        let y = linear(x.clone(), weight, bias);
         match &self.lora {
             Some(lora) if self.adapter_enabled => {
                 let [b, s, d] = x.dims();
                 let low = lora
                     .dropout
-                    .forward(x)
+                    .forward(x.clone())
                     .reshape([b * s, d])
-                    .matmul(lora.a.val())
-                    .matmul(lora.b.val());
+                    .matmul(as_type_of(lora.a.val(), &x))
+                    .matmul(as_type_of(lora.b.val(), &x));
                 let [_, out] = low.dims();
                 y + low.reshape([b, s, out]).mul_scalar(lora.scale)
             }

@@ -21,7 +21,7 @@ pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};
 pub use rope::{Rope, RotaryAngles, inverse_frequencies};
 
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, Precision};
 use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
 
 /// Token embeddings, decoder layers and the final norm: tokens → hidden states.
@@ -31,6 +31,12 @@ pub struct LlamaModel {
     pub layers: Vec<DecoderLayer>,
     pub norm: RmsNorm,
     pub rope: Rope,
+    /// What the forward pass computes in: activations are cast to it after the embedding
+    /// lookup and every weight is cast to the activations' type where it is used, so f32
+    /// weights train as master weights under a half-precision forward (the casts' backward
+    /// brings the gradients back to f32).
+    #[module(skip)]
+    pub precision: Precision,
 }
 
 impl LlamaModel {
@@ -43,6 +49,7 @@ impl LlamaModel {
                 .collect(),
             norm: layer::rms_norm(config.hidden_size, config.rms_norm_eps, device),
             rope: Rope::new(config, device),
+            precision: config.precision,
         }
     }
 
@@ -56,7 +63,10 @@ impl LlamaModel {
         mask: Option<&Tensor<4, Bool>>,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor<3> {
-        let mut x = self.embed_tokens.forward(tokens);
+        let mut x = self
+            .embed_tokens
+            .forward(tokens)
+            .cast(self.precision.float_dtype());
         let angles = self.rope.angles(positions);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
@@ -88,7 +98,8 @@ impl CausalLm {
         }
     }
 
-    /// The output projection `[hidden, vocab]` (the transposed embeddings when tied).
+    /// The output projection `[hidden, vocab]` (the transposed embeddings when tied), in its
+    /// stored type (see [`as_type_of`] for the compute type).
     pub fn output_weight(&self) -> Tensor<2> {
         match &self.lm_head {
             Some(head) => head.weight.val(),
@@ -101,9 +112,13 @@ impl CausalLm {
         // One [batch·seq, hidden] × [hidden, vocab] product: a single large GEMM is much
         // faster on CPU than a broadcast batched matmul.
         let [b, s, d] = hidden.dims();
-        let weight = self.output_weight();
+        let weight = as_type_of(self.output_weight(), &hidden);
         let vocab = weight.dims()[1];
-        hidden.reshape([b * s, d]).matmul(weight).reshape([b, s, vocab])
+        hidden
+            .reshape([b * s, d])
+            .matmul(weight)
+            .reshape([b, s, vocab])
+            .cast(burn::tensor::FloatDType::F32)
     }
 
     /// Logits of right-padded (or unpadded) `tokens: [batch, seq]` at positions `0..seq`.
@@ -136,7 +151,10 @@ impl CausalLm {
         let [_, _, d] = hidden.dims();
         let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
         let targets = tokens.narrow(1, 1, seq - 1);
-        token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
+        let weight = as_type_of(self.output_weight(), &inputs);
+        // The kernels' log-probs are f32 whatever the compute type; elsewhere they follow it.
+        token_logprobs_from_hidden(inputs, weight, targets, DEFAULT_CHUNK_TOKENS)
+            .cast(burn::tensor::FloatDType::F32)
     }
 }
 
@@ -217,6 +235,28 @@ impl CausalLm {
             lm_head: self.lm_head.clone(),
         }
     }
+}
+
+/// `weight` in `x`'s float type (a no-op when they agree): how half-precision activations
+/// meet f32 master weights.
+pub fn as_type_of<const D: usize, const E: usize>(weight: Tensor<D>, x: &Tensor<E>) -> Tensor<D> {
+    weight.cast(burn::tensor::FloatDType::from(x.dtype()))
+}
+
+/// A copy of `module` whose float weights are stored in `precision` (inference: the engine
+/// casts once instead of at every use). Training keeps f32 weights and casts at use.
+pub fn with_weights_in<M: Module>(module: M, precision: Precision) -> M {
+    struct Cast(burn::tensor::FloatDType);
+    impl burn::module::ModuleMapper for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let dtype = self.0;
+            param.map(|t| t.cast(dtype))
+        }
+    }
+    if precision == Precision::F32 {
+        return module;
+    }
+    module.map(&mut Cast(precision.float_dtype()))
 }
 
 /// Positions `0..seq` for every row of `tokens: [batch, seq]`.

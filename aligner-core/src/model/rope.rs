@@ -97,7 +97,10 @@ impl RotaryAngles {
     /// backend extension: one kernel each way on GPUs, Burn's slices, negation, concatenation
     /// and products (differentiable as they are) elsewhere.
     pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
-        aligner_parallel::fused_rope(x, self.cos.clone(), self.sin.clone())
+        // In x's type, as transformers casts cos/sin to the activations' dtype.
+        let cos = super::as_type_of(self.cos.clone(), &x);
+        let sin = super::as_type_of(self.sin.clone(), &x);
+        aligner_parallel::fused_rope(x, cos, sin)
     }
 }
 

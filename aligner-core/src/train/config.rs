@@ -20,6 +20,9 @@ pub struct ModelSection {
     pub lora_alpha: f64,
     pub lora_dropout: f64,
     pub lora_targets: Vec<String>,
+    /// What the model computes in: `"f32"`, or `"bf16"` / `"f16"` on GPU devices (f32
+    /// master weights in the optimizer; checkpoints saved in this type).
+    pub dtype: crate::config::Precision,
 }
 
 impl Default for ModelSection {
@@ -32,6 +35,7 @@ impl Default for ModelSection {
             lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj"]
                 .map(String::from)
                 .to_vec(),
+            dtype: crate::config::Precision::F32,
         }
     }
 }

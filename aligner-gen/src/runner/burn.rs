@@ -7,9 +7,9 @@
 //! copied into its row so that it ends at the cursor. When the cursor reaches the end of the
 //! buffers, every row shifts left by the positions no running sequence uses any more.
 
-use aligner_core::model::{KvCache, default_positions, left_padded_layout};
+use aligner_core::model::{KvCache, default_positions, left_padded_layout, with_weights_in};
 use aligner_core::{CausalLm, LlamaConfig};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData};
 
 use crate::options::EngineStats;
 
@@ -28,11 +28,23 @@ pub(crate) struct BurnRunner {
 }
 
 fn packed_head(model: &CausalLm, device: &Device) -> Tensor<2> {
-    Tensor::from_data(model.output_weight().into_data(), device)
+    let weight = model.output_weight();
+    let dtype = FloatDType::from(weight.dtype());
+    Tensor::<2>::from_data(weight.into_data(), device).cast(dtype)
+}
+
+/// The model with its weights stored in the type it computes in: a half-precision model is
+/// cast once here instead of at every use.
+fn in_compute_type(model: CausalLm) -> CausalLm {
+    let precision = model.model.precision;
+    with_weights_in(model, precision)
 }
 
 impl BurnRunner {
-    pub(crate) fn new(model: CausalLm, config: LlamaConfig, device: Device) -> Self {
+    pub(crate) fn new(model: CausalLm, mut config: LlamaConfig, device: Device) -> Self {
+        let model = in_compute_type(model);
+        // The KV cache holds keys and values in the compute type.
+        config.precision = model.model.precision;
         Self {
             head: packed_head(&model, &device),
             model,
@@ -59,7 +71,8 @@ impl BurnRunner {
 
     pub(crate) fn take_weights(&mut self, model: CausalLm) {
         use burn::module::Module;
-        self.model = model.to_device(&self.device);
+        self.model = in_compute_type(model.to_device(&self.device));
+        self.config.precision = self.model.model.precision;
         self.head = packed_head(&self.model, &self.device);
     }
 
@@ -87,8 +100,8 @@ impl BurnRunner {
     }
 
     /// Prefills `prompts` together (left-padded) into a scratch cache, copies each into the
-    /// next free row, and returns their last-position logits.
-    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Vec<f32> {
+    /// next free row, and returns their last-position logits (on the device).
+    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Tensor<2> {
         let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
         let mut scratch = KvCache::new(&self.config, prompts.len(), width, &self.device);
         let mut flat = Vec::with_capacity(prompts.len() * width);
@@ -121,7 +134,7 @@ impl BurnRunner {
         tokens: &[u32],
         positions: &[usize],
         stats: &mut EngineStats,
-    ) -> Vec<f32> {
+    ) -> Tensor<2> {
         let mut cache = self.cache.take().expect("reserve comes first");
         if cache.len() == cache.capacity() {
             let shift = self
@@ -172,21 +185,18 @@ impl BurnRunner {
         self.starts.swap_remove(row);
     }
 
-    /// One forward pass; the last position's logits as `[rows × vocab]` on the host.
+    /// One forward pass; the last position's logits `[rows, vocab]` in f32, on the device.
     fn last_logits(
         &self,
         tokens: Tensor<2, Int>,
         positions: &Tensor<2, Int>,
         mask: Option<&Tensor<4, Bool>>,
         cache: &mut KvCache,
-    ) -> Vec<f32> {
+    ) -> Tensor<2> {
         let [rows, new] = tokens.dims();
         let hidden = self.model.model.forward(tokens, positions, mask, Some(cache));
         let [_, _, d] = hidden.dims();
         let last = hidden.narrow(1, new - 1, 1).reshape([rows, d]);
-        last.matmul(self.head.clone())
-            .into_data()
-            .try_to_vec::<f32>()
-            .expect("logits are f32")
+        last.matmul(self.head.clone()).cast(FloatDType::F32)
     }
 }

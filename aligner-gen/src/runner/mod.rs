@@ -20,6 +20,27 @@ use crate::options::{EngineStats, ForwardPath};
 /// Most tokens the host path prefills in one pass.
 const PREFILL_TOKENS: usize = 4096;
 
+/// The next-token logits of a pass, `[rows × vocab]`: on the host (the host path), or left on
+/// the device (the Burn path), where plain sampling draws without copying them back.
+pub(crate) enum Logits {
+    Host(Vec<f32>),
+    Device(Box<::burn::tensor::Tensor<2>>),
+}
+
+impl Logits {
+    /// The logits on the host (copied back from the device when they are there).
+    pub(crate) fn into_host(self) -> Vec<f32> {
+        match self {
+            Logits::Host(values) => values,
+            Logits::Device(t) => (*t)
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .expect("logits are floats"),
+        }
+    }
+}
+
 pub(crate) enum Runner {
     Burn(Box<BurnRunner>),
     Host(HostRunner),
@@ -124,9 +145,9 @@ impl Runner {
     }
 
     /// Puts `prompts` into the next free rows; returns each one's next-token logits.
-    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Vec<f32> {
+    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Logits {
         match self {
-            Runner::Burn(b) => b.prefill(prompts),
+            Runner::Burn(b) => Logits::Device(Box::new(b.prefill(prompts))),
             Runner::Host(h) => {
                 let cache = h.cache.as_mut().expect("reserve comes first");
                 // The first pass's buffer holds the result; later passes append to it.
@@ -166,21 +187,16 @@ impl Runner {
                     }
                     rest = &rest[take..];
                 }
-                logits.unwrap_or_default()
+                Logits::Host(logits.unwrap_or_default())
             }
         }
     }
 
     /// Feeds running row `r` its token `tokens[r]` at position `positions[r]`; returns the
     /// logits of the next tokens.
-    pub(crate) fn decode(
-        &mut self,
-        tokens: &[u32],
-        positions: &[usize],
-        stats: &mut EngineStats,
-    ) -> Vec<f32> {
+    pub(crate) fn decode(&mut self, tokens: &[u32], positions: &[usize], stats: &mut EngineStats) -> Logits {
         match self {
-            Runner::Burn(b) => b.decode(tokens, positions, stats),
+            Runner::Burn(b) => Logits::Device(Box::new(b.decode(tokens, positions, stats))),
             Runner::Host(h) => {
                 let cache = h.cache.as_mut().expect("reserve comes first");
                 debug_assert!(positions.iter().zip(&cache.lens).all(|(p, l)| p == l));
@@ -197,7 +213,7 @@ impl Runner {
                 for len in &mut cache.lens {
                     *len += 1;
                 }
-                logits
+                Logits::Host(logits)
             }
         }
     }

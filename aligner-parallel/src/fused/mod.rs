@@ -67,6 +67,32 @@ pub trait FusedOps: Backend {
         Self::float_from_data(TensorData::new(out, qs), &device)
     }
 
+    /// [`FusedOps::fused_attention`], causal, aligned to the last key. The Cube backends run
+    /// their flash-attention kernels; the default computes on the host.
+    fn fused_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        Self::fused_attention(q, k, v, None, scale)
+    }
+
+    /// [`FusedOps::fused_attention`] with the mask as a tensor on the device: `hidden` is
+    /// `[b, s, keys]`, nonzero = hidden. The Cube backends run their flash-attention kernels;
+    /// the default reads the mask back and computes on the host.
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        let (hidden, _) = host_floats::<Self, 3>(hidden);
+        let mask = hidden.iter().map(|&h| h != 0.0).collect();
+        Self::fused_attention(q, k, v, Some(Arc::new(mask)), scale)
+    }
+
     /// `silu(gate) · up` elementwise (tensors of one shape): the SwiGLU of a Llama MLP.
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let device = gate.device();
@@ -194,6 +220,54 @@ pub fn fused_attention(
         mask,
         scale,
     ))
+}
+
+/// Attention through the device's own kernels (flash attention on Cube devices), scale
+/// `1/√dim`: causal aligned to the last key without `mask`, else `mask: [b, 1, s, keys]`
+/// (`true` = hidden) stays on the device. Differentiable in `q`, `k` and `v`.
+pub fn flash_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<&Tensor<4, Bool>>,
+) -> Tensor<4> {
+    use burn::backend::Dispatch;
+    let scale = 1.0 / (q.dims()[3] as f32).sqrt();
+    let out = match mask {
+        None => <Dispatch as FusedOps>::fused_causal_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            scale,
+        ),
+        Some(mask) => {
+            let [b, _, s, keys] = mask.dims();
+            let hidden = mask.clone().reshape([b, s, keys]).float();
+            <Dispatch as FusedOps>::fused_masked_attention(
+                q.into_dispatch(),
+                k.into_dispatch(),
+                v.into_dispatch(),
+                hidden.into_dispatch(),
+                scale,
+            )
+        }
+    };
+    Tensor::from_dispatch(out)
+}
+
+static BURN_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes the model use Burn's composed attention on Cube devices instead of aligner's
+/// flash-attention kernels (`aligner bench --attention burn`, to measure one against the
+/// other on a GPU).
+pub fn use_burn_attention(yes: bool) {
+    BURN_ATTENTION.store(yes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the model runs aligner's flash-attention kernels on `device` (a Cube device,
+/// unless [`use_burn_attention`] asked for Burn's).
+pub fn flash_attention_available(device: &Device) -> bool {
+    cube_kernels_available(device) && !BURN_ATTENTION.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn attention_shape(q: [usize; 4], k: [usize; 4]) -> AttentionShape {

@@ -31,12 +31,13 @@ fn cube_reduce(value: f32, #[comptime] threads: usize, #[comptime] take_max: boo
     shared[0]
 }
 
-/// Per row of `logits: [rows, vocab]`: `lse = logsumexp(row)` and `out = row[target] - lse`.
+/// Per row of `logits: [rows, vocab]`: `lse = logsumexp(row)` and `out = row[target] - lse`,
+/// both f32 whatever the logits' type.
 #[cube(launch)]
 pub fn logprob_rows<F: Float>(
     logits: &[F],
     targets: &[i32],
-    out: &mut [F],
+    out: &mut [f32],
     lse: &mut [f32],
     vocab: usize,
     rows: usize,
@@ -65,9 +66,9 @@ pub fn logprob_rows<F: Float>(
         // A target outside the vocabulary (−100 for padding) scores 0 and gets no gradient.
         let target = targets[row];
         if target >= 0 && usize::cast_from(target) < vocab {
-            out[row] = F::cast_from(f32::cast_from(logits[base + usize::cast_from(target)]) - row_lse);
+            out[row] = f32::cast_from(logits[base + usize::cast_from(target)]) - row_lse;
         } else {
-            out[row] = F::new(0.0);
+            out[row] = f32::new(0.0);
         }
     }
 }
@@ -79,7 +80,7 @@ pub fn logprob_grad<F: Float>(
     logits: &mut [F],
     targets: &[i32],
     lse: &[f32],
-    grad: &[F],
+    grad: &[f32],
     vocab: usize,
     #[define(F)] _dtype: ElemType,
 ) {
@@ -91,7 +92,7 @@ pub fn logprob_grad<F: Float>(
     let target = targets[row];
     let mut d = f32::new(0.0);
     if target >= 0 && usize::cast_from(target) < vocab {
-        let g = f32::cast_from(grad[row]);
+        let g = grad[row];
         d = -g * (f32::cast_from(logits[pos]) - lse[row]).exp();
         if pos - row * vocab == usize::cast_from(target) {
             d += g;
@@ -143,7 +144,7 @@ pub fn rms_norm_grad_rows<F: Float>(
     inv: &[f32],
     dy: &[F],
     dx: &mut [F],
-    dgamma_rows: &mut [F],
+    dgamma_rows: &mut [f32],
     width: usize,
     rows: usize,
     #[define(F)] _dtype: ElemType,
@@ -166,7 +167,7 @@ pub fn rms_norm_grad_rows<F: Float>(
         let xv = f32::cast_from(x[base + i]);
         let g = f32::cast_from(dy[base + i]);
         dx[base + i] = F::cast_from(r * f32::cast_from(gamma[i]) * g - xv * c);
-        dgamma_rows[base + i] = F::cast_from(g * xv * r);
+        dgamma_rows[base + i] = g * xv * r;
     }
 }
 

@@ -10,9 +10,12 @@
 //! - SwiGLU: one elementwise kernel forward, one computing both input gradients.
 //! - Rotary embedding: one elementwise kernel; its backward is the same kernel applying the
 //!   transposed rotation.
-//! - Attention: the model composes Burn's ops on Cube devices (Burn's matmuls are autotuned
-//!   there); [`FusedOps::fused_attention`] still works, through the host.
+//! - Attention: flash-attention-style kernels ([`attention`]): tiles of keys in shared memory,
+//!   an online softmax per query row, GQA without repeating the KV heads, the logsumexp kept
+//!   for a backward of two kernels (per query row; per key row). [`FusedOps::fused_attention`]
+//!   (the host's mask form) still works, through the host.
 
+pub mod attention;
 pub mod kernels;
 
 use std::sync::Arc;
@@ -167,8 +170,10 @@ pub fn rms_norm_backward(
 ) -> (CubeTensor, CubeTensor) {
     let (x, gamma, dy) = (into_contiguous(x), into_contiguous(gamma), into_contiguous(dy));
     let (rows, width) = last_dim(&x);
+    let gamma_dtype = gamma.dtype.into();
     let dx = empty(&x, x.shape(), x.dtype);
-    let rows_share = empty(&x, [rows, width], x.dtype);
+    // Each row's share of dγ in f32, summed over the rows in f32.
+    let rows_share = empty(&x, [rows, width], DType::F32);
     let (count, dim) = per_row(&x, rows);
     let dtype = dtype_to_storage_type(x.dtype);
     kernels::rms_norm_grad_rows::launch(
@@ -186,10 +191,12 @@ pub fn rms_norm_backward(
         dtype,
     );
     let d_gamma = Cube::float_reshape(Cube::float_sum_dim(rows_share, 0), Shape::new([width]));
+    let d_gamma = Cube::float_cast(d_gamma, gamma_dtype);
     (dx, d_gamma)
 }
 
-/// `log softmax(hidden · weight)[target]` per row, and each row's logsumexp (f32).
+/// `log softmax(hidden · weight)[target]` per row, and each row's logsumexp, both f32 (the
+/// logits are in the inputs' type; the reduction is f32).
 pub fn token_logprobs_forward(
     hidden: CubeTensor,
     weight: CubeTensor,
@@ -198,7 +205,7 @@ pub fn token_logprobs_forward(
     let logits = into_contiguous(Cube::float_matmul(hidden, weight));
     let (rows, vocab) = last_dim(&logits);
     let targets = targets_i32(targets);
-    let out = empty(&logits, [rows], logits.dtype);
+    let out = empty(&logits, [rows], DType::F32);
     let lse = empty(&logits, [rows], DType::F32);
     let (count, dim) = per_row(&logits, rows);
     let dtype = dtype_to_storage_type(logits.dtype);
@@ -229,7 +236,7 @@ pub fn token_logprobs_backward(
     let logits = into_contiguous(Cube::float_matmul(hidden.clone(), weight.clone()));
     let (_, vocab) = last_dim(&logits);
     let targets = targets_i32(targets);
-    let grad = into_contiguous(grad);
+    let grad = into_contiguous(Cube::float_cast(grad, burn::tensor::FloatDType::F32));
     let (count, dim) = per_element(&logits, logits.shape().num_elements());
     let dtype = dtype_to_storage_type(logits.dtype);
     kernels::logprob_grad::launch(
@@ -249,7 +256,176 @@ pub fn token_logprobs_backward(
     (d_hidden, d_weight)
 }
 
+/// `(heads, kv_heads, queries, keys, dim)` of `q: [b, heads, queries, dim]` and
+/// `k: [b, kv_heads, keys, dim]`.
+fn attention_dims(q: &CubeTensor, k: &CubeTensor) -> (usize, usize, usize, usize, usize) {
+    let (qs, ks) = (q.shape(), k.shape());
+    let (heads, kv_heads) = (qs[1], ks[1]);
+    assert!(
+        kv_heads > 0 && heads.is_multiple_of(kv_heads),
+        "query heads {heads} must be a multiple of KV heads {kv_heads}"
+    );
+    assert!(qs[2] <= ks[2], "{} queries attend to only {} keys", qs[2], ks[2]);
+    (heads, kv_heads, qs[2], ks[2], qs[3])
+}
+
+/// The mask as the kernels read it: f32 `[b, queries, keys]` (1 = hidden), or one unused
+/// value when attention is causal.
+fn mask_buffer(like: &CubeTensor, hidden: Option<CubeTensor>) -> CubeTensor {
+    match hidden {
+        Some(h) => into_contiguous(Cube::float_cast(h, burn::tensor::FloatDType::F32)),
+        None => empty(like, [1], DType::F32),
+    }
+}
+
+/// Flash attention forward ([`attention::attention_forward`]): `(out, lse)`, `lse` f32 per
+/// query row.
+pub fn attention_forward(
+    q: CubeTensor,
+    k: CubeTensor,
+    v: CubeTensor,
+    hidden: Option<CubeTensor>,
+    scale: f32,
+) -> (CubeTensor, CubeTensor) {
+    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let (heads, kv_heads, queries, keys, dim) = attention_dims(&q, &k);
+    let batch = q.shape()[0];
+    let masked = hidden.is_some();
+    let hidden = mask_buffer(&q, hidden);
+    let out = empty(&q, q.shape(), q.dtype);
+    let lse = empty(&q, [batch * heads * queries], DType::F32);
+    let cubes = batch * heads * queries.div_ceil(attention::UNITS);
+    let (count, cube_dim) = attention_launch(&q, cubes);
+    let dtype = dtype_to_storage_type(q.dtype);
+    attention::attention_forward::launch(
+        &q.client.clone(),
+        count,
+        cube_dim,
+        q.into_buffer_arg(),
+        k.into_buffer_arg(),
+        v.into_buffer_arg(),
+        hidden.into_buffer_arg(),
+        out.clone().into_buffer_arg(),
+        lse.clone().into_buffer_arg(),
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        cubes,
+        scale,
+        dim,
+        attention::TILE * dim,
+        masked,
+        dtype,
+    );
+    (out, lse)
+}
+
+fn attention_launch(like: &CubeTensor, cubes: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCountSelection::new(&like.client, cubes as u32).cube_count(),
+        CubeDim::new_1d(attention::UNITS as u32),
+    )
+}
+
+/// `(dq, dk, dv)` of [`attention_forward`] for the output gradient `d_out`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: CubeTensor,
+    k: CubeTensor,
+    v: CubeTensor,
+    hidden: Option<CubeTensor>,
+    out: CubeTensor,
+    lse: CubeTensor,
+    d_out: CubeTensor,
+    scale: f32,
+) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let d_out = into_contiguous(Cube::float_cast(d_out, q.dtype.into()));
+    let (heads, kv_heads, queries, keys, dim) = attention_dims(&q, &k);
+    let batch = q.shape()[0];
+    let masked = hidden.is_some();
+    let hidden = mask_buffer(&q, hidden);
+    let dtype = dtype_to_storage_type(q.dtype);
+    let dq = empty(&q, q.shape(), q.dtype);
+    let delta = empty(&q, [batch * heads * queries], DType::F32);
+    let cubes = batch * heads * queries.div_ceil(attention::UNITS);
+    let (count, cube_dim) = attention_launch(&q, cubes);
+    attention::attention_backward_q::launch(
+        &q.client.clone(),
+        count,
+        cube_dim,
+        q.clone().into_buffer_arg(),
+        k.clone().into_buffer_arg(),
+        v.clone().into_buffer_arg(),
+        hidden.clone().into_buffer_arg(),
+        into_contiguous(out).into_buffer_arg(),
+        d_out.clone().into_buffer_arg(),
+        lse.clone().into_buffer_arg(),
+        dq.clone().into_buffer_arg(),
+        delta.clone().into_buffer_arg(),
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        cubes,
+        scale,
+        dim,
+        attention::TILE * dim,
+        masked,
+        dtype,
+    );
+    let dk = empty(&k, k.shape(), k.dtype);
+    let dv = empty(&v, v.shape(), v.dtype);
+    let cubes = batch * kv_heads * keys.div_ceil(attention::UNITS);
+    let (count, cube_dim) = attention_launch(&q, cubes);
+    attention::attention_backward_kv::launch(
+        &q.client.clone(),
+        count,
+        cube_dim,
+        q.into_buffer_arg(),
+        k.into_buffer_arg(),
+        v.into_buffer_arg(),
+        hidden.into_buffer_arg(),
+        d_out.into_buffer_arg(),
+        lse.into_buffer_arg(),
+        delta.into_buffer_arg(),
+        dk.clone().into_buffer_arg(),
+        dv.clone().into_buffer_arg(),
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        cubes,
+        scale,
+        dim,
+        attention::TILE * dim,
+        masked,
+        dtype,
+    );
+    (dq, dk, dv)
+}
+
 impl FusedOps for Cube {
+    fn fused_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        attention_forward(q, k, v, None, scale).0
+    }
+
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        attention_forward(q, k, v, Some(hidden), scale).0
+    }
+
     fn fused_token_logprobs(
         hidden: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -292,6 +468,49 @@ impl Backward<Cube, 2> for TokenLogprobs {
         let (d_hidden, d_weight) = token_logprobs_backward(hidden, weight, targets, lse, grad);
         register(grads, hidden_node.map(|n| n.id), d_hidden);
         register(grads, weight_node.map(|n| n.id), d_weight);
+    }
+}
+
+#[derive(Debug)]
+struct FlashAttention;
+
+impl Backward<Cube, 3> for FlashAttention {
+    /// q, k, v, the mask (when not causal), out, logsumexp, scale.
+    type State = (
+        CubeTensor,
+        CubeTensor,
+        CubeTensor,
+        Option<CubeTensor>,
+        CubeTensor,
+        CubeTensor,
+        f32,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [q_node, k_node, v_node] = ops.parents;
+        let d_out = grads.consume::<Cube>(&ops.node);
+        let (q, k, v, hidden, out, lse, scale) = ops.state;
+        let (dq, dk, dv) = attention_backward(q, k, v, hidden, out, lse, d_out, scale);
+        register(grads, q_node.map(|n| n.id), dq);
+        register(grads, k_node.map(|n| n.id), dk);
+        register(grads, v_node.map(|n| n.id), dv);
+    }
+}
+
+/// The flash-attention forward as an autodiff node of `Autodiff<Cube>`.
+fn tracked_attention<C: CheckpointStrategy>(
+    q: FloatTensor<Autodiff<Cube, C>>,
+    k: FloatTensor<Autodiff<Cube, C>>,
+    v: FloatTensor<Autodiff<Cube, C>>,
+    hidden: Option<CubeTensor>,
+    scale: f32,
+) -> FloatTensor<Autodiff<Cube, C>> {
+    let nodes = [q.node(), k.node(), v.node()];
+    let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+    let (out, lse) = attention_forward(q.clone(), k.clone(), v.clone(), hidden.clone(), scale);
+    match FlashAttention.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((q, k, v, hidden, out.clone(), lse, scale), out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
 
@@ -345,6 +564,25 @@ impl Backward<Cube, 1> for Rope {
 }
 
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Cube, C> {
+    fn fused_causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        tracked_attention::<C>(q, k, v, None, scale)
+    }
+
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hidden: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        tracked_attention::<C>(q, k, v, Some(hidden.into_primitive()), scale)
+    }
+
     fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
         let nodes = [x.node()];
         let (x, cos, sin) = (x.into_primitive(), cos.into_primitive(), sin.into_primitive());
