@@ -106,8 +106,9 @@ fn ten_dpo_steps_on_wgpu_match_the_cpu() {
     matches_cpu("dpo", &["loss", "eval_loss", "eval_rewards/margin"]);
 }
 
-/// PPO on wgpu with `ppo.offload_reference`: the reference is copied to the CPU backend and
-/// scores there, while the actor samples and trains on the GPU. Before the first update the
+/// PPO on wgpu with `ppo.offload_reference` and `ppo.offload_reward_model`: the reference
+/// and the reward model are kept on the CPU backend and score there, while the actor samples
+/// and trains on the GPU (and the critic trains there). Before the first update the
 /// policy is the reference, so step 1's KL is only the two backends' rounding (measured
 /// ~3e-6 nats per response on lavapipe), and the run trains on.
 #[test]
@@ -130,6 +131,8 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
         "ppo.eval_every=0",
         "--set",
         "ppo.offload_reference=true",
+        "--set",
+        "ppo.offload_reward_model=true",
     ]);
     assert!(ok, "{err}");
     let kl: Vec<f64> = aligner_tests::metrics(&run)
@@ -141,6 +144,16 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
         kl[0].abs() < 1e-4,
         "step 1's KL against the offloaded reference: {}",
         kl[0]
+    );
+    // The reward model beside the critic (combined roles, the default) scored on the CPU
+    // while the critic trained on the GPU.
+    let rewards: Vec<f64> = aligner_tests::metrics(&run)
+        .iter()
+        .filter_map(|row| row["reward"].as_f64())
+        .collect();
+    assert!(
+        rewards.len() == 2 && rewards.iter().all(|r| r.is_finite()),
+        "{rewards:?}"
     );
     assert!(run.join("final/model.safetensors").exists());
 }

@@ -356,7 +356,7 @@ fn composed_attention(
 }
 
 /// The flash-attention kernels (forward, and the two backward kernels) against the composed
-/// ops: GQA, head widths 8 and 64, query rows fewer and more than a cube's 64 units, keys
+/// ops: GQA, head widths 8, 64 and 256 (narrower tiles), query rows fewer and more than a cube's 64 units, keys
 /// across several 32-key tiles, causal prompts, a decode step (fewer queries than keys), and
 /// left-padding masks (rows whose first keys are hidden).
 #[test]
@@ -371,6 +371,8 @@ fn flash_attention_values_and_gradients_match_composed_ops() {
         (2, 4, 4, 3, 41, 8, false),
         (2, 6, 2, 33, 33, 64, true),
         (3, 2, 1, 1, 37, 8, true),
+        // A head of 256: 15-key tiles.
+        (1, 2, 1, 20, 40, 256, false),
     ];
     for (b, heads, kv, s, keys, d, masked) in cases {
         let what = format!("b {b} heads {heads}/{kv} queries {s} keys {keys} dim {d} masked {masked}");

@@ -109,6 +109,10 @@ pub struct PpoSection {
     /// accelerator's memory to the actor (NeMo-Aligner offloads its reference the same way;
     /// the rollout's reference log-probs are then computed on the CPU).
     pub offload_reference: bool,
+    /// Keep the frozen reward model in host memory and score it on the CPU backend: beside
+    /// the actor, or beside the critic when the roles are combined (the critic itself trains
+    /// on the device). The rollout's rewards are then computed on the CPU.
+    pub offload_reward_model: bool,
     /// Write TensorBoard event files to `<run>/tb/` (every scalar of metrics.jsonl, the
     /// timing breakdown included).
     pub tensorboard: bool,
@@ -116,6 +120,16 @@ pub struct PpoSection {
 
 impl PpoSection {
     /// The autodiff device the actor trains on (with gradient checkpointing when asked).
+    /// Where the frozen reward model scores: the host's CPU backend with
+    /// `offload_reward_model`, else `device`.
+    pub fn reward_device(&self, device: &aligner_core::Device) -> aligner_core::Device {
+        if self.offload_reward_model {
+            aligner_core::Device::flex()
+        } else {
+            device.clone()
+        }
+    }
+
     pub fn actor_device(&self, device: &aligner_core::Device) -> aligner_core::Device {
         let train = device.clone().autodiff();
         if self.activation_checkpointing {
@@ -236,6 +250,7 @@ impl Default for PpoSection {
             critic_retry_seconds: 30.0,
             activation_checkpointing: false,
             offload_reference: false,
+            offload_reward_model: false,
             one_step_off: false,
             tensorboard: true,
             slots: 64,

@@ -184,9 +184,15 @@ pub fn single_output(loaded: LoadedRewardModel) -> Result<RewardModel> {
     Ok(loaded.model)
 }
 
-/// The reward model's score at each sequence's last token.
+/// The reward model's score at each sequence's last token (on the reward model's own device,
+/// which is the host's when it is offloaded).
 pub fn rewards_of(rm: &RewardModel, layout: &Layout) -> Result<Vec<f32>> {
-    let scores = rm.forward_all(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
+    let device = rm.score.weight.device();
+    let scores = rm.forward_all(
+        layout.tokens.clone().to_device(&device),
+        &layout.positions.clone().to_device(&device),
+        Some(&layout.mask.clone().to_device(&device)),
+    );
     let [b, s, _] = scores.dims();
     let flat: Vec<f32> = scores
         .reshape([b, s])

@@ -98,12 +98,13 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     // The critic's process scores with the reward model when the roles are combined and no
     // reward functions are configured; otherwise the actor scores.
     let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty();
+    let reward_device = config.ppo.reward_device(device);
     let rewards = run_rewards(
         &config.reward,
         rm_dir
             .as_deref()
             .filter(|_| !combined && config.reward.is_empty()),
-        device,
+        &reward_device,
     )?;
     // Data parallel: rank 0 alone talks to the critic (server or in process) and shares its
     // replies with the other ranks.
@@ -119,11 +120,18 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
             let reward_folder = LoadedRewardModel::from_dir(rm_dir, device)?;
             let store = reward_folder.store();
             let reward = single_output(reward_folder)?;
+            // The frozen reward model beside the critic: the critic's starting weights, or a
+            // copy in host memory when it is offloaded.
+            let beside = match (combined, config.ppo.offload_reward_model) {
+                (false, _) => None,
+                (true, false) => Some(reward.clone()),
+                (true, true) => Some(single_output(LoadedRewardModel::from_dir(
+                    rm_dir,
+                    &reward_device,
+                )?)?),
+            };
             Some(Box::new(LocalCritic::spawn(CriticWorker::new(
-                reward.clone(),
-                combined.then(|| reward.clone()),
-                store,
-                device,
+                reward, beside, store, device,
             ))))
         }
         (None, None) => None,

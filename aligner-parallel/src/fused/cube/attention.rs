@@ -1,5 +1,5 @@
 //! Causal grouped-query attention as flash-attention-style CubeCL kernels: each cube takes
-//! [`UNITS`] query rows of one (batch, head), walks the keys in tiles of [`TILE`] staged in
+//! [`UNITS`] query rows of one (batch, head), walks the keys in tiles (32 keys; [`tile_rows`]) staged in
 //! shared memory, and keeps a running maximum, normaliser and weighted sum per row (online
 //! softmax), so neither the `[queries, keys]` scores nor the KV heads repeated per query head
 //! ever exist. The forward keeps each row's logsumexp (f32); the backward recomputes the
@@ -18,8 +18,14 @@ use cubecl::prelude::*;
 
 /// Query (or key) rows per cube, one unit each.
 pub const UNITS: usize = 64;
-/// Keys (or queries) staged in shared memory at a time.
-pub const TILE: usize = 32;
+
+/// Keys (or queries) staged in shared memory at a time for heads of width `dim`: 32, fewer
+/// for wide heads, so that a kernel's staged tiles (two of `dim` floats per row, plus two
+/// floats per row in the backward) stay within 32 KiB, the least a Vulkan or Metal device
+/// offers per cube (lavapipe's limit; CUDA's default is 48 KiB).
+pub fn tile_rows(dim: usize) -> usize {
+    (8000 / (2 * dim + 2)).clamp(1, 32)
+}
 
 /// Whether key `kk` is visible to query `qi` of batch row `batch`.
 #[cube]
@@ -58,6 +64,7 @@ pub fn attention_forward<F: Float>(
     cubes: usize,
     scale: f32,
     #[comptime] dim: usize,
+    #[comptime] tile: usize,
     #[comptime] tile_len: usize,
     #[comptime] masked: bool,
     #[define(F)] _dtype: ElemType,
@@ -102,8 +109,8 @@ pub fn attention_forward<F: Float>(
     let mut start = 0usize;
     while start < key_end {
         let mut n = key_end - start;
-        if n > TILE {
-            n = TILE;
+        if n > tile {
+            n = tile;
         }
         for i in range_stepped(unit, n * dim, UNITS) {
             k_tile[i] = f32::cast_from(k[kv_base + start * dim + i]);
@@ -129,7 +136,7 @@ pub fn attention_forward<F: Float>(
             }
         }
         sync_cube();
-        start += TILE;
+        start += tile;
     }
     if valid {
         let mut inv = f32::new(0.0);
@@ -166,6 +173,7 @@ pub fn attention_backward_q<F: Float>(
     cubes: usize,
     scale: f32,
     #[comptime] dim: usize,
+    #[comptime] tile: usize,
     #[comptime] tile_len: usize,
     #[comptime] masked: bool,
     #[define(F)] _dtype: ElemType,
@@ -219,8 +227,8 @@ pub fn attention_backward_q<F: Float>(
     let mut start = 0usize;
     while start < key_end {
         let mut n = key_end - start;
-        if n > TILE {
-            n = TILE;
+        if n > tile {
+            n = tile;
         }
         for i in range_stepped(unit, n * dim, UNITS) {
             k_tile[i] = f32::cast_from(k[kv_base + start * dim + i]);
@@ -244,7 +252,7 @@ pub fn attention_backward_q<F: Float>(
             }
         }
         sync_cube();
-        start += TILE;
+        start += tile;
     }
     if valid {
         for d in 0..dim {
@@ -274,6 +282,7 @@ pub fn attention_backward_kv<F: Float>(
     cubes: usize,
     scale: f32,
     #[comptime] dim: usize,
+    #[comptime] tile: usize,
     #[comptime] tile_len: usize,
     #[comptime] masked: bool,
     #[define(F)] _dtype: ElemType,
@@ -310,8 +319,8 @@ pub fn attention_backward_kv<F: Float>(
     }
     let mut q_tile = Shared::<[f32]>::new_slice(tile_len);
     let mut do_tile = Shared::<[f32]>::new_slice(tile_len);
-    let mut lse_tile = Shared::<[f32]>::new_slice(TILE);
-    let mut delta_tile = Shared::<[f32]>::new_slice(TILE);
+    let mut lse_tile = Shared::<[f32]>::new_slice(tile);
+    let mut delta_tile = Shared::<[f32]>::new_slice(tile);
     // Causal: no query before the one that first sees this cube's first key.
     let mut query_start = 0usize;
     if !masked && first + queries > keys {
@@ -322,8 +331,8 @@ pub fn attention_backward_kv<F: Float>(
         let mut start = query_start;
         while start < queries {
             let mut n = queries - start;
-            if n > TILE {
-                n = TILE;
+            if n > tile {
+                n = tile;
             }
             let base = (bh * queries + start) * dim;
             for i in range_stepped(unit, n * dim, UNITS) {
@@ -354,7 +363,7 @@ pub fn attention_backward_kv<F: Float>(
                 }
             }
             sync_cube();
-            start += TILE;
+            start += tile;
         }
     }
     if valid {

@@ -314,7 +314,8 @@ pub fn attention_forward(
         cubes,
         scale,
         dim,
-        attention::TILE * dim,
+        attention::tile_rows(dim),
+        attention::tile_rows(dim) * dim,
         masked,
         dtype,
     );
@@ -371,7 +372,8 @@ pub fn attention_backward(
         cubes,
         scale,
         dim,
-        attention::TILE * dim,
+        attention::tile_rows(dim),
+        attention::tile_rows(dim) * dim,
         masked,
         dtype,
     );
@@ -399,7 +401,8 @@ pub fn attention_backward(
         cubes,
         scale,
         dim,
-        attention::TILE * dim,
+        attention::tile_rows(dim),
+        attention::tile_rows(dim) * dim,
         masked,
         dtype,
     );
