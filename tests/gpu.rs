@@ -8,10 +8,10 @@ use std::path::Path;
 use aligner_tests::{aligner, metrics, repo};
 use serde_json::Value;
 
-/// What `aligner --device wgpu generate` prints, greedy.
-fn greedy_on_wgpu(prompt: &str, new_tokens: u64) -> String {
+/// What `aligner --device wgpu generate` prints, greedy, with `extra` flags.
+fn greedy_on_wgpu(prompt: &str, new_tokens: u64, extra: &[&str]) -> String {
     let new_tokens = new_tokens.to_string();
-    let (ok, stdout, stderr) = aligner_tests::aligner_output(&[
+    let mut args = vec![
         "--device",
         "wgpu",
         "generate",
@@ -19,9 +19,10 @@ fn greedy_on_wgpu(prompt: &str, new_tokens: u64) -> String {
         prompt,
         "--temperature",
         "0",
-        "--max-new-tokens",
-        &new_tokens,
-    ]);
+    ];
+    args.extend(["--max-new-tokens", &new_tokens]);
+    args.extend(extra);
+    let (ok, stdout, stderr) = aligner_tests::aligner_output(&args);
     assert!(ok, "{stderr}");
     stdout.trim_end().to_owned()
 }
@@ -37,7 +38,7 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
         let new_tokens = case["max_new_tokens"].as_u64().unwrap();
         let expected = format!("{prompt} {}", case["text"].as_str().unwrap());
         assert_eq!(
-            greedy_on_wgpu(prompt, new_tokens),
+            greedy_on_wgpu(prompt, new_tokens, &[]),
             expected.trim_end(),
             "prompt {prompt:?}"
         );
@@ -286,23 +287,12 @@ fn greedy_generation_in_f16_on_wgpu_follows_transformers() {
     .unwrap();
     let case = &reference["greedy"][0];
     let prompt = case["prompt"].as_str().unwrap();
-    let new_tokens = case["max_new_tokens"].as_u64().unwrap().to_string();
-    let (ok, stdout, stderr) = aligner_tests::aligner_output(&[
-        "--device",
-        "wgpu",
-        "generate",
-        "--dtype",
-        "f16",
-        "--prompt",
-        prompt,
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        &new_tokens,
-    ]);
-    assert!(ok, "{stderr}");
+    let new_tokens = case["max_new_tokens"].as_u64().unwrap();
     let expected = format!("{prompt} {}", case["text"].as_str().unwrap());
-    assert_eq!(stdout.trim_end(), expected.trim_end());
+    assert_eq!(
+        greedy_on_wgpu(prompt, new_tokens, &["--dtype", "f16"]),
+        expected.trim_end()
+    );
     // The CPU computes in f32 and says so.
     let (ok, _, stderr) = aligner_tests::aligner_output(&["generate", "--dtype", "bf16", "--prompt", "x"]);
     assert!(

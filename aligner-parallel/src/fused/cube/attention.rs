@@ -45,6 +45,21 @@ fn visible(
     seen
 }
 
+/// How many keys (from the first) the cube of query rows `first..first + UNITS` reads:
+/// causal rows see no key past their last row's; masked rows may see any.
+#[cube]
+fn keys_seen(first: usize, queries: usize, keys: usize, #[comptime] masked: bool) -> usize {
+    let mut end = keys;
+    if !masked {
+        let mut last = first + UNITS;
+        if last > queries {
+            last = queries;
+        }
+        end = last + keys - queries;
+    }
+    end
+}
+
 /// `out = softmax(q·kᵀ·scale)·v` per query row, and the row's logsumexp (0 for a row that
 /// sees no key, whose output is 0). `q, out: [b, heads, queries, dim]`,
 /// `k, v: [b, kv_heads, keys, dim]`.
@@ -97,15 +112,7 @@ pub fn attention_forward<F: Float>(
     let mut v_tile = Shared::<[f32]>::new_slice(tile_len);
     let mut max = f32::new(-3.0e38);
     let mut norm = f32::new(0.0);
-    // Causal rows of this cube see no key past its last row's.
-    let mut key_end = keys;
-    if !masked {
-        let mut last = first + UNITS;
-        if last > queries {
-            last = queries;
-        }
-        key_end = last + keys - queries;
-    }
+    let key_end = keys_seen(first, queries, keys, masked);
     let mut start = 0usize;
     while start < key_end {
         let mut n = key_end - start;
@@ -216,14 +223,7 @@ pub fn attention_backward_q<F: Float>(
     }
     let mut k_tile = Shared::<[f32]>::new_slice(tile_len);
     let mut v_tile = Shared::<[f32]>::new_slice(tile_len);
-    let mut key_end = keys;
-    if !masked {
-        let mut last = first + UNITS;
-        if last > queries {
-            last = queries;
-        }
-        key_end = last + keys - queries;
-    }
+    let key_end = keys_seen(first, queries, keys, masked);
     let mut start = 0usize;
     while start < key_end {
         let mut n = key_end - start;
