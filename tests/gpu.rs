@@ -159,32 +159,6 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
     assert!(run.join("final/model.safetensors").exists());
 }
 
-/// A model folder's `model.safetensors`: its dtype, and each tensor's values as f32.
-fn saved_weights(dir: &Path) -> (String, std::collections::BTreeMap<String, Vec<f32>>) {
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut dtype = String::new();
-    let mut out = std::collections::BTreeMap::new();
-    for (name, view) in file.tensors() {
-        dtype = format!("{:?}", view.dtype());
-        let values = match view.dtype() {
-            safetensors::Dtype::F16 => view
-                .data()
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            safetensors::Dtype::F32 => view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            other => panic!("{name}: {other:?}"),
-        };
-        out.insert(name, values);
-    }
-    (dtype, out)
-}
-
 /// `model.dtype = "f16"` on wgpu (lavapipe has shader-f16): activations and weights in f16,
 /// f32 master weights in the optimizer. The losses track the f32 CPU run within f16's
 /// rounding and the held-out NLL falls as it does; the final folder is saved in f16 as HF saves such a model
@@ -244,9 +218,9 @@ fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(half.join("final/config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "float16");
-    let (dtype, f16_weights) = saved_weights(&half.join("final"));
-    assert_eq!(dtype, "F16");
-    let (_, f32_weights) = saved_weights(&cpu.join("final"));
+    assert_eq!(aligner_tests::saved_dtypes(&half.join("final")), ["F16"]);
+    let f16_weights = aligner_tests::tensors(&half.join("final"));
+    let f32_weights = aligner_tests::tensors(&cpu.join("final"));
     let worst = f16_weights
         .iter()
         .flat_map(|(name, w)| w.iter().zip(&f32_weights[name]).map(|(a, b)| (a - b).abs()))
@@ -270,7 +244,7 @@ fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
             "resumed {resumed:?} vs uninterrupted {full:?}"
         );
     }
-    let (_, resumed_weights) = saved_weights(&cut.join("final"));
+    let resumed_weights = aligner_tests::tensors(&cut.join("final"));
     assert_eq!(
         resumed_weights, f16_weights,
         "the resumed run ends on the same f16 weights"

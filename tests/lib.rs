@@ -132,21 +132,47 @@ pub fn sample_sentiment_seeded(model: &Path, out: &Path, seed: u64, extra: &[&st
     mean_lexicon(out)
 }
 
-/// The f32 tensors of a model folder's `model.safetensors`, by name.
+/// The tensors of a model folder's `model.safetensors` as f32 values (F32, F16 or BF16 in
+/// the file), by name.
 pub fn tensors(dir: &Path) -> BTreeMap<String, Vec<f32>> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     file.tensors()
         .into_iter()
         .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let data = view.data();
+            let values = match view.dtype() {
+                safetensors::Dtype::F32 => data
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                safetensors::Dtype::F16 => data
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                safetensors::Dtype::BF16 => data
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                other => panic!("{name}: {other:?}"),
+            };
             (name, values)
         })
         .collect()
+}
+
+/// The dtypes a model folder's `model.safetensors` holds (`["F16"]` for an f16 model).
+pub fn saved_dtypes(dir: &Path) -> Vec<String> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut dtypes: Vec<String> = file
+        .tensors()
+        .iter()
+        .map(|(_, v)| format!("{:?}", v.dtype()))
+        .collect();
+    dtypes.sort();
+    dtypes.dedup();
+    dtypes
 }
 
 /// Largest absolute difference between the weights of two model folders.

@@ -106,18 +106,14 @@ pub struct Selection {
 
 /// The selected benchmark models; the others are not built.
 fn models(device: &Device, selection: &Selection) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
-    let precision = selection.precision;
-    precision
-        .check_device(device)
-        .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
-    Ok(models_f32(device, &selection.only)?
+    models_f32(device, &selection.only)?
         .into_iter()
         .map(|(name, mut config, mut model)| {
-            config.precision = precision;
-            model.model.precision = precision;
-            (name, config, model)
+            aligner_core::model::compute_in(selection.precision, &mut config, &mut model.model, device)
+                .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+            Ok((name, config, model))
         })
-        .collect())
+        .collect()
 }
 
 fn models_f32(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {

@@ -218,9 +218,7 @@ impl LoadedModel {
     /// The same model computing in `precision` (refused, naming `model.dtype`, where the
     /// device cannot); runs built from its configuration save in that type.
     pub fn in_precision(mut self, precision: config::Precision, device: &Device) -> Result<Self> {
-        precision.check_device(device).map_err(CoreError::Invalid)?;
-        self.config.precision = precision;
-        self.model.model.precision = precision;
+        crate::model::compute_in(precision, &mut self.config, &mut self.model.model, device)?;
         Ok(self)
     }
 

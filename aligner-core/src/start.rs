@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use crate::LoadedModel;
 use crate::adapter::{LoraStore, RewardLoraStore};
 use crate::config::{LlamaConfig, Precision};
-use crate::error::CoreError;
 use crate::error::Result;
 use crate::model::{CausalLm, LoraSpec};
 use crate::reward::{RewardModel, labels_of};
@@ -110,9 +109,7 @@ impl LoadedRewardModel {
     /// The same model computing in `precision` (refused, naming `model.dtype`, where the
     /// device cannot); its stores save in that type.
     pub fn in_precision(mut self, precision: Precision, device: &Device) -> Result<Self> {
-        precision.check_device(device).map_err(CoreError::Invalid)?;
-        self.config.precision = precision;
-        self.model.model.precision = precision;
+        crate::model::compute_in(precision, &mut self.config, &mut self.model.model, device)?;
         Ok(self)
     }
 

@@ -243,6 +243,23 @@ pub fn as_type_of<const D: usize, const E: usize>(weight: Tensor<D>, x: &Tensor<
     weight.cast(burn::tensor::FloatDType::from(x.dtype()))
 }
 
+/// Makes `trunk` (built from `config`) compute in `precision`, and `config` say so, so the
+/// stores built from it save in that type; refused, naming `model.dtype`, where `device`
+/// cannot compute in it.
+pub fn compute_in(
+    precision: Precision,
+    config: &mut LlamaConfig,
+    trunk: &mut LlamaModel,
+    device: &Device,
+) -> crate::Result<()> {
+    precision
+        .check_device(device)
+        .map_err(crate::CoreError::Invalid)?;
+    config.precision = precision;
+    trunk.precision = precision;
+    Ok(())
+}
+
 /// A copy of `module` whose float weights are stored in `precision` (inference: the engine
 /// casts once instead of at every use). Training keeps f32 weights and casts at use.
 pub fn with_weights_in<M: Module>(module: M, precision: Precision) -> M {
