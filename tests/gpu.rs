@@ -274,3 +274,35 @@ fn greedy_generation_in_f16_on_wgpu_follows_transformers() {
         "{stderr}"
     );
 }
+
+/// Top-k / top-p sampling on wgpu draws on the device (the filters' kernel, then the inverse
+/// CDF, only the tokens coming back) and takes the tokens the CPU's host sampler takes from
+/// the same seeds; the draws are really sampled (not the greedy text).
+#[test]
+fn filtered_sampling_on_wgpu_takes_the_cpu_tokens() {
+    let sample = |device: &str| {
+        let args = [
+            "--device",
+            device,
+            "generate",
+            "--prompt",
+            "Once upon a time",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "40",
+            "--top-p",
+            "0.85",
+            "--seed",
+            "11",
+            "--max-new-tokens",
+            "40",
+        ];
+        let (ok, stdout, stderr) = aligner_tests::aligner_output(&args);
+        assert!(ok, "{stderr}");
+        stdout
+    };
+    let on_wgpu = sample("wgpu");
+    assert_eq!(on_wgpu, sample("cpu"));
+    assert_ne!(on_wgpu.trim_end(), greedy_on_wgpu("Once upon a time", 40, &[]));
+}

@@ -18,7 +18,7 @@ use crate::error::{GenError, Result};
 use crate::options::{EngineStats, ForwardPath};
 use crate::runner::{Logits, Runner};
 use crate::sampling::{
-    SamplingParams, device_uniform, guided_logits, log_prob, sample, sample_on_device, samples_on_device,
+    DeviceRow, SamplingParams, device_uniform, guided_logits, log_prob, sample, sample_on_device,
 };
 
 /// Why a sequence stopped.
@@ -446,8 +446,8 @@ impl Engine {
 
     /// Samples the next token of rows `first_row..` from `logits` (one row of logits each),
     /// finishes the sequences that stop, and closes the gaps they leave. Logits left on the
-    /// device are drawn from there when every row's request allows it (no guidance, no top-k /
-    /// top-p); otherwise they come to the host.
+    /// device are drawn from there (temperature, top-k, top-p and guidance included); host
+    /// logits are drawn on the host.
     #[allow(clippy::too_many_arguments)]
     fn sample_rows(
         &mut self,
@@ -458,25 +458,38 @@ impl Engine {
         max_positions: usize,
         done: &mut dyn FnMut(usize, Generation),
     ) -> Result<()> {
-        let on_device = matches!(logits, Logits::Device(_))
-            && active[first_row..].iter().all(|slot| {
-                let request = &requests[slot.request];
-                request.guidance.is_none() && samples_on_device(&request.params)
-            });
         let draws: Vec<Option<(usize, f32)>> = match logits {
-            Logits::Device(logits) if on_device => {
+            Logits::Device(logits) => {
                 let rows = &mut active[first_row..];
-                let temperatures: Vec<f32> = rows
-                    .iter()
-                    .map(|slot| requests[slot.request].params.temperature)
-                    .collect();
+                // A guided request's negative row draws nothing and takes no uniform.
                 let uniforms: Vec<f64> = rows
                     .iter_mut()
-                    .map(|slot| device_uniform(&requests[slot.request].params, &mut slot.rng))
+                    .map(|slot| match slot.negative {
+                        true => 0.0,
+                        false => device_uniform(&requests[slot.request].params, &mut slot.rng),
+                    })
                     .collect();
-                sample_on_device(*logits, &temperatures, &uniforms)
+                let device_rows: Vec<DeviceRow> = rows
+                    .iter()
+                    .zip(uniforms)
+                    .map(|(slot, uniform)| {
+                        let request = &requests[slot.request];
+                        let guidance = match (slot.negative, slot.partner, &request.guidance) {
+                            (false, Some(partner), Some(g)) => Some((partner - first_row, g.scale)),
+                            _ => None,
+                        };
+                        DeviceRow {
+                            params: &request.params,
+                            uniform,
+                            guidance,
+                        }
+                    })
+                    .collect();
+                let negative: Vec<bool> = rows.iter().map(|slot| slot.negative).collect();
+                sample_on_device(*logits, &device_rows)
                     .into_iter()
-                    .map(Some)
+                    .zip(negative)
+                    .map(|(draw, negative)| (!negative).then_some(draw))
                     .collect()
             }
             logits => {

@@ -1,9 +1,11 @@
 //! Choosing the next token from logits: classifier-free guidance, then greedy, temperature,
 //! top-k and top-p, in the order transformers applies them.
 
+use aligner_parallel::fused::filter::FILTER_PARAMS;
 use aligner_parallel::fused::host::fast_exp;
 use aligner_parallel::fused::infer::{log_sum_exp, row_max, scaled_exp_sum};
-use burn::tensor::{Bool, Tensor, TensorData};
+use aligner_parallel::fused::sampling_weights;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -152,12 +154,6 @@ fn sample_unfiltered(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> (u
     (chosen, logprob)
 }
 
-/// Whether a request's draw can run where its logits are ([`sample_on_device`]): greedy, or
-/// temperature sampling without top-k / top-p (the filters sort the vocabulary, on the host).
-pub fn samples_on_device(params: &SamplingParams) -> bool {
-    params.temperature <= 0.0 || (params.top_k == 0 && params.top_p >= 1.0)
-}
-
 /// The uniform draw a request's next token takes, from its own stream: none for greedy, one
 /// for temperature sampling, exactly as [`sample`] consumes it (so a request samples the same
 /// tokens whichever side draws them).
@@ -169,31 +165,53 @@ pub fn device_uniform(params: &SamplingParams, rng: &mut impl Rng) -> f64 {
     }
 }
 
-/// [`sample`] for every row of `logits: [rows, vocab]` where they are (a GPU's memory), for
-/// requests [`samples_on_device`] accepts: row `r` takes the greedy token when
-/// `temperatures[r]` is 0, otherwise the token where `uniforms[r]` falls in the cumulative
-/// distribution of `softmax(logits / t)` — the inverse CDF [`sample`] walks on the host. Only
-/// each row's token and its log-prob under the model (temperature 1) come back: `2·rows`
-/// numbers instead of `rows·vocab`.
-pub fn sample_on_device(logits: Tensor<2>, temperatures: &[f32], uniforms: &[f64]) -> Vec<(usize, f32)> {
+/// One row of a draw on the device ([`sample_on_device`]).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceRow<'a> {
+    pub params: &'a SamplingParams,
+    /// The row's uniform draw ([`device_uniform`]; unused when greedy).
+    pub uniform: f64,
+    /// Classifier-free guidance: the row holding the negative prompt's logits, and the scale.
+    pub guidance: Option<(usize, f32)>,
+}
+
+/// [`sample`] for every row of `logits: [rows, vocab]` where they are (a GPU's memory): each
+/// row's logits, guided against its partner row when it has one ([`guided_logits`]), go
+/// through temperature, top-k and top-p on the device
+/// ([`aligner_parallel::fused::sampling_weights`], a CubeCL kernel on GPUs); a greedy row takes
+/// the argmax, a sampled one the token where its uniform falls in the cumulative weights — the
+/// inverse CDF [`sample`] walks on the host. Only each row's token and its log-prob under the
+/// model (its own logits, temperature 1) come back: `2·rows` numbers instead of `rows·vocab`.
+pub fn sample_on_device(logits: Tensor<2>, rows_in: &[DeviceRow]) -> Vec<(usize, f32)> {
     let [rows, vocab] = logits.dims();
     let device = logits.device();
     let column = |values: Vec<f32>| Tensor::<2>::from_data(TensorData::new(values, [rows, 1]), &device);
-    let greedy_rows: Vec<bool> = temperatures.iter().map(|&t| t <= 0.0).collect();
-    let inv_t = column(
-        temperatures
-            .iter()
-            .map(|&t| if t > 0.0 { 1.0 / t } else { 1.0 })
-            .collect(),
-    );
-    let uniform = column(uniforms.iter().map(|&u| u as f32).collect());
-    let greedy_rows = Tensor::<2, Bool>::from_data(TensorData::new(greedy_rows, [rows, 1]), &device);
+    let flags = |values: Vec<bool>| Tensor::<2, Bool>::from_data(TensorData::new(values, [rows, 1]), &device);
 
     let max = logits.clone().max_dim(1);
-    let shifted = logits - max;
+    let shifted = logits.clone() - max;
     let log_z = shifted.clone().exp().sum_dim(1).log();
-    let weights = (shifted.clone() * inv_t).exp();
+    let draw_from = if rows_in.iter().any(|row| row.guidance.is_some()) {
+        guided_on_device(logits, log_z.clone(), rows_in)
+    } else {
+        logits
+    };
+    let filters: Vec<f32> = rows_in
+        .iter()
+        .flat_map(|row| {
+            let p = row.params;
+            let inv_t = if p.temperature > 0.0 {
+                1.0 / p.temperature
+            } else {
+                1.0
+            };
+            [inv_t, p.top_k as f32, p.top_p]
+        })
+        .collect();
+    let filters = Tensor::<2>::from_data(TensorData::new(filters, [rows, FILTER_PARAMS]), &device);
+    let weights = sampling_weights(draw_from.clone(), filters);
     let cdf = weights.clone().cumsum(1);
+    let uniform = column(rows_in.iter().map(|row| row.uniform as f32).collect());
     let target = cdf.clone().narrow(1, vocab - 1, 1) * uniform;
     // The first token whose cumulative weight passes the draw: the count of those before it.
     let drawn = cdf
@@ -201,11 +219,12 @@ pub fn sample_on_device(logits: Tensor<2>, temperatures: &[f32], uniforms: &[f64
         .int()
         .sum_dim(1)
         .clamp_max(vocab as i64 - 1);
-    let argmax = shifted.clone().argmax(1);
+    let argmax = draw_from.argmax(1);
     // Rounding can put the draw past the last token with any weight; such a row takes the
-    // most likely token instead of one the distribution rules out.
+    // most likely token instead of one the filters rule out.
     let no_weight = weights.gather(1, drawn.clone()).equal_elem(0.0);
-    let token = drawn.mask_where(greedy_rows.bool_or(no_weight), argmax);
+    let greedy = flags(rows_in.iter().map(|row| row.params.temperature <= 0.0).collect());
+    let token = drawn.mask_where(greedy.bool_or(no_weight), argmax);
     let logprob = shifted.gather(1, token.clone()) - log_z;
     let both: Vec<f32> = Tensor::cat(vec![token.float(), logprob], 1)
         .into_data()
@@ -213,6 +232,35 @@ pub fn sample_on_device(logits: Tensor<2>, temperatures: &[f32], uniforms: &[f64
         .try_into_vec::<f32>()
         .expect("draws are floats");
     both.chunks(2).map(|pair| (pair[0] as usize, pair[1])).collect()
+}
+
+/// [`guided_logits`] on the device for the rows with guidance (the others keep their logits):
+/// `scale · (x − lse(x) − (y − lse(y))) + y − lse(y)`, `x − lse(x)` where `y` is −∞.
+fn guided_on_device(logits: Tensor<2>, log_z: Tensor<2>, rows_in: &[DeviceRow]) -> Tensor<2> {
+    let [rows, vocab] = logits.dims();
+    let device = logits.device();
+    let partner: Vec<i64> = rows_in
+        .iter()
+        .enumerate()
+        .map(|(r, row)| row.guidance.map_or(r, |(p, _)| p) as i64)
+        .collect();
+    let partner = Tensor::<1, Int>::from_data(TensorData::new(partner, [rows]), &device);
+    let scale: Vec<f32> = rows_in
+        .iter()
+        .map(|row| row.guidance.map_or(1.0, |(_, s)| s))
+        .collect();
+    let scale = Tensor::<2>::from_data(TensorData::new(scale, [rows, 1]), &device);
+    let unguided: Vec<bool> = rows_in.iter().map(|row| row.guidance.is_none()).collect();
+    let unguided = Tensor::<2, Bool>::from_data(TensorData::new(unguided, [rows, 1]), &device);
+    // lse(x) = max + log Σ exp(x − max).
+    let lse = logits.clone().max_dim(1) + log_z;
+    let own = logits.clone() - lse.clone();
+    let negative = logits.clone().select(0, partner.clone()) - lse.select(0, partner);
+    let ruled_out = negative.clone().equal_elem(f32::NEG_INFINITY);
+    let guided = (own.clone() - negative.clone()) * scale + negative;
+    guided
+        .mask_where(ruled_out, own)
+        .mask_where(unguided.expand([rows, vocab]), logits)
 }
 
 /// Index of the largest logit (the first one on ties, like `argmax`).
@@ -289,48 +337,79 @@ mod tests {
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
 
-    /// The device draw takes the same tokens as the host's inverse CDF from the same stream
-    /// positions, greedy and sampled rows mixed in one batch, with the model's log-probs; and
-    /// the streams advance alike, so the next draws agree too.
+    /// The device draw takes the same tokens as the host sampler from the same stream
+    /// positions — greedy, temperature, top-k, top-p and both, and guided rows, mixed in one
+    /// batch — with the model's log-probs; and the streams advance alike, so the next draws
+    /// agree too.
     #[test]
     fn device_draws_equal_host_draws() {
         let device = burn::tensor::Device::flex();
-        let (rows, vocab) = (24, 301);
+        let (rows, vocab) = (40, 301);
         let mut stream = ChaCha8Rng::seed_from_u64(3);
         let logits: Vec<f32> = (0..rows * vocab)
             .map(|i| {
-                // Peaked rows and flat ones, a few tokens ruled out entirely.
+                // Peaked rows and flat ones, a few tokens ruled out entirely, and ties.
                 let scale = if (i / vocab) % 3 == 0 { 6.0 } else { 1.5 };
                 if i % 97 == 5 {
                     f32::NEG_INFINITY
+                } else if i % 89 == 7 {
+                    1.25
                 } else {
                     stream.random_range(-scale..scale)
                 }
             })
             .collect();
-        let temperatures: Vec<f32> = (0..rows).map(|r| [0.0, 0.5, 1.0, 1.7][r % 4]).collect();
-        let params = |r: usize| SamplingParams {
-            temperature: temperatures[r],
-            seed: r as u64,
-            ..SamplingParams::default()
+        let filters = [(0, 1.0), (5, 1.0), (0, 0.9), (40, 0.6), (1, 1.0), (0, 0.05)];
+        let params: Vec<SamplingParams> = (0..rows)
+            .map(|r| SamplingParams {
+                temperature: [0.0, 0.5, 1.0, 1.7][r % 4],
+                top_k: filters[(r / 4) % filters.len()].0,
+                top_p: filters[(r / 4) % filters.len()].1,
+                seed: r as u64,
+                ..SamplingParams::default()
+            })
+            .collect();
+        // Rows 36.. are two guided requests: 36 against 37, 38 against 39.
+        let guidance = |r: usize| match r {
+            36 => Some((37, 1.5)),
+            38 => Some((39, 3.0)),
+            _ => None,
         };
+        let negative = |r: usize| r == 37 || r == 39;
+        let row = |r: usize| &logits[r * vocab..(r + 1) * vocab];
         let mut host_rngs: Vec<ChaCha8Rng> = (0..rows).map(|r| ChaCha8Rng::seed_from_u64(r as u64)).collect();
         let mut device_rngs = host_rngs.clone();
         let mut sampled = 0;
         for round in 0..3 {
             let host: Vec<(usize, f32)> = (0..rows)
-                .map(|r| sample(&logits[r * vocab..(r + 1) * vocab], &params(r), &mut host_rngs[r]))
+                .map(|r| match guidance(r) {
+                    Some((partner, scale)) => {
+                        let guided = guided_logits(row(r), row(partner), scale);
+                        let (token, _) = sample(&guided, &params[r], &mut host_rngs[r]);
+                        (token, log_prob(row(r), token))
+                    }
+                    None if negative(r) => (0, 0.0),
+                    None => sample(row(r), &params[r], &mut host_rngs[r]),
+                })
                 .collect();
-            let uniforms: Vec<f64> = (0..rows)
-                .map(|r| device_uniform(&params(r), &mut device_rngs[r]))
+            let device_rows: Vec<DeviceRow> = (0..rows)
+                .map(|r| DeviceRow {
+                    params: &params[r],
+                    uniform: if negative(r) {
+                        0.0
+                    } else {
+                        device_uniform(&params[r], &mut device_rngs[r])
+                    },
+                    guidance: guidance(r),
+                })
                 .collect();
             let tensor = Tensor::<2>::from_data(TensorData::new(logits.clone(), [rows, vocab]), &device);
-            let on_device = sample_on_device(tensor, &temperatures, &uniforms);
-            for r in 0..rows {
+            let on_device = sample_on_device(tensor, &device_rows);
+            for r in (0..rows).filter(|&r| !negative(r)) {
                 assert_eq!(
                     on_device[r].0, host[r].0,
-                    "round {round} row {r} (t = {})",
-                    temperatures[r]
+                    "round {round} row {r} ({:?})",
+                    params[r]
                 );
                 assert!(
                     (on_device[r].1 - host[r].1).abs() < 1e-4,
@@ -339,23 +418,44 @@ mod tests {
                     host[r]
                 );
                 assert!(on_device[r].1.is_finite());
-                sampled += usize::from(
-                    temperatures[r] > 0.0 && host[r].0 != argmax(&logits[r * vocab..(r + 1) * vocab]),
-                );
+                sampled += usize::from(params[r].temperature > 0.0 && host[r].0 != argmax(row(r)));
             }
         }
         // The draws are not all the greedy token: sampling really happened.
-        assert!(sampled > 10, "{sampled}");
-        assert!(samples_on_device(&SamplingParams::default()));
-        assert!(samples_on_device(&SamplingParams::greedy(1)));
-        assert!(!samples_on_device(&SamplingParams {
-            top_p: 0.9,
-            ..SamplingParams::default()
-        }));
-        assert!(!samples_on_device(&SamplingParams {
-            top_k: 5,
-            ..SamplingParams::default()
-        }));
+        assert!(sampled > 20, "{sampled}");
+    }
+
+    /// The filters' weights on the device keep exactly the tokens the host's filtered
+    /// probabilities keep, in proportion.
+    #[test]
+    fn device_filter_weights_follow_the_host_filters() {
+        let mut stream = ChaCha8Rng::seed_from_u64(11);
+        let vocab = 500;
+        let logits: Vec<f32> = (0..vocab).map(|_| stream.random_range(-4.0..4.0)).collect();
+        for (top_k, top_p, temperature) in [(10, 1.0, 1.0), (0, 0.8, 0.7), (50, 0.5, 1.3), (0, 1.0, 2.0)] {
+            let params = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                ..SamplingParams::default()
+            };
+            let host = filtered_probs(&logits, &params);
+            let weights = aligner_parallel::fused::filter::sampling_weights_row(
+                &logits,
+                1.0 / temperature,
+                top_k,
+                top_p,
+            );
+            let total: f32 = weights.iter().sum();
+            for (h, w) in host.iter().zip(&weights) {
+                assert_eq!(*h > 0.0, *w > 0.0, "{params:?}");
+                assert!(
+                    (*h as f32 - w / total).abs() < 1e-6,
+                    "{params:?}: {h} vs {}",
+                    w / total
+                );
+            }
+        }
     }
 
     #[test]

@@ -437,7 +437,7 @@ fn worker_pool_shares_one_queue() {
 #[test]
 fn host_and_burn_paths_agree() {
     let lm = shipped();
-    // Greedy and plain temperature draw on the Burn path's device; top-k on the host.
+    // The Burn path draws every kind (greedy, top-k, plain temperature) on its device.
     for params in [SamplingParams::greedy(0), sampled(0), plain(0)] {
         let reqs = many_requests(&lm, 12, &params);
         let host = engine(&lm, 5, ForwardPath::Host).generate(&reqs).unwrap();

@@ -414,3 +414,87 @@ fn flash_attention_values_and_gradients_match_composed_ops() {
         assert_close(dv_k, dv_c, 1e-4, &format!("d v, {what}"));
     }
 }
+
+/// The sampling-weights kernel against the host's sort-based filters
+/// ([`aligner_parallel::fused::filter`]) on the same logits: temperature alone, top-k (with
+/// ties at the k-th logit), top-p (with ties at the threshold, which go in index order), both,
+/// and a top-p small enough to keep one token; rows of −∞, vocabularies below, between and
+/// above the kernel's 128 units, and logits in f16. The kept tokens are the same, their
+/// weights within 1e-5.
+#[test]
+fn sampling_weights_match_the_host_filters() {
+    use aligner_parallel::fused::filter::{FILTER_PARAMS, sampling_weights as host_weights};
+    use aligner_parallel::fused::sampling_weights;
+    use burn::tensor::{DType, TensorData};
+    let device = gpu();
+    let settings: [(f32, f32, f32); 8] = [
+        (1.0, 0.0, 1.0),
+        (0.7, 5.0, 1.0),
+        (1.0, 0.0, 0.9),
+        (1.4, 12.0, 0.6),
+        (1.0, 1.0, 1.0),
+        (1.0, 0.0, 0.001),
+        (2.0, 3.0, 0.3),
+        (1.0, 0.0, 0.5),
+    ];
+    for (vocab, half) in [
+        (37, false),
+        (128, false),
+        (301, false),
+        (1000, false),
+        (301, true),
+    ] {
+        let rows = settings.len() * 2;
+        let mut logits: Vec<f32> = values(normal([rows, vocab], &Device::flex()))
+            .iter()
+            .map(|x| x * 2.0)
+            .collect();
+        for r in 0..rows {
+            for i in (r % 7..vocab).step_by(13) {
+                // Ties: several tokens share a logit at the top of the row's range.
+                logits[r * vocab + i] = 2.5;
+            }
+            for i in (3..vocab).step_by(29) {
+                logits[r * vocab + i] = f32::NEG_INFINITY;
+            }
+        }
+        // A row of equal logits, and a row with every token ruled out but one.
+        logits[7 * vocab..8 * vocab].fill(0.5);
+        logits[vocab..2 * vocab].fill(f32::NEG_INFINITY);
+        logits[vocab + 4] = 1.0;
+        if half {
+            logits = logits
+                .iter()
+                .map(|&x| burn::tensor::f16::from_f32(x).to_f32())
+                .collect();
+        }
+        let params: Vec<f32> = (0..rows)
+            .flat_map(|r| {
+                let (inv_t, k, p) = settings[r % settings.len()];
+                [inv_t, k, p]
+            })
+            .collect();
+        let expected = host_weights(&logits, &params, vocab);
+        let mut on_gpu = Tensor::<2>::from_data(TensorData::new(logits.clone(), [rows, vocab]), &device);
+        if half {
+            on_gpu = on_gpu.cast(DType::F16);
+        }
+        let params = Tensor::<2>::from_data(TensorData::new(params, [rows, FILTER_PARAMS]), &device);
+        let got = values(sampling_weights(on_gpu, params));
+        for r in 0..rows {
+            let (g, e) = (
+                &got[r * vocab..(r + 1) * vocab],
+                &expected[r * vocab..(r + 1) * vocab],
+            );
+            let kept = |w: &[f32]| w.iter().map(|&x| x > 0.0).collect::<Vec<_>>();
+            assert_eq!(
+                kept(g),
+                kept(e),
+                "vocab {vocab} row {r} {:?}",
+                settings[r % settings.len()]
+            );
+            let worst = g.iter().zip(e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= 1e-5, "vocab {vocab} row {r}: {worst}");
+        }
+    }
+}

@@ -13,6 +13,7 @@
 mod autodiff;
 #[cfg(feature = "cube")]
 pub mod cube;
+pub mod filter;
 pub mod host;
 pub mod infer;
 pub mod panels;
@@ -106,6 +107,19 @@ pub trait FusedOps: Backend {
     /// backend differentiates it; the Cube backend runs a kernel.
     fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
         composed_rope::<Self>(x, cos, sin)
+    }
+
+    /// Sampling weights of `logits: [rows, vocab]` after each row's temperature, top-k and
+    /// top-p, with `params: [rows, 3]` holding `1/temperature`, `top_k` (0 = off) and `top_p`
+    /// (1 = off): `exp((l − max) · inv_t)` for the tokens kept, 0 for the others, f32
+    /// ([`filter`]). The Cube backends run one kernel; the default computes on the host. Not
+    /// differentiable.
+    fn fused_sampling_weights(logits: FloatTensor<Self>, params: FloatTensor<Self>) -> FloatTensor<Self> {
+        let device = logits.device();
+        let (logits, [rows, vocab]) = host_floats::<Self, 2>(logits);
+        let (params, _) = host_floats::<Self, 2>(params);
+        let weights = filter::sampling_weights(&logits, &params, vocab);
+        Self::float_from_data(TensorData::new(weights, [rows, vocab]), &device)
     }
 
     /// RMS normalisation over the last axis: `x · gamma / √(mean(x²) + eps)`.
@@ -253,6 +267,16 @@ pub fn flash_attention(
         }
     };
     Tensor::from_dispatch(out)
+}
+
+/// [`FusedOps::fused_sampling_weights`] on tensors: `logits: [rows, vocab]`, `params: [rows,
+/// 3]` (`1/temperature`, `top_k`, `top_p` per row) → f32 weights `[rows, vocab]`.
+pub fn sampling_weights(logits: Tensor<2>, params: Tensor<2>) -> Tensor<2> {
+    use burn::backend::Dispatch;
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_sampling_weights(
+        logits.into_dispatch(),
+        params.into_dispatch(),
+    ))
 }
 
 static BURN_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

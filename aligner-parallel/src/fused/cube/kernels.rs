@@ -12,7 +12,7 @@ pub const ROW_THREADS: u32 = 128;
 
 /// Sum (or maximum) of `value` over the cube's units; every unit gets the result.
 #[cube]
-fn cube_reduce(value: f32, #[comptime] threads: usize, #[comptime] take_max: bool) -> f32 {
+pub fn cube_reduce(value: f32, #[comptime] threads: usize, #[comptime] take_max: bool) -> f32 {
     let mut shared = Shared::<[f32]>::new_slice(threads);
     let unit = UNIT_POS as usize;
     shared[unit] = value;

@@ -16,6 +16,7 @@
 //!   (the host's mask form) still works, through the host.
 
 pub mod attention;
+pub mod filter;
 pub mod kernels;
 
 use std::sync::Arc;
@@ -135,6 +136,28 @@ pub fn rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor, transpose: bool) ->
         dtype,
     );
     out
+}
+
+/// Sampling weights of `logits: [rows, vocab]` under `params: [rows, 3]` ([`filter`]), f32.
+pub fn sampling_weights(logits: CubeTensor, params: CubeTensor) -> CubeTensor {
+    let logits = into_contiguous(logits);
+    let params = into_contiguous(Cube::float_cast(params, burn::tensor::FloatDType::F32));
+    let (rows, vocab) = last_dim(&logits);
+    let weights = empty(&logits, [rows, vocab], DType::F32);
+    let (count, dim) = per_row(&logits, rows);
+    let dtype = dtype_to_storage_type(logits.dtype);
+    filter::sampling_weights::launch(
+        &logits.client.clone(),
+        count,
+        dim,
+        logits.into_buffer_arg(),
+        params.into_buffer_arg(),
+        weights.clone().into_buffer_arg(),
+        vocab,
+        rows,
+        dtype,
+    );
+    weights
 }
 
 /// RMS norm over the last axis: `(y, inv)` with `inv: [rows]` f32, each row's `1/rms`.
@@ -448,6 +471,10 @@ impl FusedOps for Cube {
     fn fused_rope(x: FloatTensor<Self>, cos: FloatTensor<Self>, sin: FloatTensor<Self>) -> FloatTensor<Self> {
         rope(x, cos, sin, false)
     }
+
+    fn fused_sampling_weights(logits: FloatTensor<Self>, params: FloatTensor<Self>) -> FloatTensor<Self> {
+        sampling_weights(logits, params)
+    }
 }
 
 /// Registers `grad` for `node`, when that input tracks one.
@@ -567,6 +594,12 @@ impl Backward<Cube, 1> for Rope {
 }
 
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Cube, C> {
+    fn fused_sampling_weights(logits: FloatTensor<Self>, params: FloatTensor<Self>) -> FloatTensor<Self> {
+        // Sampling is not differentiated: the weights are a constant of the graph.
+        use burn::backend::AutodiffBackend;
+        Self::from_inner(sampling_weights(Self::inner(logits), Self::inner(params)))
+    }
+
     fn fused_causal_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
