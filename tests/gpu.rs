@@ -306,3 +306,82 @@ fn filtered_sampling_on_wgpu_takes_the_cpu_tokens() {
     assert_eq!(on_wgpu, sample("cpu"));
     assert_ne!(on_wgpu.trim_end(), greedy_on_wgpu("Once upon a time", 40, &[]));
 }
+
+/// PPO with `model.dtype = "f16"` on wgpu: the actor, the critic and the reward model beside
+/// it compute in f16 on f32 master weights. The critic's folder is saved in f16; each step
+/// checkpoint keeps the actor's and the critic's master weights, so a run cut after its
+/// step-1 checkpoint and resumed logs the uninterrupted run's steps and ends on its weights.
+#[test]
+fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = aligner_tests::quick_reward_model(dir.path());
+    let reward = format!("reward_model.path={}", reward.display());
+    let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
+    let ppo = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "--device",
+            "wgpu",
+            "ppo",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            &reward,
+            "--set",
+            "ppo.steps=2",
+            "--set",
+            "ppo.eval_every=0",
+            "--set",
+            "ppo.save_every=1",
+            "--set",
+            "ppo.rollout_prompts=8",
+            "--set",
+            "ppo.mini_batch=4",
+            "--set",
+            "ppo.eval_prompts=8",
+            "--set",
+            "model.dtype=\"f16\"",
+        ];
+        args.extend(extra);
+        let (ok, err) = aligner(&args);
+        assert!(ok, "{extra:?}: {err}");
+    };
+    ppo(&full, &[]);
+    let rows = metrics(&full);
+    let column =
+        |rows: &[Value], key: &str| -> Vec<f64> { rows.iter().filter_map(|r| r[key].as_f64()).collect() };
+    let (rewards, value_loss) = (column(&rows, "reward"), column(&rows, "value_loss"));
+    assert!(
+        rewards.len() == 2 && rewards.iter().all(|r| r.is_finite()),
+        "{rewards:?}"
+    );
+    assert!(
+        value_loss.len() == 2 && value_loss.iter().all(|v| v.is_finite()),
+        "{rows:?}"
+    );
+    let step = full.join("checkpoints/step-1");
+    assert!(step.join("actor/master.safetensors").exists());
+    assert!(step.join("critic/master.safetensors").exists());
+    assert_eq!(aligner_tests::saved_dtypes(&step.join("critic")), ["F16"]);
+    assert_eq!(aligner_tests::saved_dtypes(&full.join("final")), ["F16"]);
+
+    ppo(&cut, &["--stop-after", "1"]);
+    assert!(!cut.join("final").exists());
+    let (ok, err) = aligner(&["--device", "wgpu", "ppo", "--resume", cut.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let resumed = metrics(&cut);
+    for key in ["reward", "value_loss", "kl"] {
+        let (a, b) = (column(&resumed, key), column(&rows, key));
+        assert_eq!(a.len(), 2, "{key}: {a:?}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                (x - y).abs() < 1e-4,
+                "{key}: resumed {a:?} vs uninterrupted {b:?}"
+            );
+        }
+    }
+    assert_eq!(
+        aligner_tests::tensors(&cut.join("final")),
+        aligner_tests::tensors(&full.join("final")),
+        "the resumed run ends on the uninterrupted run's weights"
+    );
+}

@@ -27,11 +27,18 @@ pub struct CriticArgs {
     /// Address to listen on; loopback unless told otherwise.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
+    /// What the critic and reward model compute in: f32, or bf16 / f16 on GPU devices (the
+    /// actor's `model.dtype`; the critic trains on f32 master weights).
+    #[arg(long, default_value = "f32", value_parser = crate::parse_precision)]
+    dtype: aligner_core::config::Precision,
 }
 
 pub fn run(cmd: ServeCommand, device: &Device) -> Result<()> {
     let ServeCommand::Critic(args) = cmd;
-    let worker = CriticWorker::from_dirs(&args.model, args.reward_model.as_deref(), device)?;
+    args.dtype
+        .check_device(device)
+        .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+    let worker = CriticWorker::from_dirs(&args.model, args.reward_model.as_deref(), device, args.dtype)?;
     let has_reward_model = args.reward_model.is_some();
     let addr = SocketAddr::new(args.host, args.port);
     aligner_ppo::server::serve(worker, has_reward_model, addr, |bound| {

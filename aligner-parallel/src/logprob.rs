@@ -40,7 +40,8 @@ pub fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>, chunk_tokens: 
 ///
 /// The projection itself is chunked too, so neither `[batch, seq, vocab]` logits nor their
 /// log-softmax are ever materialised at once. Differentiable with respect to `hidden` and
-/// `weight`. On the Flex CPU backend and on Cube devices (wgpu, CUDA) each chunk is one
+/// `weight`. The weight is cast to the hidden states' type (f32 master weights under half
+/// precision activations) and the log-probs come out in f32. On the Flex CPU backend and on Cube devices (wgpu, CUDA) each chunk is one
 /// [`crate::fused_token_logprobs`] node (hand-written backward); elsewhere it is composed from
 /// Burn ops.
 pub fn token_logprobs_from_hidden(
@@ -51,6 +52,8 @@ pub fn token_logprobs_from_hidden(
 ) -> Tensor<2> {
     let [batch, seq, d_model] = hidden.dims();
     let rows = batch * seq;
+    // Half-precision activations meet the f32 master weight in their own type.
+    let weight = weight.cast(burn::tensor::FloatDType::from(hidden.dtype()));
     let flat = hidden.reshape([rows, d_model]);
     let flat_targets = targets.reshape([rows, 1]);
     let device = flat.device();
@@ -69,7 +72,8 @@ pub fn token_logprobs_from_hidden(
             )
         }
     });
-    out.reshape([batch, seq])
+    // The kernels' log-probs are f32 whatever the compute type; the composed ones follow it.
+    out.reshape([batch, seq]).cast(burn::tensor::FloatDType::F32)
 }
 
 /// Runs `f(start, end)` over consecutive row ranges and concatenates the `[rows, 1]` results.

@@ -11,11 +11,12 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::Instant;
 
+use aligner_core::config::Precision;
 use aligner_core::reward::RewardModel;
 use aligner_core::rm::RewardModelStore;
 use aligner_core::start::LoadedRewardModel;
-use aligner_core::train::ModelStore;
 use aligner_core::train::grads::clip_grad_norm;
+use aligner_core::train::master::{load_with_masters, save_with_masters};
 use aligner_core::train::{load_optimizer, mini_batches, save_optimizer};
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
@@ -137,9 +138,10 @@ impl CriticWorker {
         })
     }
 
-    /// Writes the value model (HF folder) and its optimiser state into `dir`.
+    /// Writes the value model (HF folder, with its f32 master weights when it computes in
+    /// half precision) and its optimiser state into `dir`.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        self.store.save(&self.value.valid(), dir)?;
+        save_with_masters(&self.store, &self.value.valid(), dir)?;
         save_optimizer(&self.optim, &dir.join("optimizer.bin"))?;
         Ok(())
     }
@@ -147,18 +149,26 @@ impl CriticWorker {
     /// Restores what [`CriticWorker::save`] wrote.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         let train_device = self.device.clone().autodiff();
-        self.value = self.store.load(dir, &train_device)?.train();
+        self.value = load_with_masters(&self.store, dir, &train_device)?.train();
         self.optim = load_optimizer(critic_optimizer(), &dir.join("optimizer.bin"))?;
         Ok(())
     }
 
     /// A worker started from the model folder `value_dir` (a reward model, NeMo-Aligner's
     /// choice, or a causal LM), holding the reward model of `reward_dir` when the roles share a
-    /// process: what `aligner serve critic` and an in-process PPO run start.
-    pub fn from_dirs(value_dir: &Path, reward_dir: Option<&Path>, device: &Device) -> Result<Self> {
-        let value = LoadedRewardModel::from_dir(value_dir, device)?;
+    /// process: what `aligner serve critic` starts. Both compute in `precision` (the critic
+    /// trains on f32 master weights and saves in that type).
+    pub fn from_dirs(
+        value_dir: &Path,
+        reward_dir: Option<&Path>,
+        device: &Device,
+        precision: Precision,
+    ) -> Result<Self> {
+        let value = LoadedRewardModel::from_dir(value_dir, device)?.in_precision(precision, device)?;
         let reward = match reward_dir {
-            Some(dir) => Some(single_output(LoadedRewardModel::from_dir(dir, device)?)?),
+            Some(dir) => Some(single_output(
+                LoadedRewardModel::from_dir(dir, device)?.in_precision(precision, device)?,
+            )?),
             None => None,
         };
         let store = value.store();

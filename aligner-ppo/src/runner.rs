@@ -10,6 +10,7 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::map_sharded;
 use aligner_core::run::{RunDir, progress_bar};
 use aligner_core::train::grads::{all_reduce_gradients, clip_grad_norm};
+use aligner_core::train::master::{load_with_masters, save_with_masters};
 use aligner_core::train::{
     MetricsLog, ModelStore, adamw, load_optimizer, mini_batches, plot_metrics, save_optimizer,
 };
@@ -164,14 +165,17 @@ impl PpoRunner<'_> {
             (_, true) => {
                 let mut frozen = actor.valid();
                 frozen.model.set_adapters_enabled(false);
-                Some(frozen.fork(&Device::flex()))
+                let mut frozen = frozen.fork(&Device::flex());
+                // The host computes in f32 whatever the actor's type on the device.
+                frozen.model.precision = aligner_core::config::Precision::F32;
+                Some(frozen)
             }
         };
         let mut optim = adamw(0.0);
         let mut start = 0;
         self.run.prepare_checkpoints()?;
         if let Some((step, dir)) = self.run.resume_point(PPO_STATE)? {
-            actor = self.store.load(&dir.join("actor"), &train_device)?.train();
+            actor = load_with_masters(self.store, &dir.join("actor"), &train_device)?.train();
             optim = load_optimizer(optim, &dir.join("actor_optimizer.bin"))?;
             if let Some(critic) = critic {
                 critic.load(dir.join("critic")).wait()?;
@@ -427,7 +431,7 @@ impl PpoRunner<'_> {
             // The critic saves while the actor writes its own part (only rank 0 writes, and
             // only rank 0 holds the critic).
             let critic_saved = critic.map(|c| c.save(tmp.join("critic")));
-            self.store.save(&actor.valid(), &tmp.join("actor"))?;
+            save_with_masters(self.store, &actor.valid(), &tmp.join("actor"))?;
             save_optimizer(optim, &tmp.join("actor_optimizer.bin"))?;
             if let Some(saved) = critic_saved {
                 saved.wait()?;

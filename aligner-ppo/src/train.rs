@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use aligner_core::config::Precision;
 use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
@@ -51,14 +52,21 @@ fn prompt_files(
 }
 
 /// The rewards of a run: the `[[reward]]` tables, or, without any, the reward model in
-/// `rm_dir` (`None` when the critic's process holds it: PPO with combined roles).
-pub fn run_rewards(specs: &RewardSpecs, rm_dir: Option<&Path>, device: &Device) -> Result<Option<Rewards>> {
+/// `rm_dir` computing in `precision` (`None` when the critic's process holds it: PPO with
+/// combined roles).
+pub fn run_rewards(
+    specs: &RewardSpecs,
+    rm_dir: Option<&Path>,
+    device: &Device,
+    precision: Precision,
+) -> Result<Option<Rewards>> {
     if !specs.is_empty() {
         return Ok(Some(specs.build(device)?));
     }
     Ok(match rm_dir {
         Some(dir) => {
-            let model = single_output(LoadedRewardModel::from_dir(dir, device)?)?;
+            let model =
+                single_output(LoadedRewardModel::from_dir(dir, device)?.in_precision(precision, device)?)?;
             Some(Rewards::new(vec![(
                 1.0,
                 Box::new(ModelReward::new("reward", model, 32)),
@@ -99,12 +107,20 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     // reward functions are configured; otherwise the actor scores.
     let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty();
     let reward_device = config.ppo.reward_device(device);
+    // The critic and the reward model compute in the actor's type, but on the host (an
+    // offloaded reward model), which computes in f32.
+    let precision = config.model.dtype;
+    let reward_precision = match config.ppo.offload_reward_model {
+        true => Precision::F32,
+        false => precision,
+    };
     let rewards = run_rewards(
         &config.reward,
         rm_dir
             .as_deref()
             .filter(|_| !combined && config.reward.is_empty()),
         &reward_device,
+        reward_precision,
     )?;
     // Data parallel: rank 0 alone talks to the critic (server or in process) and shares its
     // replies with the other ranks.
@@ -117,7 +133,8 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         )?)),
         // The critic starts from the reward model (NeMo-Aligner's choice).
         (None, Some(rm_dir)) => {
-            let reward_folder = LoadedRewardModel::from_dir(rm_dir, device)?;
+            let reward_folder =
+                LoadedRewardModel::from_dir(rm_dir, device)?.in_precision(precision, device)?;
             let store = reward_folder.store();
             let reward = single_output(reward_folder)?;
             // The frozen reward model beside the critic: the critic's starting weights, or a
@@ -185,7 +202,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         .is_empty()
         .then(|| reward_model_dir(&config.reward_model, run, device))
         .transpose()?;
-    let reward = run_rewards(&config.reward, rm_dir.as_deref(), device)?
+    let reward = run_rewards(&config.reward, rm_dir.as_deref(), device, config.model.dtype)?
         .ok_or_else(|| crate::PpoError::Invalid("rejection sampling needs a reward".into()))?;
     let lm = load_model(&config.model, device)?;
     // Checked before the first round's samples are drawn.

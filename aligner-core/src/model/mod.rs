@@ -151,10 +151,8 @@ impl CausalLm {
         let [_, _, d] = hidden.dims();
         let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
         let targets = tokens.narrow(1, 1, seq - 1);
-        let weight = as_type_of(self.output_weight(), &inputs);
-        // The kernels' log-probs are f32 whatever the compute type; elsewhere they follow it.
-        token_logprobs_from_hidden(inputs, weight, targets, DEFAULT_CHUNK_TOKENS)
-            .cast(burn::tensor::FloatDType::F32)
+        // In f32 whatever the compute type (the weight is cast to the activations' type there).
+        token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
     }
 }
 

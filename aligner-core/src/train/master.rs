@@ -11,12 +11,40 @@ use burn::tensor::{FloatDType, Tensor, TensorData};
 use safetensors::SafeTensors;
 
 use crate::checkpoint::write_safetensors;
+use crate::config::Precision;
 use crate::error::{CoreError, Result};
+use crate::store::ModelStore;
 
 /// The file of a checkpoint folder holding the f32 master weights.
 pub const MASTER_WEIGHTS: &str = "master.safetensors";
 
 type Named = (String, Vec<usize>, Vec<f32>);
+
+/// Saves `model` through `store` into `dir` and, when the store rounds the weights to half
+/// precision, its f32 master weights beside them ([`MASTER_WEIGHTS`]).
+pub fn save_with_masters<M: Module>(store: &dyn ModelStore<M>, model: &M, dir: &Path) -> Result<()> {
+    store.save(model, dir)?;
+    if store.precision() != Precision::F32 {
+        save_master_weights(model, &dir.join(MASTER_WEIGHTS))?;
+    }
+    Ok(())
+}
+
+/// Loads what [`save_with_masters`] wrote: the model folder, its weights replaced by the master
+/// weights where `dir` has them.
+pub fn load_with_masters<M: Module>(
+    store: &dyn ModelStore<M>,
+    dir: &Path,
+    device: &burn::tensor::Device,
+) -> Result<M> {
+    let model = store.load(dir, device)?;
+    let masters = dir.join(MASTER_WEIGHTS);
+    if masters.exists() {
+        load_master_weights(model, &masters)
+    } else {
+        Ok(model)
+    }
+}
 
 /// Writes every float parameter of `model` in f32 to `path`, named by parameter id.
 pub fn save_master_weights<M: Module>(model: &M, path: &Path) -> Result<()> {

@@ -292,12 +292,9 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             Vec::new()
         };
         self.run.save_checkpoint(state.step, |tmp| {
-            let weights = model.valid();
-            self.store.save(&weights, tmp)?;
-            // A half-precision model folder rounds the weights; training resumes from these.
-            if self.store.precision() != crate::config::Precision::F32 {
-                master::save_master_weights(&weights, &tmp.join(master::MASTER_WEIGHTS))?;
-            }
+            // A half-precision model folder rounds the weights; training resumes from the
+            // master weights saved beside it.
+            master::save_with_masters(self.store, &model.valid(), tmp)?;
             if shards.is_empty() {
                 save_optimizer(optim, &tmp.join("optimizer.bin"))?;
             }
@@ -340,12 +337,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         self.run.prepare_checkpoints()?;
         let (mut model, start) = match self.run.resume_point(TRAINER_STATE)? {
             Some((step, dir)) => {
-                let mut model = self.store.load(&dir, &train_device)?;
-                let masters = dir.join(master::MASTER_WEIGHTS);
-                if masters.exists() {
-                    model = master::load_master_weights(model, &masters)?;
-                }
-                let model = model.train();
+                let model = master::load_with_masters(self.store, &dir, &train_device)?.train();
                 let state: TrainerState = crate::checkpoint::read_json(&dir.join(TRAINER_STATE))?;
                 if state.optimizer_shards != shards {
                     return Err(CoreError::Invalid(format!(
