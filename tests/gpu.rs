@@ -273,6 +273,12 @@ fn greedy_generation_in_f16_on_wgpu_follows_transformers() {
         !ok && stderr.contains("--dtype") && stderr.contains("f32"),
         "{stderr}"
     );
+    // So does the bench, before it prints a table.
+    let (ok, stdout, stderr) = aligner_tests::aligner_output(&["bench", "--dtype", "bf16", "forward"]);
+    assert!(
+        !ok && stdout.is_empty() && stderr.contains("--dtype"),
+        "{stdout}{stderr}"
+    );
 }
 
 /// Top-k / top-p sampling on wgpu draws on the device (the filters' kernel, then the inverse

@@ -139,6 +139,10 @@ fn models_f32(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, C
 
 pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
     aligner_parallel::use_burn_attention(args.attention == "burn");
+    // Refused before any table header is printed.
+    args.dtype
+        .check_device(device)
+        .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
     let only = &Selection {
         only: args.only,
         precision: args.dtype,

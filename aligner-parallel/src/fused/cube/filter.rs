@@ -9,7 +9,7 @@
 
 use cubecl::prelude::*;
 
-use super::kernels::{ROW_THREADS, cube_reduce};
+use super::kernels::{ROW_THREADS, cube_reduce, row_max};
 
 /// Sum (or maximum) over the cube's units, every unit getting the result; unlike a bare
 /// shared-memory reduction it can be called again at once (the loops below do, 32 times).
@@ -53,11 +53,7 @@ pub fn sampling_weights<F: Float>(
     let top_k = params[row * 3 + 1];
     let top_p = params[row * 3 + 2];
 
-    let mut local_max = f32::new(-3.0e38);
-    for i in range_stepped(unit, vocab, threads) {
-        local_max = local_max.max(f32::cast_from(logits[base + i]));
-    }
-    let max = cube_total(local_max, true);
+    let max = row_max(logits, base, vocab);
 
     // Top-k: the largest key that at least k logits reach is the k-th largest logit's.
     let mut kth = 0u32;

@@ -31,6 +31,16 @@ pub fn cube_reduce(value: f32, #[comptime] threads: usize, #[comptime] take_max:
     shared[0]
 }
 
+/// The largest of the `width` values from `base` (in f32), every unit of the cube getting it.
+#[cube]
+pub fn row_max<F: Float>(values: &[F], base: usize, width: usize) -> f32 {
+    let mut local = f32::new(-3.0e38);
+    for i in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
+        local = local.max(f32::cast_from(values[base + i]));
+    }
+    cube_reduce(local, ROW_THREADS as usize, true)
+}
+
 /// Per row of `logits: [rows, vocab]`: `lse = logsumexp(row)` and `out = row[target] - lse`,
 /// both f32 whatever the logits' type.
 #[cube(launch)]
@@ -50,18 +60,14 @@ pub fn logprob_rows<F: Float>(
     let unit = UNIT_POS as usize;
     let threads = CUBE_DIM as usize;
     let base = row * vocab;
-    let mut local_max = f32::new(-3.0e38);
-    for i in range_stepped(unit, vocab, threads) {
-        local_max = local_max.max(f32::cast_from(logits[base + i]));
-    }
-    let row_max = cube_reduce(local_max, ROW_THREADS as usize, true);
+    let max_logit = row_max(logits, base, vocab);
     let mut local_sum = f32::new(0.0);
     for i in range_stepped(unit, vocab, threads) {
-        local_sum += (f32::cast_from(logits[base + i]) - row_max).exp();
+        local_sum += (f32::cast_from(logits[base + i]) - max_logit).exp();
     }
     let total = cube_reduce(local_sum, ROW_THREADS as usize, false);
     if unit == 0 {
-        let row_lse = row_max + total.ln();
+        let row_lse = max_logit + total.ln();
         lse[row] = row_lse;
         // A target outside the vocabulary (−100 for padding) scores 0 and gets no gradient.
         let target = targets[row];
