@@ -1,7 +1,6 @@
 //! Choosing the next token from logits: classifier-free guidance, then greedy, temperature,
 //! top-k and top-p, in the order transformers applies them.
 
-use aligner_parallel::fused::filter::FILTER_PARAMS;
 use aligner_parallel::fused::host::fast_exp;
 use aligner_parallel::fused::infer::{log_sum_exp, row_max, scaled_exp_sum};
 use aligner_parallel::fused::sampling_weights;
@@ -208,8 +207,7 @@ pub fn sample_on_device(logits: Tensor<2>, rows_in: &[DeviceRow]) -> Vec<(usize,
             [inv_t, p.top_k as f32, p.top_p]
         })
         .collect();
-    let filters = Tensor::<2>::from_data(TensorData::new(filters, [rows, FILTER_PARAMS]), &device);
-    let weights = sampling_weights(draw_from.clone(), filters);
+    let weights = sampling_weights(draw_from.clone(), &filters);
     let cdf = weights.clone().cumsum(1);
     let uniform = column(rows_in.iter().map(|row| row.uniform as f32).collect());
     let target = cdf.clone().narrow(1, vocab - 1, 1) * uniform;

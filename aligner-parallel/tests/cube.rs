@@ -423,7 +423,7 @@ fn flash_attention_values_and_gradients_match_composed_ops() {
 /// weights within 1e-5.
 #[test]
 fn sampling_weights_match_the_host_filters() {
-    use aligner_parallel::fused::filter::{FILTER_PARAMS, sampling_weights as host_weights};
+    use aligner_parallel::fused::filter::sampling_weights as host_weights;
     use aligner_parallel::fused::sampling_weights;
     use burn::tensor::{DType, TensorData};
     let device = gpu();
@@ -468,33 +468,42 @@ fn sampling_weights_match_the_host_filters() {
                 .map(|&x| burn::tensor::f16::from_f32(x).to_f32())
                 .collect();
         }
-        let params: Vec<f32> = (0..rows)
-            .flat_map(|r| {
-                let (inv_t, k, p) = settings[r % settings.len()];
-                [inv_t, k, p]
-            })
-            .collect();
-        let expected = host_weights(&logits, &params, vocab);
-        let mut on_gpu = Tensor::<2>::from_data(TensorData::new(logits.clone(), [rows, vocab]), &device);
-        if half {
-            on_gpu = on_gpu.cast(DType::F16);
-        }
-        let params = Tensor::<2>::from_data(TensorData::new(params, [rows, FILTER_PARAMS]), &device);
-        let got = values(sampling_weights(on_gpu, params));
-        for r in 0..rows {
-            let (g, e) = (
-                &got[r * vocab..(r + 1) * vocab],
-                &expected[r * vocab..(r + 1) * vocab],
-            );
-            let kept = |w: &[f32]| w.iter().map(|&x| x > 0.0).collect::<Vec<_>>();
-            assert_eq!(
-                kept(g),
-                kept(e),
-                "vocab {vocab} row {r} {:?}",
-                settings[r % settings.len()]
-            );
-            let worst = g.iter().zip(e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            assert!(worst <= 1e-5, "vocab {vocab} row {r}: {worst}");
+        // The whole batch's settings, then only temperatures (the kernel without its searches),
+        // only top-k, and only top-p.
+        let batches: [&dyn Fn(usize) -> (f32, f32, f32); 4] = [
+            &|r| settings[r % settings.len()],
+            &|r| (settings[r % settings.len()].0, 0.0, 1.0),
+            &|r| (1.0, [3.0, 0.0, 12.0][r % 3], 1.0),
+            &|r| (1.3, 0.0, [0.9, 1.0, 0.4][r % 3]),
+        ];
+        for (b, setting) in batches.iter().enumerate() {
+            let params: Vec<f32> = (0..rows)
+                .flat_map(|r| {
+                    let (inv_t, k, p) = setting(r);
+                    [inv_t, k, p]
+                })
+                .collect();
+            let expected = host_weights(&logits, &params, vocab);
+            let mut on_gpu = Tensor::<2>::from_data(TensorData::new(logits.clone(), [rows, vocab]), &device);
+            if half {
+                on_gpu = on_gpu.cast(DType::F16);
+            }
+            let got = values(sampling_weights(on_gpu, &params));
+            for r in 0..rows {
+                let (g, e) = (
+                    &got[r * vocab..(r + 1) * vocab],
+                    &expected[r * vocab..(r + 1) * vocab],
+                );
+                let kept = |w: &[f32]| w.iter().map(|&x| x > 0.0).collect::<Vec<_>>();
+                assert_eq!(
+                    kept(g),
+                    kept(e),
+                    "vocab {vocab} batch {b} row {r} {:?}",
+                    setting(r)
+                );
+                let worst = g.iter().zip(e).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(worst <= 1e-5, "vocab {vocab} batch {b} row {r}: {worst}");
+            }
         }
     }
 }

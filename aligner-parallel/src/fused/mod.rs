@@ -112,9 +112,16 @@ pub trait FusedOps: Backend {
     /// Sampling weights of `logits: [rows, vocab]` after each row's temperature, top-k and
     /// top-p, with `params: [rows, 3]` holding `1/temperature`, `top_k` (0 = off) and `top_p`
     /// (1 = off): `exp((l − max) · inv_t)` for the tokens kept, 0 for the others, f32
-    /// ([`filter`]). The Cube backends run one kernel; the default computes on the host. Not
-    /// differentiable.
-    fn fused_sampling_weights(logits: FloatTensor<Self>, params: FloatTensor<Self>) -> FloatTensor<Self> {
+    /// ([`filter`]). `with_top_k` / `with_top_p`: whether any row uses the filter (a kernel
+    /// leaves out the searches no row needs). The Cube backends run one kernel; the default
+    /// computes on the host. Not differentiable.
+    fn fused_sampling_weights(
+        logits: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        with_top_k: bool,
+        with_top_p: bool,
+    ) -> FloatTensor<Self> {
+        let _ = (with_top_k, with_top_p);
         let device = logits.device();
         let (logits, [rows, vocab]) = host_floats::<Self, 2>(logits);
         let (params, _) = host_floats::<Self, 2>(params);
@@ -270,12 +277,23 @@ pub fn flash_attention(
 }
 
 /// [`FusedOps::fused_sampling_weights`] on tensors: `logits: [rows, vocab]`, `params: [rows,
-/// 3]` (`1/temperature`, `top_k`, `top_p` per row) → f32 weights `[rows, vocab]`.
-pub fn sampling_weights(logits: Tensor<2>, params: Tensor<2>) -> Tensor<2> {
+/// 3]` (`1/temperature`, `top_k`, `top_p` per row, as `params_host` holds them) → f32 weights
+/// `[rows, vocab]`.
+pub fn sampling_weights(logits: Tensor<2>, params_host: &[f32]) -> Tensor<2> {
     use burn::backend::Dispatch;
+    let [rows, vocab] = logits.dims();
+    let rows_params = || params_host.chunks(filter::FILTER_PARAMS);
+    let with_top_k = rows_params().any(|p| p[1] >= 1.0 && (p[1] as usize) < vocab);
+    let with_top_p = rows_params().any(|p| p[2] < 1.0);
+    let params = Tensor::<2>::from_data(
+        TensorData::new(params_host.to_vec(), [rows, filter::FILTER_PARAMS]),
+        &logits.device(),
+    );
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_sampling_weights(
         logits.into_dispatch(),
         params.into_dispatch(),
+        with_top_k,
+        with_top_p,
     ))
 }
 

@@ -32,14 +32,23 @@ fn order_key(x: f32) -> u32 {
 
 /// Per row of `logits: [rows, vocab]` with `params: [rows, 3]` (`1/temperature`, `top_k`,
 /// `top_p`): `weights = exp((l − max) · inv_t)` for the tokens the filters keep, 0 for the
-/// others.
+/// others. `with_top_k` / `with_top_p` say whether any row of the batch uses the filter (the
+/// searches are compiled in only then); `index_bits` covers the indices of a row.
+///
+/// Every barrier is reached by the whole cube whatever a row's settings (rows that do not
+/// filter run the searches and ignore the result), as WGSL's uniformity rules require on
+/// Metal and DX12.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn sampling_weights<F: Float>(
     logits: &[F],
     params: &[f32],
     weights: &mut [f32],
     vocab: usize,
     rows: usize,
+    #[comptime] with_top_k: bool,
+    #[comptime] with_top_p: bool,
+    #[comptime] index_bits: u32,
     #[define(F)] _dtype: ElemType,
 ) {
     let row = CUBE_POS;
@@ -57,9 +66,10 @@ pub fn sampling_weights<F: Float>(
 
     // Top-k: the largest key that at least k logits reach is the k-th largest logit's.
     let mut kth = 0u32;
-    if top_k >= 1.0 && top_k < f32::cast_from(vocab) {
+    if with_top_k {
+        let mut found = 0u32;
         for bit in 0..32u32 {
-            let candidate = kth | (1u32 << (31 - bit));
+            let candidate = found | (1u32 << (31 - bit));
             let mut count = f32::new(0.0);
             for i in range_stepped(unit, vocab, threads) {
                 if order_key(f32::cast_from(logits[base + i])) >= candidate {
@@ -67,8 +77,11 @@ pub fn sampling_weights<F: Float>(
                 }
             }
             if cube_total(count, false) >= top_k {
-                kth = candidate;
+                found = candidate;
             }
+        }
+        if top_k >= 1.0 && top_k < f32::cast_from(vocab) {
+            kth = found;
         }
     }
 
@@ -84,7 +97,7 @@ pub fn sampling_weights<F: Float>(
     }
     let total = cube_total(local_sum, false);
 
-    if top_p < 1.0 {
+    if with_top_p {
         let cut = (1.0 - top_p) * total;
         // The largest key below which the mass is at most the cut: every token under it goes.
         let mut threshold = 0u32;
@@ -125,28 +138,27 @@ pub fn sampling_weights<F: Float>(
                 .min((ties - 1.0).max(0.0));
         }
         // The index of the first tie that stays: the largest bound with at most
-        // `removed_ties` ties before it.
+        // `removed_ties` ties before it (the first tie itself when none goes).
         let mut first_kept = 0u32;
-        if removed_ties >= 1.0 {
-            for bit in 0..32u32 {
-                let candidate = first_kept | (1u32 << (31 - bit));
-                let mut before = f32::new(0.0);
-                for i in range_stepped(unit, vocab, threads) {
-                    if i < usize::cast_from(candidate)
-                        && order_key(f32::cast_from(logits[base + i])) == threshold
-                    {
-                        before += 1.0;
-                    }
-                }
-                if cube_total(before, false) <= removed_ties {
-                    first_kept = candidate;
+        for bit in 0..index_bits {
+            let candidate = first_kept | (1u32 << (index_bits - 1 - bit));
+            let mut before = f32::new(0.0);
+            for i in range_stepped(unit, vocab, threads) {
+                if i < usize::cast_from(candidate) && order_key(f32::cast_from(logits[base + i])) == threshold
+                {
+                    before += 1.0;
                 }
             }
+            if cube_total(before, false) <= removed_ties {
+                first_kept = candidate;
+            }
         }
-        for i in range_stepped(unit, vocab, threads) {
-            let key = order_key(f32::cast_from(logits[base + i]));
-            if key < threshold || (key == threshold && i < usize::cast_from(first_kept)) {
-                weights[base + i] = f32::new(0.0);
+        if top_p < 1.0 {
+            for i in range_stepped(unit, vocab, threads) {
+                let key = order_key(f32::cast_from(logits[base + i]));
+                if key < threshold || (key == threshold && i < usize::cast_from(first_kept)) {
+                    weights[base + i] = f32::new(0.0);
+                }
             }
         }
     }

@@ -138,8 +138,14 @@ pub fn rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor, transpose: bool) ->
     out
 }
 
-/// Sampling weights of `logits: [rows, vocab]` under `params: [rows, 3]` ([`filter`]), f32.
-pub fn sampling_weights(logits: CubeTensor, params: CubeTensor) -> CubeTensor {
+/// Sampling weights of `logits: [rows, vocab]` under `params: [rows, 3]` ([`filter`]), f32;
+/// the searches of a filter no row uses are left out.
+pub fn sampling_weights(
+    logits: CubeTensor,
+    params: CubeTensor,
+    with_top_k: bool,
+    with_top_p: bool,
+) -> CubeTensor {
     let logits = into_contiguous(logits);
     let params = into_contiguous(Cube::float_cast(params, burn::tensor::FloatDType::F32));
     let (rows, vocab) = last_dim(&logits);
@@ -155,6 +161,9 @@ pub fn sampling_weights(logits: CubeTensor, params: CubeTensor) -> CubeTensor {
         weights.clone().into_buffer_arg(),
         vocab,
         rows,
+        with_top_k,
+        with_top_p,
+        usize::BITS - vocab.leading_zeros(),
         dtype,
     );
     weights
@@ -472,8 +481,13 @@ impl FusedOps for Cube {
         rope(x, cos, sin, false)
     }
 
-    fn fused_sampling_weights(logits: FloatTensor<Self>, params: FloatTensor<Self>) -> FloatTensor<Self> {
-        sampling_weights(logits, params)
+    fn fused_sampling_weights(
+        logits: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        with_top_k: bool,
+        with_top_p: bool,
+    ) -> FloatTensor<Self> {
+        sampling_weights(logits, params, with_top_k, with_top_p)
     }
 }
 
@@ -594,10 +608,20 @@ impl Backward<Cube, 1> for Rope {
 }
 
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Cube, C> {
-    fn fused_sampling_weights(logits: FloatTensor<Self>, params: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn fused_sampling_weights(
+        logits: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        with_top_k: bool,
+        with_top_p: bool,
+    ) -> FloatTensor<Self> {
         // Sampling is not differentiated: the weights are a constant of the graph.
         use burn::backend::AutodiffBackend;
-        Self::from_inner(sampling_weights(Self::inner(logits), Self::inner(params)))
+        Self::from_inner(sampling_weights(
+            Self::inner(logits),
+            Self::inner(params),
+            with_top_k,
+            with_top_p,
+        ))
     }
 
     fn fused_causal_attention(
