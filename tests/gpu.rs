@@ -45,6 +45,26 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
     }
 }
 
+/// Two PPO steps on wgpu into `out`, scored by the reward model set in `reward` (a
+/// `reward_model.path=...` setting), with `extra` flags: (success, stderr).
+fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
+    let mut args = vec![
+        "--device",
+        "wgpu",
+        "ppo",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        reward,
+        "--set",
+        "ppo.steps=2",
+        "--set",
+        "ppo.eval_every=0",
+    ];
+    args.extend(extra);
+    aligner(&args)
+}
+
 /// Trains `command` for 10 steps on `device` into `run`, evaluating at the start and the end.
 fn train(command: &str, device: &str, run: &Path) {
     let mut args = vec![
@@ -118,23 +138,16 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
     let reward = aligner_tests::quick_reward_model(dir.path());
     let reward = format!("reward_model.path={}", reward.display());
     let run = dir.path().join("ppo");
-    let (ok, err) = aligner(&[
-        "--device",
-        "wgpu",
-        "ppo",
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
+    let (ok, err) = ppo_on_wgpu(
+        &run,
         &reward,
-        "--set",
-        "ppo.steps=2",
-        "--set",
-        "ppo.eval_every=0",
-        "--set",
-        "ppo.offload_reference=true",
-        "--set",
-        "ppo.offload_reward_model=true",
-    ]);
+        &[
+            "--set",
+            "ppo.offload_reference=true",
+            "--set",
+            "ppo.offload_reward_model=true",
+        ],
+    );
     assert!(ok, "{err}");
     let kl: Vec<f64> = aligner_tests::metrics(&run)
         .iter()
@@ -325,17 +338,6 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
     let ppo = |out: &Path, extra: &[&str]| {
         let mut args = vec![
-            "--device",
-            "wgpu",
-            "ppo",
-            "--out",
-            out.to_str().unwrap(),
-            "--set",
-            &reward,
-            "--set",
-            "ppo.steps=2",
-            "--set",
-            "ppo.eval_every=0",
             "--set",
             "ppo.save_every=1",
             "--set",
@@ -348,7 +350,7 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
             "model.dtype=\"f16\"",
         ];
         args.extend(extra);
-        let (ok, err) = aligner(&args);
+        let (ok, err) = ppo_on_wgpu(out, &reward, &args);
         assert!(ok, "{extra:?}: {err}");
     };
     ppo(&full, &[]);

@@ -461,19 +461,15 @@ impl Engine {
         let draws: Vec<Option<(usize, f32)>> = match logits {
             Logits::Device(logits) => {
                 let rows = &mut active[first_row..];
-                // A guided request's negative row draws nothing and takes no uniform.
-                let uniforms: Vec<f64> = rows
-                    .iter_mut()
-                    .map(|slot| match slot.negative {
-                        true => 0.0,
-                        false => device_uniform(&requests[slot.request].params, &mut slot.rng),
-                    })
-                    .collect();
                 let device_rows: Vec<DeviceRow> = rows
-                    .iter()
-                    .zip(uniforms)
-                    .map(|(slot, uniform)| {
+                    .iter_mut()
+                    .map(|slot| {
                         let request = &requests[slot.request];
+                        // A guided request's negative row draws nothing and takes no uniform.
+                        let uniform = match slot.negative {
+                            true => 0.0,
+                            false => device_uniform(&request.params, &mut slot.rng),
+                        };
                         let guidance = match (slot.negative, slot.partner, &request.guidance) {
                             (false, Some(partner), Some(g)) => Some((partner - first_row, g.scale)),
                             _ => None,

@@ -188,10 +188,10 @@ pub fn sample_on_device(logits: Tensor<2>, rows_in: &[DeviceRow]) -> Vec<(usize,
     let flags = |values: Vec<bool>| Tensor::<2, Bool>::from_data(TensorData::new(values, [rows, 1]), &device);
 
     let max = logits.clone().max_dim(1);
-    let shifted = logits.clone() - max;
+    let shifted = logits.clone() - max.clone();
     let log_z = shifted.clone().exp().sum_dim(1).log();
     let draw_from = if rows_in.iter().any(|row| row.guidance.is_some()) {
-        guided_on_device(logits, log_z.clone(), rows_in)
+        guided_on_device(logits, max + log_z.clone(), rows_in)
     } else {
         logits
     };
@@ -233,8 +233,9 @@ pub fn sample_on_device(logits: Tensor<2>, rows_in: &[DeviceRow]) -> Vec<(usize,
 }
 
 /// [`guided_logits`] on the device for the rows with guidance (the others keep their logits):
-/// `scale · (x − lse(x) − (y − lse(y))) + y − lse(y)`, `x − lse(x)` where `y` is −∞.
-fn guided_on_device(logits: Tensor<2>, log_z: Tensor<2>, rows_in: &[DeviceRow]) -> Tensor<2> {
+/// `scale · (x − lse(x) − (y − lse(y))) + y − lse(y)`, `x − lse(x)` where `y` is −∞; `lse` is
+/// each row's logsumexp `[rows, 1]`.
+fn guided_on_device(logits: Tensor<2>, lse: Tensor<2>, rows_in: &[DeviceRow]) -> Tensor<2> {
     let [rows, vocab] = logits.dims();
     let device = logits.device();
     let partner: Vec<i64> = rows_in
@@ -250,8 +251,6 @@ fn guided_on_device(logits: Tensor<2>, log_z: Tensor<2>, rows_in: &[DeviceRow]) 
     let scale = Tensor::<2>::from_data(TensorData::new(scale, [rows, 1]), &device);
     let unguided: Vec<bool> = rows_in.iter().map(|row| row.guidance.is_none()).collect();
     let unguided = Tensor::<2, Bool>::from_data(TensorData::new(unguided, [rows, 1]), &device);
-    // lse(x) = max + log Σ exp(x − max).
-    let lse = logits.clone().max_dim(1) + log_z;
     let own = logits.clone() - lse.clone();
     let negative = logits.clone().select(0, partner.clone()) - lse.select(0, partner);
     let ruled_out = negative.clone().equal_elem(f32::NEG_INFINITY);

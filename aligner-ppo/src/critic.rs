@@ -165,12 +165,9 @@ impl CriticWorker {
         precision: Precision,
     ) -> Result<Self> {
         let value = LoadedRewardModel::from_dir(value_dir, device)?.in_precision(precision, device)?;
-        let reward = match reward_dir {
-            Some(dir) => Some(single_output(
-                LoadedRewardModel::from_dir(dir, device)?.in_precision(precision, device)?,
-            )?),
-            None => None,
-        };
+        let reward = reward_dir
+            .map(|dir| reward_model(dir, device, precision))
+            .transpose()?;
         let store = value.store();
         Ok(Self::new(single_output(value)?, reward, store, device))
     }
@@ -179,6 +176,11 @@ impl CriticWorker {
 /// The critic's AdamW (no weight decay; Burn's default ε).
 fn critic_optimizer() -> ModuleOptimizer {
     AdamWConfig::new().with_weight_decay(0.0).init()
+}
+
+/// The reward model of folder `dir` on `device`, computing in `precision`.
+pub fn reward_model(dir: &Path, device: &Device, precision: Precision) -> Result<RewardModel> {
+    single_output(LoadedRewardModel::from_dir(dir, device)?.in_precision(precision, device)?)
 }
 
 /// The model of a reward-model folder, which must have one output (a scalar score).

@@ -16,7 +16,7 @@ use aligner_gen::reward::ModelReward;
 use aligner_gen::{RewardSpecs, Rewards};
 
 use crate::config::{PpoConfig, RewardModelSection};
-use crate::critic::{CriticClient, CriticWorker, LocalCritic, single_output};
+use crate::critic::{CriticClient, CriticWorker, LocalCritic, reward_model, single_output};
 use crate::error::Result;
 use crate::rejection::{RejectionSampling, RoundReport, RsConfig};
 use crate::runner::{PpoRunner, PpoSummary};
@@ -65,8 +65,7 @@ pub fn run_rewards(
     }
     Ok(match rm_dir {
         Some(dir) => {
-            let model =
-                single_output(LoadedRewardModel::from_dir(dir, device)?.in_precision(precision, device)?)?;
+            let model = reward_model(dir, device, precision)?;
             Some(Rewards::new(vec![(
                 1.0,
                 Box::new(ModelReward::new("reward", model, 32)),
@@ -142,10 +141,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
             let beside = match (combined, config.ppo.offload_reward_model) {
                 (false, _) => None,
                 (true, false) => Some(reward.clone()),
-                (true, true) => Some(single_output(LoadedRewardModel::from_dir(
-                    rm_dir,
-                    &reward_device,
-                )?)?),
+                (true, true) => Some(reward_model(rm_dir, &reward_device, reward_precision)?),
             };
             Some(Box::new(LocalCritic::spawn(CriticWorker::new(
                 reward, beside, store, device,
