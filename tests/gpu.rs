@@ -60,6 +60,16 @@ fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
         "ppo.steps=2",
         "--set",
         "ppo.eval_every=0",
+        // Small rollouts and evaluations, no frontier sampling: lavapipe runs every kernel on
+        // the CPU, and what these tests check does not depend on the rollout's size.
+        "--set",
+        "ppo.rollout_prompts=8",
+        "--set",
+        "ppo.mini_batch=4",
+        "--set",
+        "ppo.eval_prompts=8",
+        "--set",
+        "frontier.prompts=''",
     ];
     args.extend(extra);
     aligner(&args)
@@ -68,23 +78,25 @@ fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
 /// Trains `command` for 10 steps on `device` into `run`, evaluating at the start and the end.
 fn train(command: &str, device: &str, run: &Path) {
     let mut args = vec![
-        "--device",
-        device,
-        command,
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
-        "train.max_steps=10",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "train.save_every=0",
+        "--device".to_string(),
+        device.into(),
+        command.into(),
+        "--out".into(),
+        run.display().to_string(),
     ];
+    let mut set = |key: String| args.extend(["--set".to_string(), key]);
+    set("train.max_steps=10".into());
+    set("train.eval_every=0".into());
+    set("train.save_every=0".into());
     // The frontier's sampling at each validation costs minutes on lavapipe; generation on
-    // wgpu is checked above against transformers' greedy tokens.
+    // wgpu is checked above against transformers' greedy tokens. The reference pass covers the
+    // 160 pairs the 10 steps train on (batch 16), not the whole training split.
     if command == "dpo" {
-        args.extend(["--set", "frontier.prompts=''"]);
+        set("frontier.prompts=''".into());
+        let pairs = aligner_tests::head("train.pref.jsonl", 160, &run.with_extension("pairs.jsonl"));
+        set(format!("data.train={}", pairs.display()));
     }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = aligner(&args);
     assert!(ok, "{command} on {device}: {err}");
 }
@@ -135,7 +147,7 @@ fn ten_dpo_steps_on_wgpu_match_the_cpu() {
 #[test]
 fn ppo_with_the_reference_offloaded_to_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let reward = aligner_tests::quick_reward_model(dir.path());
+    let reward = aligner_tests::quick_reward_model();
     let reward = format!("reward_model.path={}", reward.display());
     let run = dir.path().join("ppo");
     let (ok, err) = ppo_on_wgpu(
@@ -333,22 +345,11 @@ fn filtered_sampling_on_wgpu_takes_the_cpu_tokens() {
 #[test]
 fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let reward = aligner_tests::quick_reward_model(dir.path());
+    let reward = aligner_tests::quick_reward_model();
     let reward = format!("reward_model.path={}", reward.display());
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
     let ppo = |out: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "--set",
-            "ppo.save_every=1",
-            "--set",
-            "ppo.rollout_prompts=8",
-            "--set",
-            "ppo.mini_batch=4",
-            "--set",
-            "ppo.eval_prompts=8",
-            "--set",
-            "model.dtype=\"f16\"",
-        ];
+        let mut args = vec!["--set", "ppo.save_every=1", "--set", "model.dtype=\"f16\""];
         args.extend(extra);
         let (ok, err) = ppo_on_wgpu(out, &reward, &args);
         assert!(ok, "{extra:?}: {err}");

@@ -54,6 +54,15 @@ pub fn aligner_output(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// The first `n` lines of the shipped data file `file` (in `assets/tinystories_sentiment`),
+/// written to `out`: a slice for tests that need the data's form, not all of it.
+pub fn head(file: &str, n: usize, out: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(repo().join("assets/tinystories_sentiment").join(file)).unwrap();
+    let lines: String = text.lines().take(n).map(|l| format!("{l}\n")).collect();
+    std::fs::write(out, lines).unwrap();
+    out.to_path_buf()
+}
+
 /// The rows of a JSON-lines file.
 pub fn jsonl(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
@@ -184,22 +193,61 @@ pub fn weights_diff(a: &Path, b: &Path) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// A small reward model (a few steps on the shipped pairs) for tests that only need one.
-pub fn quick_reward_model(dir: &Path) -> PathBuf {
-    let run = dir.join("rm");
-    let (ok, err) = aligner(&[
-        "rm",
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
-        "train.max_steps=30",
-        "--set",
-        "train.save_every=0",
-        "--set",
-        "train.eval_every=0",
-    ]);
-    assert!(ok, "{err}");
-    run.join("final")
+/// A small reward model (30 steps on the shipped pairs) for tests that only need one: trained
+/// once per build and shared (see [`shared_run`]); the tests only read it.
+pub fn quick_reward_model() -> PathBuf {
+    shared_run(
+        "quick-rm",
+        &[
+            "rm",
+            "--set",
+            "train.max_steps=30",
+            "--set",
+            "train.save_every=0",
+            "--set",
+            "train.eval_every=0",
+        ],
+    )
+    .join("final")
+}
+
+/// A run that several tests read and none changes (a reward model, an attribute model, an SFT
+/// model), trained once per build of `aligner` and shared by every test and every test binary
+/// that asks for it. The first caller trains it (`args` plus `--out`) under a file lock; the
+/// others, in this process or in another one (nextest runs each test in a process of its own),
+/// wait on the lock and reuse the folder. The folder is keyed by the binary (size and time) and
+/// the arguments, so a rebuilt `aligner` or other settings train anew, and lives in the target
+/// folder beside the binary. A run that failed or was cut leaves no `.complete` mark and is
+/// trained again by the next caller.
+pub fn shared_run(name: &str, args: &[&str]) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let exe = aligner_exe();
+    let built = std::fs::metadata(&exe).unwrap();
+    let mut key = std::hash::DefaultHasher::new();
+    built.len().hash(&mut key);
+    built.modified().unwrap().hash(&mut key);
+    args.hash(&mut key);
+    let root = exe.parent().unwrap().join("aligner-test-runs");
+    std::fs::create_dir_all(&root).unwrap();
+    let id = format!("{name}-{:016x}", key.finish());
+    let dir = root.join(&id);
+    let lock = std::fs::File::create(root.join(format!("{id}.lock"))).unwrap();
+    lock.lock().unwrap();
+    if !dir.join(".complete").exists() {
+        // Runs of an earlier build under the same name are of no more use.
+        for entry in std::fs::read_dir(&root).unwrap().flatten() {
+            let file = entry.file_name().to_string_lossy().into_owned();
+            if file.starts_with(&format!("{name}-")) && entry.path().is_dir() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let mut full = args.to_vec();
+        full.extend(["--out", dir.to_str().unwrap()]);
+        let (ok, err) = aligner(&full);
+        assert!(ok, "the shared run {name} failed: {err}");
+        std::fs::write(dir.join(".complete"), "").unwrap();
+    }
+    dir
 }
 
 /// The scalars of every TensorBoard event file in `run/tb/` as `(tag, step) -> value`, read

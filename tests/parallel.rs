@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use aligner_tests::{aligner, aligner_exe, metrics, repo, weights_diff};
+use aligner_tests::{aligner, aligner_exe, head, metrics, repo, weights_diff};
 use serde_json::Value;
 
 /// `mpirun -np N` around a program, one thread per rank (the CI machine has two cores).
@@ -83,13 +83,6 @@ fn same_metrics(a: &Path, b: &Path, tol: f64) {
 }
 
 /// The first `n` lines of a shipped data file, as a file of its own.
-fn head(file: &str, n: usize, out: &Path) -> PathBuf {
-    let text = std::fs::read_to_string(repo().join("assets/tinystories_sentiment").join(file)).unwrap();
-    let lines: String = text.lines().take(n).map(|l| format!("{l}\n")).collect();
-    std::fs::write(out, lines).unwrap();
-    out.to_path_buf()
-}
-
 /// `command` with global batch `global` trained by 1, 2 and 3 ranks (batch `global / N`
 /// each): the weights and metrics of the multi-rank runs equal the one-process run's.
 fn trains_as_one_process(command: &[&str], global: usize, sets: &[String], tmp: &Path) {

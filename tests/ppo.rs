@@ -118,7 +118,7 @@ fn default_ppo_raises_reward_and_sentiment_with_bounded_kl() {
 #[test]
 fn a_critic_in_another_process_works_while_the_actor_does() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = quick_reward_model(dir.path());
+    let rm = quick_reward_model();
     let server = CriticServer::start(&rm, 0);
     let run = dir.path().join("ppo");
     let url = format!("ppo.critic_url={}", server.url());
@@ -152,7 +152,7 @@ fn a_critic_in_another_process_works_while_the_actor_does() {
 #[test]
 fn losing_the_critic_stops_cleanly_and_resume_finishes() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = quick_reward_model(dir.path());
+    let rm = quick_reward_model();
     let server = CriticServer::start(&rm, 0);
     let port = server.port();
     let run = dir.path().join("ppo");
@@ -214,7 +214,7 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
 #[test]
 fn lora_actor_group_baselines_and_entropy_bonus_run() {
     let dir = tempfile::tempdir().unwrap();
-    let rm = quick_reward_model(dir.path());
+    let rm = quick_reward_model();
     let rm_key = format!("reward_model.path={}", rm.display());
     let run = dir.path().join("rloo");
     let (ok, err) = aligner(&[
@@ -283,7 +283,7 @@ fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Val
 #[test]
 fn ppo_activation_checkpointing_trains_to_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let reward = quick_reward_model(dir.path());
+    let reward = quick_reward_model();
     let run = |name: &str, checkpointing: bool| {
         let set = format!("ppo.activation_checkpointing={checkpointing}");
         short_ppo(dir.path(), &reward, name, &[set]).1
@@ -302,7 +302,7 @@ fn ppo_activation_checkpointing_trains_to_the_same_weights() {
 #[test]
 fn an_offloaded_reference_scores_like_the_one_in_place() {
     let dir = tempfile::tempdir().unwrap();
-    let reward = quick_reward_model(dir.path());
+    let reward = quick_reward_model();
     let run = |name: &str, offload: bool| {
         let sets = [
             "model.lora_rank=4".to_string(),
