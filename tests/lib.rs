@@ -234,10 +234,13 @@ pub fn shared_run(name: &str, args: &[&str]) -> PathBuf {
     let lock = std::fs::File::create(root.join(format!("{id}.lock"))).unwrap();
     lock.lock().unwrap();
     if !dir.join(".complete").exists() {
-        // Runs of an earlier build under the same name are of no more use.
+        // Runs of an earlier build under this name (`{name}-` and a 16-digit key, nothing
+        // longer, so another name that starts with this one keeps its runs) are of no more use.
+        let earlier = format!("{name}-");
         for entry in std::fs::read_dir(&root).unwrap().flatten() {
             let file = entry.file_name().to_string_lossy().into_owned();
-            if file.starts_with(&format!("{name}-")) && entry.path().is_dir() {
+            let key = file.strip_prefix(&earlier).unwrap_or_default();
+            if key.len() == 16 && key.chars().all(|c| c.is_ascii_hexdigit()) && entry.path().is_dir() {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }

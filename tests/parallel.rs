@@ -82,7 +82,6 @@ fn same_metrics(a: &Path, b: &Path, tol: f64) {
     }
 }
 
-/// The first `n` lines of a shipped data file, as a file of its own.
 /// `command` with global batch `global` trained by 1, 2 and 3 ranks (batch `global / N`
 /// each): the weights and metrics of the multi-rank runs equal the one-process run's.
 fn trains_as_one_process(command: &[&str], global: usize, sets: &[String], tmp: &Path) {
