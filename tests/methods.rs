@@ -486,6 +486,10 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
         "cai",
         "--out",
         run.to_str().unwrap(),
+        // Half the default's 512 prompts: the stages and their files are the same, and the
+        // reward still rises by twice the margin asserted below.
+        "--set",
+        "cai.max_prompts=256",
         // 208 samples per evaluation (standard error about 0.1 lexicon).
         "--set",
         "frontier.max_prompts=104",
@@ -529,8 +533,8 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
     let answers = aligner_tests::jsonl(&run.join("sl/answers.jsonl"));
     let critiques = aligner_tests::jsonl(&run.join("sl/critiques.jsonl"));
     let revisions = aligner_tests::jsonl(&run.join("sl/revisions.jsonl"));
-    assert_eq!(answers.len(), 512);
-    assert_eq!((critiques.len(), revisions.len()), (512, 512));
+    assert_eq!(answers.len(), 256);
+    assert_eq!((critiques.len(), revisions.len()), (256, 256));
     for ((a, c), r) in answers.iter().zip(&critiques).zip(&revisions).take(50) {
         let p = principle(c["principle"].as_str().unwrap());
         let s = |v: &Value| v.as_str().unwrap().to_string();
@@ -550,7 +554,7 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
         assert!(s(&r["revision_prompt"]).ends_with(&revision_tail), "{r}");
     }
     let labels = aligner_tests::jsonl(&run.join("rl/labels.jsonl"));
-    assert_eq!(labels.len(), 512);
+    assert_eq!(labels.len(), 256);
     assert!(
         labels
             .iter()
@@ -576,7 +580,8 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
         reward(2),
         reports[2]["eval_frontier/kl"]
     );
-    // Measured: agreement 0.91 (judge 0.96), lexicon 1.09 → 1.43 → 4.61 at KL 8.6.
+    // Measured on 256 prompts: agreement 0.89 (judge 0.96), lexicon 1.09 → 1.16 → 3.21 at KL
+    // 7.2 (on the default 512: 0.91, 1.09 → 1.43 → 4.61 at KL 8.6).
     assert!(agreement > 0.7, "AI labels near chance: {agreement}");
     assert!(reward(2) > reward(0) + 1.0, "{} → {}", reward(0), reward(2));
 }
