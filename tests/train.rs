@@ -983,3 +983,122 @@ fn conversational_parquet_and_json_forms_train_dpo_alike() {
         "{err}"
     );
 }
+
+/// The families beyond Llama train end to end through the CLI: tiny random Qwen3 (per-head q/k
+/// norms, a head_dim of its own, sliding-window layers) and Mistral (12-token window) models
+/// made by transformers (tools/hf_parity.py), whose windows are far shorter than the shipped
+/// stories, go through LoRA SFT on every projection (held-out NLL falls), a reward model with
+/// a score head, DPO from the SFT model and two GRPO steps, and every saved folder keeps its
+/// family: `model_type`, the window, Qwen3's norms, and the classifier architecture.
+#[test]
+fn qwen3_and_mistral_models_train_with_every_method_and_keep_their_family() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, family) in [("qwen3_window", "Qwen3"), ("mistral_window", "Mistral")] {
+        let start = repo().join("tests/reference/hf_random").join(name);
+        let model = format!("model.path={}", start.display());
+        let run = |method: &str, out: &Path, extra: &[&str]| {
+            let mut args = vec![method, "--out", out.to_str().unwrap()];
+            args.extend_from_slice(extra);
+            let (ok, err) = aligner(&args);
+            assert!(ok, "{name} {method}: {err}");
+        };
+        let sft = dir.path().join(format!("{name}-sft"));
+        run(
+            "sft",
+            &sft,
+            &[
+                "--set",
+                &model,
+                "--set",
+                "model.lora_rank=8",
+                "--set",
+                "model.lora_targets=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]",
+                "--set",
+                "train.lr=1e-2",
+                "--set",
+                "train.max_steps=30",
+                "--set",
+                "train.eval_every=0",
+                "--set",
+                "train.save_every=0",
+            ],
+        );
+        let (base, trained) = first_and_last(&metrics(&sft), "eval_nll");
+        assert!(
+            trained < base - 0.5,
+            "{name}: LoRA SFT held-out NLL {base} -> {trained}"
+        );
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(sft.join("final/config.json")).unwrap()).unwrap();
+        assert_eq!(config["architectures"][0], format!("{family}ForCausalLM"));
+        assert_eq!(config["sliding_window"], 12);
+        let saved = aligner_tests::tensors(&sft.join("final"));
+        assert_eq!(
+            saved.contains_key("model.layers.0.self_attn.q_norm.weight"),
+            family == "Qwen3",
+            "{name}: q_norm saved only for Qwen3"
+        );
+        let sft_model = format!("model.path={}", sft.join("final").display());
+
+        let rm = dir.path().join(format!("{name}-rm"));
+        run(
+            "rm",
+            &rm,
+            &[
+                "--set",
+                &model,
+                "--set",
+                "train.max_steps=10",
+                "--set",
+                "train.save_every=0",
+            ],
+        );
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(rm.join("final/config.json")).unwrap()).unwrap();
+        assert_eq!(
+            config["architectures"][0],
+            format!("{family}ForSequenceClassification")
+        );
+
+        let dpo = dir.path().join(format!("{name}-dpo"));
+        run(
+            "dpo",
+            &dpo,
+            &[
+                "--set",
+                &sft_model,
+                "--set",
+                "train.max_steps=10",
+                "--set",
+                "train.save_every=0",
+                "--set",
+                "frontier.max_prompts=8",
+            ],
+        );
+        assert!(dpo.join("final/model.safetensors").exists());
+
+        let grpo = dir.path().join(format!("{name}-grpo"));
+        run(
+            "ppo",
+            &grpo,
+            &[
+                "--config",
+                repo().join("configs/grpo.toml").to_str().unwrap(),
+                "--set",
+                &sft_model,
+                "--set",
+                "ppo.steps=2",
+                "--set",
+                "ppo.rollout_prompts=4",
+                "--set",
+                "ppo.eval_every=0",
+                "--set",
+                "ppo.eval_prompts=4",
+                "--set",
+                "frontier.prompts=''",
+            ],
+        );
+        let rows = metrics(&grpo);
+        assert!(rows.iter().any(|r| r["step"] == 2), "{name}: GRPO ran two steps");
+    }
+}

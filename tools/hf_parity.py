@@ -4,6 +4,13 @@
       Makes small random Llama-3-scaled, Qwen2 and GPT-2-vocabulary Llama models with transformers,
       saves them (bf16 / f32 safetensors) and writes the transformers logits of fixed inputs to
       OUT_DIR/<name>/expected_logits.json.
+  python3 tools/hf_parity.py architectures OUT_DIR
+      Makes small random models of the other families aligner loads (Qwen3 with per-head q/k norms,
+      a head_dim of its own and sliding-window layers; Mistral with a 12-token window), saves them
+      and writes transformers' logits of a 70-token input and its greedy continuation of a prompt
+      (past the window) to OUT_DIR/<name>/expected_logits.json. They take the shipped model's
+      512-token vocabulary and tokenizer files (assets/stories260K), so `aligner sft --set
+      model.path=OUT_DIR/<name>` and every other command run on them.
   python3 tools/hf_parity.py load DIR [IDS_JSON]
       Loads an aligner-saved folder with AutoModelForCausalLM / AutoModelForSequenceClassification,
       fails on missing or unexpected keys, prints the logits of IDS as JSON.
@@ -47,6 +54,48 @@ def fixtures(out):
         print(name, "saved", dtype)
 
 
+def architectures(out):
+    import shutil
+    torch.manual_seed(1)
+    specs = {
+        "qwen3_window": transformers.Qwen3Config(
+            vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+            rope_theta=1000000.0, use_sliding_window=True, sliding_window=12, max_window_layers=1,
+            bos_token_id=1, eos_token_id=2),
+        "mistral_window": transformers.MistralConfig(
+            vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0,
+            sliding_window=12, bos_token_id=1, eos_token_id=2),
+    }
+    ids = [[1, 403, 407, 261, 378, 2, 17, 80, 341, 3] * 4]
+    prompt = [[1, 403, 407, 261, 378, 17]]
+    for name, config in specs.items():
+        config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                # Sharp distributions; norm weights around 1 as trained models have them.
+                if p.dim() == 1:
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 0.25)
+        model.save_pretrained(f"{out}/{name}")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/{name}", dtype=torch.float32).eval()
+        reloaded.config._attn_implementation = "eager"
+        with torch.no_grad():
+            logits = reloaded(torch.tensor(ids)).logits[0]
+            greedy = reloaded.generate(torch.tensor(prompt), max_new_tokens=40, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0, min_new_tokens=40)
+        for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"]:
+            shutil.copy(f"assets/stories260K/{f}", f"{out}/{name}/{f}")
+        json.dump({"ids": ids[0], "logits": [[round(v, 6) for v in row] for row in logits.tolist()],
+                   "prompt": prompt[0],
+                   "greedy": greedy[0, len(prompt[0]):].tolist()},
+                  open(f"{out}/{name}/expected_logits.json", "w"))
+        print(name, "saved; greedy", greedy[0, len(prompt[0]):].tolist())
+
+
 def load(path, ids_json=None):
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (config.architectures or ["LlamaForCausalLM"])[0]
@@ -62,4 +111,4 @@ def load(path, ids_json=None):
 
 
 if __name__ == "__main__":
-    {"fixtures": fixtures, "load": load}[sys.argv[1]](*sys.argv[2:])
+    {"fixtures": fixtures, "architectures": architectures, "load": load}[sys.argv[1]](*sys.argv[2:])

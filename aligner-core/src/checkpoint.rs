@@ -63,6 +63,12 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
             format!("{p}.self_attn.o_proj"),
             Slot::Linear(&mut attn.o_proj.base),
         ));
+        if let Some(norm) = attn.q_norm.as_mut() {
+            out.push((format!("{p}.self_attn.q_norm"), Slot::Norm(norm)));
+        }
+        if let Some(norm) = attn.k_norm.as_mut() {
+            out.push((format!("{p}.self_attn.k_norm"), Slot::Norm(norm)));
+        }
         out.push((
             format!("{p}.post_attention_layernorm"),
             Slot::Norm(&mut layer.post_attention_layernorm),
@@ -450,6 +456,7 @@ pub fn copy_tokenizer_files(src: &Path, dst: &Path) -> Result<()> {
 fn default_architecture(model_type: &str) -> &'static str {
     match model_type {
         "qwen2" => "Qwen2ForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
         "mistral" => "MistralForCausalLM",
         _ => "LlamaForCausalLM",
     }

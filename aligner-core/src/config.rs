@@ -77,8 +77,9 @@ impl Precision {
     }
 }
 
-/// Model types whose checkpoints share the Llama decoder layout.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen2", "mistral"];
+/// Model types whose checkpoints share the Llama decoder layout (Qwen3 adds an RMSNorm per
+/// query and key head; Mistral, Qwen2 and Qwen3 may attend over a sliding window).
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral"];
 
 /// How rotary frequencies are rescaled for long contexts (HF's `rope_scaling` /
 /// `rope_parameters`).
@@ -253,7 +254,10 @@ impl LlamaConfig {
                 self.num_attention_heads
             )));
         }
-        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+        if self.head_dim.is_none()
+            && self.model_type != "qwen3"
+            && !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
             return Err(err(format!(
                 "hidden_size ({}) is not divisible by num_attention_heads ({}) and no head_dim is given",
                 self.hidden_size, self.num_attention_heads
@@ -273,7 +277,109 @@ impl LlamaConfig {
         }
         self.rope_theta_value().map_err(err)?;
         self.rope_scaling_kind().map_err(err)?;
+        self.attention_windows().map_err(err)?;
+        if let Some(key) = self.unimplemented_key() {
+            return Err(err(format!(
+                "{key} = {} asks for computation aligner does not implement for {:?} models; \
+                 refusing rather than computing another model",
+                self.extra[key], self.model_type
+            )));
+        }
         Ok(())
+    }
+
+    /// The first key of the file that changes what the model computes in a way aligner does
+    /// not implement (soft-capping, a query pre-scale, partial rotary dimensions, experts).
+    fn unimplemented_key(&self) -> Option<&'static str> {
+        const NEUTRAL: &[(&str, Option<f64>)] = &[
+            ("attn_logit_softcapping", None),
+            ("final_logit_softcapping", None),
+            ("query_pre_attn_scalar", None),
+            ("rope_local_base_freq", None),
+            ("partial_rotary_factor", Some(1.0)),
+            ("num_local_experts", Some(0.0)),
+            ("num_experts", Some(0.0)),
+        ];
+        NEUTRAL.iter().find_map(|&(key, neutral)| {
+            let value = self.extra.get(key)?;
+            let harmless = value.is_null() || neutral.is_some_and(|n| value.as_f64() == Some(n));
+            (!harmless).then_some(key)
+        })
+    }
+
+    /// Per-head RMSNorm on the queries and keys before RoPE (`q_norm`, `k_norm`: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.model_type == "qwen3"
+    }
+
+    /// Each layer's sliding attention window, as transformers reads it: `None` attends to every
+    /// earlier token; `Some(w)` lets a query see itself and the `w - 1` keys before it.
+    ///
+    /// - `layer_types` (transformers ≥ 4.53 writes it): `"sliding_attention"` layers use
+    ///   `sliding_window`, `"full_attention"` layers do not.
+    /// - Mistral: `sliding_window` on every layer (absent: transformers' default 4096; `null`:
+    ///   none).
+    /// - Qwen2 / Qwen3: only with `use_sliding_window`, on layers from `max_window_layers` on.
+    /// - Llama has no sliding window (transformers ignores the key there too).
+    pub fn attention_windows(&self) -> Result<Vec<Option<usize>>, String> {
+        let layers = self.num_hidden_layers;
+        let window = |default: Option<usize>| -> Result<Option<usize>, String> {
+            match self.extra.get("sliding_window") {
+                None => Ok(default),
+                Some(Value::Null) => Ok(None),
+                Some(v) => match v.as_u64() {
+                    Some(w) if w > 0 => Ok(Some(w as usize)),
+                    _ => Err(format!(
+                        "sliding_window must be a positive integer or null, got {v}"
+                    )),
+                },
+            }
+        };
+        if let Some(types) = self.extra.get("layer_types").filter(|v| !v.is_null()) {
+            let types = types
+                .as_array()
+                .ok_or_else(|| format!("layer_types must be a list, got {types}"))?;
+            if types.len() != layers {
+                return Err(format!(
+                    "layer_types has {} entries for num_hidden_layers = {layers}",
+                    types.len()
+                ));
+            }
+            let sliding = window(None)?;
+            return types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(None),
+                    Some("sliding_attention") => sliding.map(Some).ok_or_else(|| {
+                        "layer_types has \"sliding_attention\" layers but sliding_window is not set"
+                            .to_string()
+                    }),
+                    _ => Err(format!(
+                        "layer_types entry {t} is not supported (\"full_attention\", \"sliding_attention\")"
+                    )),
+                })
+                .collect();
+        }
+        match self.model_type.as_str() {
+            "mistral" => Ok(vec![window(Some(4096))?; layers]),
+            "qwen2" | "qwen3" => {
+                let enabled = self
+                    .extra
+                    .get("use_sliding_window")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                let sliding = if enabled { window(Some(4096))? } else { None };
+                let first = match self.extra.get("max_window_layers") {
+                    None | Some(Value::Null) => 28,
+                    Some(v) => v
+                        .as_u64()
+                        .ok_or_else(|| format!("max_window_layers must be an integer, got {v}"))?
+                        as usize,
+                };
+                Ok((0..layers).map(|i| sliding.filter(|_| i >= first)).collect())
+            }
+            _ => Ok(vec![None; layers]),
+        }
     }
 
     /// Key/value heads (grouped-query attention); equals the query heads when absent.
@@ -281,10 +387,15 @@ impl LlamaConfig {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
 
-    /// Per-head dimension: `head_dim` when given, else `hidden_size / num_attention_heads`.
+    /// Per-head dimension: `head_dim` when given, else `hidden_size / num_attention_heads`
+    /// (Qwen3's default is 128, independent of the hidden size, as transformers has it).
     pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
+        let default = if self.model_type == "qwen3" {
+            128
+        } else {
+            self.hidden_size / self.num_attention_heads
+        };
+        self.head_dim.unwrap_or(default)
     }
 
     /// Output embeddings shared with the input embeddings. HF's default differs by model type.
@@ -386,6 +497,9 @@ fn is_supported_architecture(arch: &str) -> bool {
         "MistralForCausalLM",
         "MistralForSequenceClassification",
         "MistralModel",
+        "Qwen3ForCausalLM",
+        "Qwen3ForSequenceClassification",
+        "Qwen3Model",
     ];
     KNOWN.contains(&arch)
 }
@@ -478,8 +592,77 @@ mod tests {
             r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"yarn","factor":2.0}}"#,
         );
         assert!(yarn.unwrap_err().to_string().contains("yarn"));
+        // A key whose computation is not implemented is named, never ignored.
+        let capped = parse(
+            r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"attn_logit_softcapping":50.0}"#,
+        );
+        assert!(capped.unwrap_err().to_string().contains("attn_logit_softcapping"));
+        let partial = parse(
+            r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"partial_rotary_factor":0.5}"#,
+        );
+        assert!(partial.unwrap_err().to_string().contains("partial_rotary_factor"));
+        let neutral = parse(
+            r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"final_logit_softcapping":null,"partial_rotary_factor":1.0}"#,
+        );
+        assert!(neutral.is_ok());
         let missing = parse(r#"{"hidden_size":8}"#);
         assert!(missing.unwrap_err().to_string().contains("vocab_size"));
+    }
+
+    #[test]
+    fn sliding_windows_per_layer_as_transformers_reads_them() {
+        let base = r#""vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":3,"num_attention_heads":2"#;
+        let windows =
+            |extra: &str| parse(&format!("{{{base}{extra}}}")).map(|c| c.attention_windows().unwrap());
+        // Mistral: every layer; transformers' default 4096 when the key is absent; null: none.
+        assert_eq!(
+            windows(r#","model_type":"mistral","sliding_window":12"#).unwrap(),
+            vec![Some(12); 3]
+        );
+        assert_eq!(
+            windows(r#","model_type":"mistral""#).unwrap(),
+            vec![Some(4096); 3]
+        );
+        assert_eq!(
+            windows(r#","model_type":"mistral","sliding_window":null"#).unwrap(),
+            vec![None; 3]
+        );
+        // Qwen2/3: only when enabled, from max_window_layers on.
+        assert_eq!(
+            windows(r#","model_type":"qwen2","sliding_window":12"#).unwrap(),
+            vec![None; 3]
+        );
+        assert_eq!(
+            windows(
+                r#","model_type":"qwen3","sliding_window":12,"use_sliding_window":true,"max_window_layers":1"#
+            )
+            .unwrap(),
+            vec![None, Some(12), Some(12)]
+        );
+        // layer_types wins; Llama has none.
+        assert_eq!(
+            windows(r#","model_type":"mistral","sliding_window":5,"layer_types":["sliding_attention","full_attention","sliding_attention"]"#).unwrap(),
+            vec![Some(5), None, Some(5)]
+        );
+        assert_eq!(windows(r#","sliding_window":12"#).unwrap(), vec![None; 3]);
+        // Bad values name the key.
+        let bad = windows(
+            r#","model_type":"mistral","layer_types":["chunked_attention","full_attention","full_attention"]"#,
+        );
+        assert!(bad.unwrap_err().to_string().contains("layer_types"));
+        let bad = windows(r#","model_type":"mistral","sliding_window":-3"#);
+        assert!(bad.unwrap_err().to_string().contains("sliding_window"));
+    }
+
+    #[test]
+    fn qwen3_has_qk_norms_and_its_own_head_dim_default() {
+        let c = parse(
+            r#"{"model_type":"qwen3","architectures":["Qwen3ForCausalLM"],"vocab_size":10,"hidden_size":8,
+            "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":1}"#,
+        )
+        .unwrap();
+        assert!(c.qk_norm() && !c.qkv_bias() && !c.o_bias());
+        assert_eq!(c.head_dim(), 128);
     }
 
     #[test]

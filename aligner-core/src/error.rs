@@ -25,7 +25,9 @@ pub enum CoreError {
     },
     #[error("{path}: {message}")]
     Config { path: PathBuf, message: String },
-    #[error("unsupported architecture {0:?}: aligner runs Llama-family models (llama, qwen2, mistral)")]
+    #[error(
+        "unsupported architecture {0:?}: aligner runs Llama-family models (llama, qwen2, qwen3, mistral)"
+    )]
     UnsupportedArchitecture(String),
     #[error("{path}: invalid safetensors file: {message}")]
     Safetensors { path: PathBuf, message: String },

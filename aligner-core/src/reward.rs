@@ -153,6 +153,7 @@ pub fn sequence_classification_config(config: &LlamaConfig, labels: &[String]) -
     let mut config = config.clone();
     let arch = match config.model_type.as_str() {
         "qwen2" => "Qwen2ForSequenceClassification",
+        "qwen3" => "Qwen3ForSequenceClassification",
         "mistral" => "MistralForSequenceClassification",
         _ => "LlamaForSequenceClassification",
     };

@@ -128,11 +128,19 @@ fn response_logprobs_match_transformers() {
 }
 
 /// Random models made and saved by transformers 5 (tools/hf_parity.py): Llama-3 rope scaling
-/// with positions past the original context, Qwen2 biases stored in bf16, and an explicit
-/// head_dim with attention and MLP biases.
+/// with positions past the original context, Qwen2 biases stored in bf16, an explicit
+/// head_dim with attention and MLP biases, Qwen3 (per-head q/k norms, a head_dim of its own,
+/// sliding-window layers from `layer_types`) and Mistral with a 12-token window, both on a
+/// 70-token input.
 #[test]
 fn random_transformers_models_match_their_logits() {
-    for name in ["llama3_scaled", "qwen2_bias", "llama_head_dim"] {
+    for name in [
+        "llama3_scaled",
+        "qwen2_bias",
+        "llama_head_dim",
+        "qwen3_window",
+        "mistral_window",
+    ] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
         let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();
@@ -158,5 +166,80 @@ fn random_transformers_models_match_their_logits() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
         assert!(worst < 1e-4, "{name}: max |logit difference| {worst}");
+    }
+}
+
+/// A random model of `tests/reference/hf_random/{name}` with its config and transformers' figures.
+fn hf_random(name: &str, device: &Device) -> (aligner_core::LlamaConfig, aligner_core::CausalLm, Value) {
+    let dir = repo().join("tests/reference/hf_random").join(name);
+    let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+    let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, device).unwrap();
+    let expected =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap()).unwrap();
+    (config, model, expected)
+}
+
+/// Log-softmax of transformers' logits at each next token: the reference token log-probs.
+fn reference_logprobs(expected: &Value) -> Vec<f64> {
+    let ids = ids(&expected["ids"]);
+    let rows = expected["logits"].as_array().unwrap();
+    (0..ids.len() - 1)
+        .map(|t| {
+            let row: Vec<f64> = rows[t]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+            row[ids[t + 1] as usize] - lse
+        })
+        .collect()
+}
+
+/// Training computes what transformers does on the new families too: token log-probs on the
+/// autodiff device (the CPU's fused attention under the window mask, the per-head norms in
+/// the fused RMSNorm) match transformers' within 1e-3 per token; and the window is really
+/// applied: the same weights attending to every key give other log-probs.
+#[test]
+fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
+    let device = Device::flex().autodiff();
+    for name in ["qwen3_window", "mistral_window"] {
+        let (_, mut model, expected) = hf_random(name, &device);
+        let ids = ids(&expected["ids"]);
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
+            &device,
+        );
+        let want = reference_logprobs(&expected);
+        let got: Vec<f32> = model
+            .token_logprobs(tokens.clone())
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .unwrap();
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-3, "{name}: max |token log-prob difference| {worst}");
+        // Without the window (and, for Qwen3, the same norms) the figures move far.
+        for layer in &mut model.model.layers {
+            layer.self_attn.window = None;
+        }
+        let full: Vec<f32> = model
+            .token_logprobs(tokens)
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .unwrap();
+        let moved = full
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(moved > 0.1, "{name}: the window changes nothing ({moved})");
     }
 }

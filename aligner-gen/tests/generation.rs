@@ -106,6 +106,38 @@ fn greedy_tokens_equal_transformers() {
     }
 }
 
+/// Random Qwen3 (per-head q/k norms, sliding layers) and Mistral (12-token window) models made
+/// by transformers (tools/hf_parity.py): the engine's greedy continuation of a 6-token prompt,
+/// 40 tokens long (well past the window, so decoding reads a windowed cache), is transformers'
+/// token for token, on both forward paths, alone and beside another prompt.
+#[test]
+fn greedy_tokens_of_windowed_and_qk_normed_models_equal_transformers() {
+    for name in ["qwen3_window", "mistral_window"] {
+        let dir = repo().join("tests/reference/hf_random").join(name);
+        let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+        let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
+                .unwrap();
+        let want = ids(&expected["greedy"]);
+        for path in PATHS {
+            let options = EngineOptions {
+                slots: 4,
+                cache_len: None,
+                path,
+            };
+            let mut engine = Engine::new(model.clone(), config.clone(), None, options).with_eos_ids(vec![]);
+            let request =
+                GenerationRequest::new(ids(&expected["prompt"]), SamplingParams::greedy(want.len()));
+            let other = GenerationRequest::new(vec![1, 7, 7, 3], SamplingParams::greedy(30));
+            let alone = engine.generate(std::slice::from_ref(&request)).unwrap();
+            assert_eq!(alone[0].token_ids, want, "{name} on {path:?}");
+            let batched = engine.generate(&[other, request]).unwrap();
+            assert_eq!(batched[1].token_ids, want, "{name} on {path:?}, batched");
+        }
+    }
+}
+
 #[test]
 fn a_batch_gives_each_prompt_what_it_gets_alone() {
     let lm = shipped();

@@ -1,10 +1,11 @@
-//! Grouped-query self-attention with rotary embeddings and an optional KV cache.
+//! Grouped-query self-attention with rotary embeddings and an optional KV cache; Qwen3's
+//! per-head query/key norms and Mistral's sliding window where the config asks for them.
 
 use burn::module::Module;
-use burn::nn::LinearConfig;
+use burn::nn::{LinearConfig, RmsNorm};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor};
 
 use super::cache::LayerCache;
 use super::lora::LoraLinear;
@@ -18,13 +19,20 @@ pub struct Attention {
     pub k_proj: LoraLinear,
     pub v_proj: LoraLinear,
     pub o_proj: LoraLinear,
+    /// RMSNorm over each query / key head before RoPE (Qwen3's `q_norm` / `k_norm`).
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    /// Sliding window: a query sees itself and the `window - 1` keys before it.
+    #[module(skip)]
+    pub window: Option<usize>,
 }
 
 impl Attention {
-    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+    /// Layer `index`'s attention (its sliding window, if any, comes from the config).
+    pub fn new(config: &LlamaConfig, index: usize, device: &Device) -> Self {
         let hidden = config.hidden_size;
         let head_dim = config.head_dim();
         let (n_heads, n_kv_heads) = (config.num_attention_heads, config.num_kv_heads());
@@ -36,9 +44,19 @@ impl Attention {
             k_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
             v_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
             o_proj: proj(n_heads * head_dim, hidden, config.o_bias()),
+            q_norm: config
+                .qk_norm()
+                .then(|| super::layer::rms_norm(head_dim, config.rms_norm_eps, device)),
+            k_norm: config
+                .qk_norm()
+                .then(|| super::layer::rms_norm(head_dim, config.rms_norm_eps, device)),
             n_heads,
             n_kv_heads,
             head_dim,
+            window: config
+                .attention_windows()
+                .ok()
+                .and_then(|w| w.get(index).copied().flatten()),
         }
     }
 
@@ -55,19 +73,26 @@ impl Attention {
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
-        let heads = |proj: &LoraLinear, n: usize| {
-            proj.forward(x.clone())
-                .reshape([batch, seq, n, self.head_dim])
-                .swap_dims(1, 2)
+        let heads = |proj: &LoraLinear, n: usize, norm: Option<&RmsNorm>| {
+            let hd = self.head_dim;
+            let mut h = proj.forward(x.clone());
+            if let Some(norm) = norm {
+                // Each head normalised on its own: [batch, seq·heads, head_dim].
+                h = super::layer::norm(norm, h.reshape([batch, seq * n, hd])).reshape([batch, seq, n * hd]);
+            }
+            h.reshape([batch, seq, n, hd]).swap_dims(1, 2)
         };
-        let q = rope.apply(heads(&self.q_proj, self.n_heads));
-        let k = rope.apply(heads(&self.k_proj, self.n_kv_heads));
-        let v = heads(&self.v_proj, self.n_kv_heads);
+        let q = rope.apply(heads(&self.q_proj, self.n_heads, self.q_norm.as_ref()));
+        let k = rope.apply(heads(&self.k_proj, self.n_kv_heads, self.k_norm.as_ref()));
+        let v = heads(&self.v_proj, self.n_kv_heads, None);
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v),
             None => (k, v),
         };
-        let out = self.attend(q, k, v, mask);
+        let windowed = self
+            .window
+            .and_then(|w| window_mask(batch, seq, k.dims()[2], w, mask, &x.device()));
+        let out = self.attend(q, k, v, windowed.as_ref().or(mask));
         let out = out
             .swap_dims(1, 2)
             .reshape([batch, seq, self.n_heads * self.head_dim]);
@@ -119,4 +144,36 @@ impl Attention {
             .expand([b, kv, groups, s, d])
             .reshape([b, kv * groups, s, d])
     }
+}
+
+/// The attention mask (`true` = hidden) of `seq` queries, the last of `keys` positions, under a
+/// sliding `window`, combined with `mask` (causal when none): `None` when the window hides no
+/// key (every query is within `window` of key 0). Positions are cache indices, as transformers
+/// counts them.
+pub fn window_mask(
+    batch: usize,
+    seq: usize,
+    keys: usize,
+    window: usize,
+    mask: Option<&Tensor<4, Bool>>,
+    device: &Device,
+) -> Option<Tensor<4, Bool>> {
+    if keys <= window {
+        return None;
+    }
+    let first = (keys - seq) as i64;
+    let q = Tensor::<1, Int>::arange(first..keys as i64, device).reshape([seq, 1]);
+    let k = Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]);
+    let diff = q.expand([seq, keys]) - k.expand([seq, keys]);
+    // Hidden: a future key (q - k < 0) or one `window` or more behind.
+    let hidden = diff
+        .clone()
+        .lower_elem(0)
+        .bool_or(diff.greater_equal_elem(window as i64))
+        .reshape([1, 1, seq, keys])
+        .expand([batch, 1, seq, keys]);
+    Some(match mask {
+        Some(m) => hidden.bool_or(m.clone()),
+        None => hidden,
+    })
 }

@@ -79,11 +79,12 @@ pub fn rms_norm(d: usize, eps: f64, device: &Device) -> RmsNorm {
 }
 
 impl DecoderLayer {
-    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
+    /// Layer `index` of a model built for `config`.
+    pub fn new(config: &LlamaConfig, index: usize, device: &Device) -> Self {
         let norm = || rms_norm(config.hidden_size, config.rms_norm_eps, device);
         Self {
             input_layernorm: norm(),
-            self_attn: Attention::new(config, device),
+            self_attn: Attention::new(config, index, device),
             post_attention_layernorm: norm(),
             mlp: Mlp::new(config, device),
         }

@@ -15,7 +15,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
-pub use attention::Attention;
+pub use attention::{Attention, window_mask};
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};
@@ -45,7 +45,7 @@ impl LlamaModel {
         Self {
             embed_tokens: EmbeddingConfig::new(config.vocab_size, config.hidden_size).init(device),
             layers: (0..config.num_hidden_layers)
-                .map(|_| DecoderLayer::new(config, device))
+                .map(|i| DecoderLayer::new(config, i, device))
                 .collect(),
             norm: layer::rms_norm(config.hidden_size, config.rms_norm_eps, device),
             rope: Rope::new(config, device),

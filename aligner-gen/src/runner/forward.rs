@@ -7,7 +7,9 @@
 //! weights are the largest matrix and are read once rather than once per group).
 
 use aligner_parallel::fused::host::matmul;
-use aligner_parallel::fused::infer::{CacheLayout, cached_attention, rms_norm_into, rope_rows, swiglu_into};
+use aligner_parallel::fused::infer::{
+    CacheLayout, cached_attention_windowed, rms_norm_into, rope_rows, swiglu_into,
+};
 use rayon::prelude::*;
 
 use super::host::{HostCache, HostLayer, HostWeights};
@@ -168,6 +170,8 @@ struct Scratch {
     act: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// One row's query or key heads, for the in-place per-head norm.
+    head: Vec<f32>,
 }
 
 impl Scratch {
@@ -182,6 +186,7 @@ impl Scratch {
             act: vec![0.0; n * w.ffn],
             cos: Vec::new(),
             sin: Vec::new(),
+            head: Vec::new(),
         }
     }
 
@@ -215,6 +220,18 @@ fn layer_forward(
         &mut s.qkv, &s.normed, &layer.qkv, n, qkv_width, d, false, false, false,
     );
     add_bias(&mut s.qkv, &layer.qkv_bias);
+    // Qwen3: each query and key head normalised before RoPE (ε is the model's, as in its norms).
+    let eps = w.eps[2 * i];
+    norm_heads(&mut s.qkv, qkv_width, 0, q_width, &layer.q_norm, eps, &mut s.head);
+    norm_heads(
+        &mut s.qkv,
+        qkv_width,
+        q_width,
+        kv_width,
+        &layer.k_norm,
+        eps,
+        &mut s.head,
+    );
     rope_rows(&mut s.qkv, qkv_width, 0, w.heads, hd, &s.cos, &s.sin);
     rope_rows(&mut s.qkv, qkv_width, q_width, w.kv_heads, hd, &s.cos, &s.sin);
     let layout = cache.layout;
@@ -227,7 +244,7 @@ fn layer_forward(
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    cached_attention(
+    cached_attention_windowed(
         &mut s.attn,
         &s.qkv,
         qkv_width,
@@ -238,6 +255,7 @@ fn layer_forward(
         w.heads,
         layout,
         scale,
+        layer.window,
     );
     project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
     rms_norm_into(&mut s.normed, x, &layer.mlp_norm, w.eps[2 * i + 1]);
@@ -255,6 +273,26 @@ fn layer_forward(
     add_bias(&mut s.gate_up, &layer.gate_up_bias);
     swiglu_into(&mut s.act, &s.gate_up, ffn);
     project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
+}
+
+/// RMSNorm (weights `norm`, one head wide) of every head in columns `offset..offset + width`
+/// of each row of `rows` (`stride` values per row); nothing without weights.
+fn norm_heads(
+    rows: &mut [f32],
+    stride: usize,
+    offset: usize,
+    width: usize,
+    norm: &Option<Vec<f32>>,
+    eps: f32,
+    tmp: &mut Vec<f32>,
+) {
+    let Some(norm) = norm else { return };
+    for row in rows.chunks_mut(stride) {
+        let heads = &mut row[offset..offset + width];
+        tmp.clear();
+        tmp.extend_from_slice(heads);
+        rms_norm_into(heads, tmp, norm, eps);
+    }
 }
 
 fn add_bias(rows: &mut [f32], bias: &Option<Vec<f32>>) {

@@ -71,6 +71,11 @@ pub(super) struct HostLayer {
     /// `[hidden, (heads + 2·kv_heads)·head_dim]`: query, key, value columns.
     pub(super) qkv: Vec<f32>,
     pub(super) qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of the queries and keys (Qwen3), before RoPE.
+    pub(super) q_norm: Option<Vec<f32>>,
+    pub(super) k_norm: Option<Vec<f32>>,
+    /// Sliding attention window (Mistral): a token sees itself and `window - 1` before it.
+    pub(super) window: Option<usize>,
     pub(super) o: Vec<f32>,
     pub(super) o_bias: Option<Vec<f32>>,
     pub(super) mlp_norm: Vec<f32>,
@@ -114,10 +119,14 @@ impl HostWeights {
                 let (gate_up, gate_up_bias) = side_by_side(&[p.gate_proj.merged(), p.up_proj.merged()]);
                 let (o, o_bias) = side_by_side(&[a.o_proj.merged()]);
                 let (down, down_bias) = side_by_side(&[p.down_proj.merged()]);
+                let norm = |n: &Option<burn::nn::RmsNorm>| n.as_ref().map(|n| values(n.gamma.val()));
                 HostLayer {
                     attn_norm: values(layer.input_layernorm.gamma.val()),
                     qkv,
                     qkv_bias,
+                    q_norm: norm(&a.q_norm),
+                    k_norm: norm(&a.k_norm),
+                    window: a.window,
                     o,
                     o_bias,
                     mlp_norm: values(layer.post_attention_layernorm.gamma.val()),

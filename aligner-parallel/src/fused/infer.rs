@@ -154,6 +154,28 @@ pub fn cached_attention(
     layout: CacheLayout,
     scale: f32,
 ) {
+    cached_attention_windowed(
+        out, q, q_stride, q_offset, keys, values, rows, heads, layout, scale, None,
+    );
+}
+
+/// [`cached_attention`] under a sliding `window`: the token at `pos` attends to positions
+/// `pos + 1 - window ..= pos` only (all of `0..=pos` when `None`), as Mistral's layers do.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention_windowed(
+    out: &mut [f32],
+    q: &[f32],
+    q_stride: usize,
+    q_offset: usize,
+    keys: &[f32],
+    values: &[f32],
+    rows: &[(usize, usize)],
+    heads: usize,
+    layout: CacheLayout,
+    scale: f32,
+    window: Option<usize>,
+) {
+    let window = window.unwrap_or(usize::MAX).max(1);
     let width = heads * layout.dim;
     assert_eq!(out.len(), rows.len() * width, "attention output");
     assert_eq!(q.len(), rows.len() * q_stride, "attention queries");
@@ -161,7 +183,19 @@ pub fn cached_attention(
         let mut scores = Vec::new();
         let q = &q[t * q_stride + q_offset..][..width];
         let (row, pos) = rows[t];
-        attend_row(out, q, keys, values, row, pos, heads, layout, scale, &mut scores);
+        attend_row(
+            out,
+            q,
+            keys,
+            values,
+            row,
+            pos,
+            heads,
+            layout,
+            scale,
+            window,
+            &mut scores,
+        );
     };
     // Work per token grows with its position; small batches stay on this thread.
     let work: usize = rows.iter().map(|&(_, pos)| pos + 1).sum::<usize>() * width;
@@ -174,7 +208,7 @@ pub fn cached_attention(
 
 simd_fn!(
     /// One token's attention, every head: scores, softmax, weighted sum of values.
-    fn attend_row(out: &mut [f32], q: &[f32], keys: &[f32], values: &[f32], row: usize, pos: usize, heads: usize, layout: CacheLayout, scale: f32, scores: &mut Vec<f32>) = attend_row_body
+    fn attend_row(out: &mut [f32], q: &[f32], keys: &[f32], values: &[f32], row: usize, pos: usize, heads: usize, layout: CacheLayout, scale: f32, window: usize, scores: &mut Vec<f32>) = attend_row_body
 );
 
 #[inline(always)]
@@ -189,11 +223,14 @@ fn attend_row_body(
     heads: usize,
     layout: CacheLayout,
     scale: f32,
+    window: usize,
     scores: &mut Vec<f32>,
 ) {
     let (dim, cap) = (layout.dim, layout.capacity);
     let groups = heads / layout.kv_heads;
     let n = pos + 1;
+    // Positions before the window get probability 0 (their scores are computed, then hidden).
+    let first = n.saturating_sub(window);
     // Scores on whole vectors of positions when the capacity allows (the engine rounds it
     // up): the positions past `n` get probability 0, and the loops end in no scalar remainder.
     let width = (n.div_ceil(LANES) * LANES).min(cap);
@@ -215,6 +252,7 @@ fn attend_row_body(
             *s = dot * scale;
         }
         scores[n..].fill(f32::NEG_INFINITY);
+        scores[..first].fill(f32::NEG_INFINITY);
         let max = max_of(&scores[..n]);
         let inv = 1.0 / exp_sum_shifted(scores, max);
         // The row's own positions only: past them the probabilities are 0, but whatever an
