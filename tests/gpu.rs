@@ -45,8 +45,8 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
     }
 }
 
-/// Random Qwen3 (per-head q/k norms, sliding-window layers) and Mistral (12-token window)
-/// models made by transformers (tools/hf_parity.py) on the wgpu device: the logits of a
+/// Random Qwen3 (per-head q/k norms, sliding-window layers), Mistral (12-token window) and
+/// OLMo 2 (output norms, whole-projection q/k norms) models made by transformers (tools/hf_parity.py) on the wgpu device: the logits of a
 /// 70-token input (the flash-attention kernels under the window mask) match transformers' to
 /// 1e-4, and the engine's greedy continuation (40 tokens past a 6-token prompt, decoding over
 /// a windowed cache) is transformers' token for token.
@@ -62,7 +62,7 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    for name in ["qwen3_window", "mistral_window"] {
+    for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
         let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &device).unwrap();

@@ -985,15 +985,19 @@ fn conversational_parquet_and_json_forms_train_dpo_alike() {
 }
 
 /// The families beyond Llama train end to end through the CLI: tiny random Qwen3 (per-head q/k
-/// norms, a head_dim of its own, sliding-window layers) and Mistral (12-token window) models
-/// made by transformers (tools/hf_parity.py), whose windows are far shorter than the shipped
-/// stories, go through LoRA SFT on every projection (held-out NLL falls), a reward model with
+/// norms, a head_dim of its own, sliding-window layers), Mistral (12-token window) and OLMo 2
+/// (output norms) models made by transformers (tools/hf_parity.py), whose windows are far
+/// shorter than the shipped stories, go through LoRA SFT on every projection (held-out NLL falls), a reward model with
 /// a score head, DPO from the SFT model and two GRPO steps, and every saved folder keeps its
-/// family: `model_type`, the window, Qwen3's norms, and the classifier architecture.
+/// family: `model_type`, the window, the q/k and output norms, and the classifier architecture.
 #[test]
-fn qwen3_and_mistral_models_train_with_every_method_and_keep_their_family() {
+fn qwen3_mistral_and_olmo2_models_train_with_every_method_and_keep_their_family() {
     let dir = tempfile::tempdir().unwrap();
-    for (name, family) in [("qwen3_window", "Qwen3"), ("mistral_window", "Mistral")] {
+    for (name, family, window) in [
+        ("qwen3_window", "Qwen3", Value::from(12)),
+        ("mistral_window", "Mistral", Value::from(12)),
+        ("olmo2_bias", "Olmo2", Value::Null),
+    ] {
         let start = repo().join("tests/reference/hf_random").join(name);
         let model = format!("model.path={}", start.display());
         let run = |method: &str, out: &Path, extra: &[&str]| {
@@ -1031,12 +1035,17 @@ fn qwen3_and_mistral_models_train_with_every_method_and_keep_their_family() {
         let config: Value =
             serde_json::from_str(&std::fs::read_to_string(sft.join("final/config.json")).unwrap()).unwrap();
         assert_eq!(config["architectures"][0], format!("{family}ForCausalLM"));
-        assert_eq!(config["sliding_window"], 12);
+        assert_eq!(config["sliding_window"], window);
         let saved = aligner_tests::tensors(&sft.join("final"));
         assert_eq!(
             saved.contains_key("model.layers.0.self_attn.q_norm.weight"),
-            family == "Qwen3",
-            "{name}: q_norm saved only for Qwen3"
+            family != "Mistral",
+            "{name}: q_norm saved for Qwen3 and OLMo 2"
+        );
+        assert_eq!(
+            saved.contains_key("model.layers.0.post_feedforward_layernorm.weight"),
+            !saved.contains_key("model.layers.0.input_layernorm.weight"),
+            "{name}: OLMo 2's output norms replace the input norms"
         );
         let sft_model = format!("model.path={}", sft.join("final").display());
 

@@ -4,9 +4,10 @@
       Makes small random Llama-3-scaled, Qwen2 and GPT-2-vocabulary Llama models with transformers,
       saves them (bf16 / f32 safetensors) and writes the transformers logits of fixed inputs to
       OUT_DIR/<name>/expected_logits.json.
-  python3 tools/hf_parity.py architectures OUT_DIR
+  python3 tools/hf_parity.py architectures OUT_DIR [NAME ...]
       Makes small random models of the other families aligner loads (Qwen3 with per-head q/k norms,
-      a head_dim of its own and sliding-window layers; Mistral with a 12-token window), saves them
+      a head_dim of its own and sliding-window layers; Mistral with a 12-token window; OLMo 2 with
+      its output norms, whole-projection q/k norms and attention biases), saves them
       and writes transformers' logits of a 70-token input and its greedy continuation of a prompt
       (past the window) to OUT_DIR/<name>/expected_logits.json. They take the shipped model's
       512-token vocabulary and tokenizer files (assets/stories260K), so `aligner sft --set
@@ -54,7 +55,7 @@ def fixtures(out):
         print(name, "saved", dtype)
 
 
-def architectures(out):
+def architectures(out, *names):
     import shutil
     torch.manual_seed(1)
     specs = {
@@ -67,7 +68,13 @@ def architectures(out):
             vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0,
             sliding_window=12, bos_token_id=1, eos_token_id=2),
+        "olmo2_bias": transformers.Olmo2Config(
+            vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=500000.0,
+            attention_bias=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     }
+    if names:
+        specs = {k: v for k, v in specs.items() if k in names}
     ids = [[1, 403, 407, 261, 378, 2, 17, 80, 341, 3] * 4]
     prompt = [[1, 403, 407, 261, 378, 17]]
     for name, config in specs.items():
@@ -79,7 +86,8 @@ def architectures(out):
                 if p.dim() == 1:
                     p.copy_(1.0 + 0.3 * torch.randn_like(p))
                 else:
-                    p.normal_(0.0, 0.25)
+                    # OLMo 2's output norms flatten a 0.25 model into one repeated token.
+                    p.normal_(0.0, 0.5 if name.startswith("olmo2") else 0.25)
         model.save_pretrained(f"{out}/{name}")
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/{name}", dtype=torch.float32).eval()
         reloaded.config._attn_implementation = "eager"

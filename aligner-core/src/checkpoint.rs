@@ -43,10 +43,9 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
         let p = format!("model.layers.{i}");
         let attn = &mut layer.self_attn;
         let mlp = &mut layer.mlp;
-        out.push((
-            format!("{p}.input_layernorm"),
-            Slot::Norm(&mut layer.input_layernorm),
-        ));
+        if let Some(norm) = layer.input_layernorm.as_mut() {
+            out.push((format!("{p}.input_layernorm"), Slot::Norm(norm)));
+        }
         out.push((
             format!("{p}.self_attn.q_proj"),
             Slot::Linear(&mut attn.q_proj.base),
@@ -73,6 +72,9 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
             format!("{p}.post_attention_layernorm"),
             Slot::Norm(&mut layer.post_attention_layernorm),
         ));
+        if let Some(norm) = layer.post_feedforward_layernorm.as_mut() {
+            out.push((format!("{p}.post_feedforward_layernorm"), Slot::Norm(norm)));
+        }
         out.push((
             format!("{p}.mlp.gate_proj"),
             Slot::Linear(&mut mlp.gate_proj.base),
@@ -96,10 +98,11 @@ fn slots(model: &mut CausalLm) -> Vec<(String, Slot<'_>)> {
     out
 }
 
-/// The safetensors files of a folder, read into memory, and which file holds each tensor.
+/// The safetensors files of a folder, memory-mapped (a 0.5B model's 2 GB are not copied into
+/// memory before each tensor is converted), and which file holds each tensor.
 struct TensorFiles {
     dir: PathBuf,
-    files: Vec<(PathBuf, Vec<u8>)>,
+    files: Vec<(PathBuf, memmap2::Mmap)>,
     index: HashMap<String, usize>,
 }
 
@@ -133,7 +136,11 @@ impl TensorFiles {
         let mut index = HashMap::new();
         for name in names {
             let path = dir.join(&name);
-            let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+            let file = std::fs::File::open(&path).map_err(|e| CoreError::io(&path, e))?;
+            // SAFETY: the map is only read, while the folder is loaded; a checkpoint replaced
+            // meanwhile is renamed over (checkpoint::write_atomic), which leaves this inode's
+            // pages as they were.
+            let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| CoreError::io(&path, e))?;
             let parsed = SafeTensors::deserialize(&bytes).map_err(|e| CoreError::Safetensors {
                 path: path.clone(),
                 message: e.to_string(),
@@ -457,6 +464,7 @@ fn default_architecture(model_type: &str) -> &'static str {
     match model_type {
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
+        "olmo2" => "Olmo2ForCausalLM",
         "mistral" => "MistralForCausalLM",
         _ => "LlamaForCausalLM",
     }

@@ -78,8 +78,20 @@ impl Precision {
 }
 
 /// Model types whose checkpoints share the Llama decoder layout (Qwen3 adds an RMSNorm per
-/// query and key head; Mistral, Qwen2 and Qwen3 may attend over a sliding window).
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral"];
+/// query and key head; OLMo 2 normalises the attention's and the MLP's outputs instead of their
+/// inputs, and the whole query and key projections; Mistral, Qwen2 and Qwen3 may attend over a
+/// sliding window).
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "olmo2"];
+
+/// Where an RMSNorm sits on the queries and keys, before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Over each head (`head_dim` weights): Qwen3.
+    PerHead,
+    /// Over the whole projection (`heads · head_dim` weights): OLMo 2.
+    Whole,
+}
 
 /// How rotary frequencies are rescaled for long contexts (HF's `rope_scaling` /
 /// `rope_parameters`).
@@ -307,9 +319,19 @@ impl LlamaConfig {
         })
     }
 
-    /// Per-head RMSNorm on the queries and keys before RoPE (`q_norm`, `k_norm`: Qwen3).
-    pub fn qk_norm(&self) -> bool {
-        self.model_type == "qwen3"
+    /// The RMSNorm on the queries and keys before RoPE (`q_norm`, `k_norm`).
+    pub fn qk_norm(&self) -> QkNorm {
+        match self.model_type.as_str() {
+            "qwen3" => QkNorm::PerHead,
+            "olmo2" => QkNorm::Whole,
+            _ => QkNorm::None,
+        }
+    }
+
+    /// Norms on the outputs of attention and MLP (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`) instead of on their inputs: OLMo 2.
+    pub fn norms_after(&self) -> bool {
+        self.model_type == "olmo2"
     }
 
     /// Each layer's sliding attention window, as transformers reads it: `None` attends to every
@@ -500,6 +522,9 @@ fn is_supported_architecture(arch: &str) -> bool {
         "Qwen3ForCausalLM",
         "Qwen3ForSequenceClassification",
         "Qwen3Model",
+        "Olmo2ForCausalLM",
+        "Olmo2ForSequenceClassification",
+        "Olmo2Model",
     ];
     KNOWN.contains(&arch)
 }
@@ -661,7 +686,7 @@ mod tests {
             "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":1}"#,
         )
         .unwrap();
-        assert!(c.qk_norm() && !c.qkv_bias() && !c.o_bias());
+        assert!(c.qk_norm() == QkNorm::PerHead && !c.qkv_bias() && !c.o_bias());
         assert_eq!(c.head_dim(), 128);
     }
 

@@ -154,6 +154,7 @@ pub fn sequence_classification_config(config: &LlamaConfig, labels: &[String]) -
     let arch = match config.model_type.as_str() {
         "qwen2" => "Qwen2ForSequenceClassification",
         "qwen3" => "Qwen3ForSequenceClassification",
+        "olmo2" => "Olmo2ForSequenceClassification",
         "mistral" => "MistralForSequenceClassification",
         _ => "LlamaForSequenceClassification",
     };

@@ -106,13 +106,13 @@ fn greedy_tokens_equal_transformers() {
     }
 }
 
-/// Random Qwen3 (per-head q/k norms, sliding layers) and Mistral (12-token window) models made
-/// by transformers (tools/hf_parity.py): the engine's greedy continuation of a 6-token prompt,
+/// Random Qwen3 (per-head q/k norms, sliding layers), Mistral (12-token window) and OLMo 2
+/// (output norms, whole-projection q/k norms) models made by transformers (tools/hf_parity.py): the engine's greedy continuation of a 6-token prompt,
 /// 40 tokens long (well past the window, so decoding reads a windowed cache), is transformers'
 /// token for token, on both forward paths, alone and beside another prompt.
 #[test]
 fn greedy_tokens_of_windowed_and_qk_normed_models_equal_transformers() {
-    for name in ["qwen3_window", "mistral_window"] {
+    for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
         let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();

@@ -10,7 +10,7 @@ use burn::tensor::{Bool, Device, Int, Tensor};
 use super::cache::LayerCache;
 use super::lora::LoraLinear;
 use super::rope::RotaryAngles;
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, QkNorm};
 
 /// `softmax(QKᵀ/√d + mask)·V` over `n_heads` query heads sharing `n_kv_heads` key/value heads.
 #[derive(Module, Debug)]
@@ -19,7 +19,8 @@ pub struct Attention {
     pub k_proj: LoraLinear,
     pub v_proj: LoraLinear,
     pub o_proj: LoraLinear,
-    /// RMSNorm over each query / key head before RoPE (Qwen3's `q_norm` / `k_norm`).
+    /// RMSNorm of the queries / keys before RoPE: over each head (Qwen3's `q_norm` / `k_norm`,
+    /// `head_dim` weights) or over the whole projection (OLMo 2's).
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
     n_heads: usize,
@@ -39,17 +40,21 @@ impl Attention {
         let qkv_bias = config.qkv_bias();
         let proj =
             |d_in, d_out, bias| LoraLinear::from(LinearConfig::new(d_in, d_out).with_bias(bias).init(device));
+        let qk_norm = |heads: usize| {
+            let width = match config.qk_norm() {
+                QkNorm::None => return None,
+                QkNorm::PerHead => head_dim,
+                QkNorm::Whole => heads * head_dim,
+            };
+            Some(super::layer::rms_norm(width, config.rms_norm_eps, device))
+        };
         Self {
             q_proj: proj(hidden, n_heads * head_dim, qkv_bias),
             k_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
             v_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
             o_proj: proj(n_heads * head_dim, hidden, config.o_bias()),
-            q_norm: config
-                .qk_norm()
-                .then(|| super::layer::rms_norm(head_dim, config.rms_norm_eps, device)),
-            k_norm: config
-                .qk_norm()
-                .then(|| super::layer::rms_norm(head_dim, config.rms_norm_eps, device)),
+            q_norm: qk_norm(n_heads),
+            k_norm: qk_norm(n_kv_heads),
             n_heads,
             n_kv_heads,
             head_dim,
@@ -77,8 +82,12 @@ impl Attention {
             let hd = self.head_dim;
             let mut h = proj.forward(x.clone());
             if let Some(norm) = norm {
-                // Each head normalised on its own: [batch, seq·heads, head_dim].
-                h = super::layer::norm(norm, h.reshape([batch, seq * n, hd])).reshape([batch, seq, n * hd]);
+                h = if norm.gamma.dims()[0] == hd {
+                    // Each head normalised on its own: [batch, seq·heads, head_dim].
+                    super::layer::norm(norm, h.reshape([batch, seq * n, hd])).reshape([batch, seq, n * hd])
+                } else {
+                    super::layer::norm(norm, h)
+                };
             }
             h.reshape([batch, seq, n, hd]).swap_dims(1, 2)
         };

@@ -45,12 +45,17 @@ impl Mlp {
     }
 }
 
-/// `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+/// `x + attn(norm(x))`, then `x + mlp(norm(x))`; OLMo 2: `x + norm(attn(x))`, then
+/// `x + norm(mlp(x))`.
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
-    pub input_layernorm: RmsNorm,
+    /// The norm before attention; `None` in OLMo 2, which normalises outputs instead.
+    pub input_layernorm: Option<RmsNorm>,
     pub self_attn: Attention,
+    /// The norm before the MLP; in OLMo 2 the norm of attention's output.
     pub post_attention_layernorm: RmsNorm,
+    /// OLMo 2: the norm of the MLP's output.
+    pub post_feedforward_layernorm: Option<RmsNorm>,
     pub mlp: Mlp,
 }
 
@@ -82,10 +87,12 @@ impl DecoderLayer {
     /// Layer `index` of a model built for `config`.
     pub fn new(config: &LlamaConfig, index: usize, device: &Device) -> Self {
         let norm = || rms_norm(config.hidden_size, config.rms_norm_eps, device);
+        let after = config.norms_after();
         Self {
-            input_layernorm: norm(),
+            input_layernorm: (!after).then(norm),
             self_attn: Attention::new(config, index, device),
             post_attention_layernorm: norm(),
+            post_feedforward_layernorm: after.then(norm),
             mlp: Mlp::new(config, device),
         }
     }
@@ -97,11 +104,21 @@ impl DecoderLayer {
         mask: Option<&Tensor<4, Bool>>,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let attn = self
-            .self_attn
-            .forward(norm(&self.input_layernorm, x.clone()), rope, mask, cache);
-        let x = x + attn;
-        let mlp = self.mlp.forward(norm(&self.post_attention_layernorm, x.clone()));
-        x + mlp
+        match (&self.input_layernorm, &self.post_feedforward_layernorm) {
+            (Some(pre), _) => {
+                let x = x.clone() + self.self_attn.forward(norm(pre, x), rope, mask, cache);
+                let mlp = self.mlp.forward(norm(&self.post_attention_layernorm, x.clone()));
+                x + mlp
+            }
+            (None, post_mlp) => {
+                let attn = self.self_attn.forward(x.clone(), rope, mask, cache);
+                let x = x + norm(&self.post_attention_layernorm, attn);
+                let mlp = self.mlp.forward(x.clone());
+                x + match post_mlp {
+                    Some(post) => norm(post, mlp),
+                    None => mlp,
+                }
+            }
+        }
     }
 }

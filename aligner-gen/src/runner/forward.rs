@@ -172,6 +172,8 @@ struct Scratch {
     sin: Vec<f32>,
     /// One row's query or key heads, for the in-place per-head norm.
     head: Vec<f32>,
+    /// OLMo 2: a block's output before its norm.
+    out: Vec<f32>,
 }
 
 impl Scratch {
@@ -187,6 +189,7 @@ impl Scratch {
             cos: Vec::new(),
             sin: Vec::new(),
             head: Vec::new(),
+            out: Vec::new(),
         }
     }
 
@@ -202,7 +205,8 @@ impl Scratch {
     }
 }
 
-/// `x += attn(norm(x))`, then `x += mlp(norm(x))` for one decoder layer.
+/// `x += attn(norm(x))`, then `x += mlp(norm(x))` for one decoder layer (OLMo 2:
+/// `x += norm(attn(x))`, then `x += norm(mlp(x))`).
 fn layer_forward(
     w: &HostWeights,
     i: usize,
@@ -215,21 +219,36 @@ fn layer_forward(
     let (n, d, hd, ffn) = (rows.len(), w.hidden, w.head_dim, w.ffn);
     let (q_width, kv_width) = (w.heads * hd, w.kv_heads * hd);
     let qkv_width = q_width + 2 * kv_width;
-    rms_norm_into(&mut s.normed, x, &layer.attn_norm, w.eps[2 * i]);
+    // Llama family: attention and MLP read normalised inputs. OLMo 2: they read `x` itself
+    // and their outputs are normalised before the residual add.
+    let (after, eps_attn, eps_mlp) = (layer.norms_after, w.eps[2 * i], w.eps[2 * i + 1]);
+    if after {
+        s.normed.copy_from_slice(x);
+    } else {
+        rms_norm_into(&mut s.normed, x, &layer.attn_norm, eps_attn);
+    }
     matmul(
         &mut s.qkv, &s.normed, &layer.qkv, n, qkv_width, d, false, false, false,
     );
     add_bias(&mut s.qkv, &layer.qkv_bias);
-    // Qwen3: each query and key head normalised before RoPE (ε is the model's, as in its norms).
-    let eps = w.eps[2 * i];
-    norm_heads(&mut s.qkv, qkv_width, 0, q_width, &layer.q_norm, eps, &mut s.head);
+    // Qwen3 (each head) and OLMo 2 (the whole projection): queries and keys normalised
+    // before RoPE.
+    norm_heads(
+        &mut s.qkv,
+        qkv_width,
+        0,
+        q_width,
+        &layer.q_norm,
+        layer.qk_eps,
+        &mut s.head,
+    );
     norm_heads(
         &mut s.qkv,
         qkv_width,
         q_width,
         kv_width,
         &layer.k_norm,
-        eps,
+        layer.qk_eps,
         &mut s.head,
     );
     rope_rows(&mut s.qkv, qkv_width, 0, w.heads, hd, &s.cos, &s.sin);
@@ -257,8 +276,24 @@ fn layer_forward(
         scale,
         layer.window,
     );
-    project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
-    rms_norm_into(&mut s.normed, x, &layer.mlp_norm, w.eps[2 * i + 1]);
+    if after {
+        let attn = std::mem::take(&mut s.attn);
+        residual_of_normed(
+            x,
+            &attn,
+            &layer.o,
+            &layer.o_bias,
+            &layer.attn_norm,
+            eps_attn,
+            q_width,
+            s,
+        );
+        s.attn = attn;
+        s.normed.copy_from_slice(x);
+    } else {
+        project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
+        rms_norm_into(&mut s.normed, x, &layer.mlp_norm, eps_mlp);
+    }
     matmul(
         &mut s.gate_up,
         &s.normed,
@@ -272,11 +307,51 @@ fn layer_forward(
     );
     add_bias(&mut s.gate_up, &layer.gate_up_bias);
     swiglu_into(&mut s.act, &s.gate_up, ffn);
-    project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
+    if after {
+        let act = std::mem::take(&mut s.act);
+        residual_of_normed(
+            x,
+            &act,
+            &layer.down,
+            &layer.down_bias,
+            &layer.mlp_norm,
+            eps_mlp,
+            ffn,
+            s,
+        );
+        s.act = act;
+    } else {
+        project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
+    }
 }
 
-/// RMSNorm (weights `norm`, one head wide) of every head in columns `offset..offset + width`
-/// of each row of `rows` (`stride` values per row); nothing without weights.
+/// OLMo 2's residual update `x += norm(input · weight + bias)` (`input: [n, k]`), through the
+/// scratch buffers `out` and `normed`.
+#[allow(clippy::too_many_arguments)]
+fn residual_of_normed(
+    x: &mut [f32],
+    input: &[f32],
+    weight: &[f32],
+    bias: &Option<Vec<f32>>,
+    norm: &[f32],
+    eps: f32,
+    k: usize,
+    s: &mut Scratch,
+) {
+    let d = norm.len();
+    let n = x.len() / d;
+    s.out.clear();
+    s.out.resize(n * d, 0.0);
+    project_into(&mut s.out, input, weight, bias, n, d, k);
+    rms_norm_into(&mut s.normed, &s.out, norm, eps);
+    for (x, y) in x.iter_mut().zip(&s.normed) {
+        *x += y;
+    }
+}
+
+/// RMSNorm (weights `norm`: one head wide, or the whole width) of the columns
+/// `offset..offset + width` of each row of `rows` (`stride` values per row); nothing without
+/// weights.
 fn norm_heads(
     rows: &mut [f32],
     stride: usize,

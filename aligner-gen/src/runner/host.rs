@@ -67,13 +67,19 @@ fn head_panel_width(vocab: usize) -> usize {
 /// One decoder layer as host buffers (`x · W` layout).
 #[derive(Clone)]
 pub(super) struct HostLayer {
+    /// The norms of attention and the MLP: of their inputs, or (`norms_after`: OLMo 2) of
+    /// their outputs.
     pub(super) attn_norm: Vec<f32>,
+    pub(super) norms_after: bool,
     /// `[hidden, (heads + 2·kv_heads)·head_dim]`: query, key, value columns.
     pub(super) qkv: Vec<f32>,
     pub(super) qkv_bias: Option<Vec<f32>>,
     /// Per-head RMSNorm weights of the queries and keys (Qwen3), before RoPE.
+    /// Per-head RMSNorm weights of the queries and keys (Qwen3: one head wide), or of the whole
+    /// projections (OLMo 2), before RoPE; with their ε.
     pub(super) q_norm: Option<Vec<f32>>,
     pub(super) k_norm: Option<Vec<f32>>,
+    pub(super) qk_eps: f32,
     /// Sliding attention window (Mistral): a token sees itself and `window - 1` before it.
     pub(super) window: Option<usize>,
     pub(super) o: Vec<f32>,
@@ -120,16 +126,24 @@ impl HostWeights {
                 let (o, o_bias) = side_by_side(&[a.o_proj.merged()]);
                 let (down, down_bias) = side_by_side(&[p.down_proj.merged()]);
                 let norm = |n: &Option<burn::nn::RmsNorm>| n.as_ref().map(|n| values(n.gamma.val()));
+                let (attn_norm, mlp_norm) = match (&layer.input_layernorm, &layer.post_feedforward_layernorm)
+                {
+                    (Some(pre), _) => (pre, &layer.post_attention_layernorm),
+                    (None, Some(post)) => (&layer.post_attention_layernorm, post),
+                    (None, None) => (&layer.post_attention_layernorm, &layer.post_attention_layernorm),
+                };
                 HostLayer {
-                    attn_norm: values(layer.input_layernorm.gamma.val()),
+                    attn_norm: values(attn_norm.gamma.val()),
+                    norms_after: layer.input_layernorm.is_none(),
                     qkv,
                     qkv_bias,
                     q_norm: norm(&a.q_norm),
                     k_norm: norm(&a.k_norm),
+                    qk_eps: a.q_norm.as_ref().map_or(0.0, |n| n.epsilon as f32),
                     window: a.window,
                     o,
                     o_bias,
-                    mlp_norm: values(layer.post_attention_layernorm.gamma.val()),
+                    mlp_norm: values(mlp_norm.gamma.val()),
                     gate_up,
                     gate_up_bias,
                     down,
@@ -142,11 +156,14 @@ impl HostWeights {
         let mut eps: Vec<f32> = m
             .layers
             .iter()
-            .flat_map(|l| {
-                [
-                    l.input_layernorm.epsilon as f32,
+            .flat_map(|l| match &l.input_layernorm {
+                Some(pre) => [pre.epsilon as f32, l.post_attention_layernorm.epsilon as f32],
+                None => [
                     l.post_attention_layernorm.epsilon as f32,
-                ]
+                    l.post_feedforward_layernorm
+                        .as_ref()
+                        .map_or(l.post_attention_layernorm.epsilon, |n| n.epsilon) as f32,
+                ],
             })
             .collect();
         eps.push(m.norm.epsilon as f32);
