@@ -46,6 +46,7 @@ fn main() {
                     heads,
                     layout,
                     scale,
+                    None,
                 );
                 if round > 0 {
                     total += start.elapsed().as_secs_f64();

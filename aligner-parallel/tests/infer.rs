@@ -123,15 +123,19 @@ fn row_reductions_match_composed_ops() {
 /// from Burn ops over each token's own positions. Everything past a row's length is poisoned
 /// with NaN and infinities (what a diverged earlier occupant could leave): it must not leak.
 /// Head widths with an unrolled path (8, 64) and without (12); capacities of whole vectors
-/// and not; rows short of four vectors of positions and one past them (70).
+/// and not; rows short of four vectors of positions and one past them (70); no window, and
+/// sliding windows of 1, 7 and 40 positions (each token then sees only its last ones).
 #[test]
 fn cached_attention_matches_composed_ops_and_ignores_stale_positions() {
-    for (heads, kv_heads, dim, capacity) in [(4, 2, 8, 5 * LANES), (2, 1, 12, 5 * LANES), (2, 2, 64, 75)] {
-        check_cached_attention(heads, kv_heads, dim, capacity);
+    for window in [None, Some(1), Some(7), Some(40)] {
+        for (heads, kv_heads, dim, capacity) in [(4, 2, 8, 5 * LANES), (2, 1, 12, 5 * LANES), (2, 2, 64, 75)]
+        {
+            check_cached_attention(heads, kv_heads, dim, capacity, window);
+        }
     }
 }
 
-fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: usize) {
+fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: usize, window: Option<usize>) {
     let cache_rows = 5;
     let layout = CacheLayout {
         kv_heads,
@@ -172,19 +176,21 @@ fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: u
     let scale = 1.0 / (dim as f32).sqrt();
     let mut got = vec![0.0; rows.len() * heads * dim];
     cached_attention(
-        &mut got, &q, stride, extra, &keys, &values, &rows, heads, layout, scale,
+        &mut got, &q, stride, extra, &keys, &values, &rows, heads, layout, scale, window,
     );
 
     let mut want = Vec::new();
     for (t, &(row, pos)) in rows.iter().enumerate() {
         for h in 0..heads {
             let base = layout.head(row, h / (heads / kv_heads));
-            // The positions this token sees: keys [dim, n], values [n, dim].
+            // The positions this token sees, `first..=pos`: keys [dim, n], values [n, dim].
+            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let n = pos + 1 - first;
             let lanes: Vec<f32> = (0..dim)
-                .flat_map(|d| keys[base + d * capacity..][..=pos].to_vec())
+                .flat_map(|d| keys[base + d * capacity + first..][..n].to_vec())
                 .collect();
-            let k = tensor(&lanes, [dim, pos + 1]);
-            let v = tensor(&values[base..][..(pos + 1) * dim], [pos + 1, dim]);
+            let k = tensor(&lanes, [dim, n]);
+            let v = tensor(&values[base + first * dim..][..n * dim], [n, dim]);
             let qh = tensor(&q[t * stride + extra + h * dim..][..dim], [1, dim]);
             let probs = softmax(qh.matmul(k) * scale, 1);
             want.extend(host(probs.matmul(v)));
@@ -198,6 +204,6 @@ fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: u
         &got,
         &want,
         1e-5,
-        &format!("cached attention, dim {dim}, capacity {capacity}"),
+        &format!("cached attention, dim {dim}, capacity {capacity}, window {window:?}"),
     );
 }

@@ -7,9 +7,7 @@
 //! weights are the largest matrix and are read once rather than once per group).
 
 use aligner_parallel::fused::host::matmul;
-use aligner_parallel::fused::infer::{
-    CacheLayout, cached_attention_windowed, rms_norm_into, rope_rows, swiglu_into,
-};
+use aligner_parallel::fused::infer::{CacheLayout, cached_attention, rms_norm_into, rope_rows, swiglu_into};
 use rayon::prelude::*;
 
 use super::host::{HostCache, HostLayer, HostWeights};
@@ -263,7 +261,7 @@ fn layer_forward(
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    cached_attention_windowed(
+    cached_attention(
         &mut s.attn,
         &s.qkv,
         qkv_width,

@@ -139,30 +139,11 @@ pub enum CacheBuffer {
 /// Grouped-query attention of token rows over a KV cache: token `t` (query `q[t]`, `heads`
 /// heads of `layout.dim`, at column `q_offset` of rows of stride `q_stride`) belongs to cache
 /// row `rows[t].0` at position `rows[t].1` and attends to that row's positions `0..=pos`
-/// (which must be written). Query head `h` reads KV head `h / (heads / kv_heads)`. Output:
-/// `out[t]` = `heads · dim` values.
+/// (which must be written), or under a sliding `window` (Mistral's layers) to
+/// `pos + 1 - window ..= pos` only. Query head `h` reads KV head `h / (heads / kv_heads)`.
+/// Output: `out[t]` = `heads · dim` values.
 #[allow(clippy::too_many_arguments)]
 pub fn cached_attention(
-    out: &mut [f32],
-    q: &[f32],
-    q_stride: usize,
-    q_offset: usize,
-    keys: &[f32],
-    values: &[f32],
-    rows: &[(usize, usize)],
-    heads: usize,
-    layout: CacheLayout,
-    scale: f32,
-) {
-    cached_attention_windowed(
-        out, q, q_stride, q_offset, keys, values, rows, heads, layout, scale, None,
-    );
-}
-
-/// [`cached_attention`] under a sliding `window`: the token at `pos` attends to positions
-/// `pos + 1 - window ..= pos` only (all of `0..=pos` when `None`), as Mistral's layers do.
-#[allow(clippy::too_many_arguments)]
-pub fn cached_attention_windowed(
     out: &mut [f32],
     q: &[f32],
     q_stride: usize,
