@@ -52,6 +52,7 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
 /// a windowed cache) is transformers' token for token.
 #[test]
 fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
+    use aligner_core::LoadedModel;
     use aligner_gen::{Engine, EngineOptions, ForwardPath, GenerationRequest, SamplingParams};
     use burn::tensor::{Device, Int, Tensor, TensorData};
     let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
@@ -64,8 +65,7 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
     };
     for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
         let dir = repo().join("tests/reference/hf_random").join(name);
-        let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
-        let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &device).unwrap();
+        let lm = LoadedModel::from_dir(&dir, &device).unwrap();
         let expected: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
                 .unwrap();
@@ -77,7 +77,8 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
             ),
             &device,
         );
-        let logits: Vec<f32> = model
+        let logits: Vec<f32> = lm
+            .model
             .forward(tokens)
             .into_data()
             .convert::<f32>()
@@ -100,7 +101,7 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
             cache_len: None,
             path: ForwardPath::Burn,
         };
-        let mut engine = Engine::new(model, config, None, options).with_eos_ids(vec![]);
+        let mut engine = Engine::for_model(&lm, options).with_eos_ids(vec![]);
         let greedy = ids(&expected["greedy"]);
         let request = GenerationRequest::new(ids(&expected["prompt"]), SamplingParams::greedy(greedy.len()));
         let out = engine.generate(&[request]).unwrap();

@@ -26,7 +26,8 @@ pub enum CoreError {
     #[error("{path}: {message}")]
     Config { path: PathBuf, message: String },
     #[error(
-        "unsupported architecture {0:?}: aligner runs Llama-family models (llama, qwen2, qwen3, mistral)"
+        "unsupported architecture {0:?}: aligner runs Llama-family models ({supported})",
+        supported = crate::config::SUPPORTED_MODEL_TYPES.join(", ")
     )]
     UnsupportedArchitecture(String),
     #[error("{path}: invalid safetensors file: {message}")]

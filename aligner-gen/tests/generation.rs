@@ -114,19 +114,13 @@ fn greedy_tokens_equal_transformers() {
 fn greedy_tokens_of_windowed_and_qk_normed_models_equal_transformers() {
     for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
         let dir = repo().join("tests/reference/hf_random").join(name);
-        let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json")).unwrap();
-        let model = aligner_core::checkpoint::load_causal_lm(&dir, &config, &Device::flex()).unwrap();
+        let lm = LoadedModel::from_dir(&dir, &Device::flex()).unwrap();
         let expected: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
                 .unwrap();
         let want = ids(&expected["greedy"]);
         for path in PATHS {
-            let options = EngineOptions {
-                slots: 4,
-                cache_len: None,
-                path,
-            };
-            let mut engine = Engine::new(model.clone(), config.clone(), None, options).with_eos_ids(vec![]);
+            let mut engine = engine(&lm, 4, path).with_eos_ids(vec![]);
             let request =
                 GenerationRequest::new(ids(&expected["prompt"]), SamplingParams::greedy(want.len()));
             let other = GenerationRequest::new(vec![1, 7, 7, 3], SamplingParams::greedy(30));

@@ -1,5 +1,6 @@
-//! Grouped-query self-attention with rotary embeddings and an optional KV cache; Qwen3's
-//! per-head query/key norms and Mistral's sliding window where the config asks for them.
+//! Grouped-query self-attention with rotary embeddings and an optional KV cache; query/key
+//! norms (Qwen3's per head, OLMo 2's over the whole projection) and a sliding window (Mistral,
+//! Qwen) where the config asks for them.
 
 use burn::module::Module;
 use burn::nn::{LinearConfig, RmsNorm};
@@ -159,7 +160,7 @@ impl Attention {
 /// sliding `window`, combined with `mask` (causal when none): `None` when the window hides no
 /// key (every query is within `window` of key 0). Positions are cache indices, as transformers
 /// counts them.
-pub fn window_mask(
+fn window_mask(
     batch: usize,
     seq: usize,
     keys: usize,

@@ -97,6 +97,24 @@ impl DecoderLayer {
         }
     }
 
+    /// Whether the norms sit on the blocks' outputs (OLMo 2) rather than their inputs.
+    pub fn norms_after(&self) -> bool {
+        self.input_layernorm.is_none()
+    }
+
+    /// The attention block's norm and the MLP block's: `input_layernorm` and
+    /// `post_attention_layernorm` on their inputs, or (OLMo 2) `post_attention_layernorm` and
+    /// `post_feedforward_layernorm` on their outputs. Every forward pass (this one, the engine's
+    /// host kernels) reads them here.
+    pub fn block_norms(&self) -> (&RmsNorm, &RmsNorm) {
+        match (&self.input_layernorm, &self.post_feedforward_layernorm) {
+            (Some(pre), _) => (pre, &self.post_attention_layernorm),
+            (None, Some(post)) => (&self.post_attention_layernorm, post),
+            // Not built by `new`: one norm left, it serves both blocks.
+            (None, None) => (&self.post_attention_layernorm, &self.post_attention_layernorm),
+        }
+    }
+
     pub fn forward(
         &self,
         x: Tensor<3>,
@@ -104,21 +122,16 @@ impl DecoderLayer {
         mask: Option<&Tensor<4, Bool>>,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        match (&self.input_layernorm, &self.post_feedforward_layernorm) {
-            (Some(pre), _) => {
-                let x = x.clone() + self.self_attn.forward(norm(pre, x), rope, mask, cache);
-                let mlp = self.mlp.forward(norm(&self.post_attention_layernorm, x.clone()));
-                x + mlp
-            }
-            (None, post_mlp) => {
-                let attn = self.self_attn.forward(x.clone(), rope, mask, cache);
-                let x = x + norm(&self.post_attention_layernorm, attn);
-                let mlp = self.mlp.forward(x.clone());
-                x + match post_mlp {
-                    Some(post) => norm(post, mlp),
-                    None => mlp,
-                }
-            }
+        let (attn_norm, mlp_norm) = self.block_norms();
+        if self.norms_after() {
+            let attn = self.self_attn.forward(x.clone(), rope, mask, cache);
+            let x = x + norm(attn_norm, attn);
+            let mlp = self.mlp.forward(x.clone());
+            x + norm(mlp_norm, mlp)
+        } else {
+            let x = x.clone() + self.self_attn.forward(norm(attn_norm, x), rope, mask, cache);
+            let mlp = self.mlp.forward(norm(mlp_norm, x.clone()));
+            x + mlp
         }
     }
 }

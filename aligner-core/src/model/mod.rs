@@ -15,7 +15,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
-pub use attention::{Attention, window_mask};
+pub use attention::Attention;
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};

@@ -275,18 +275,18 @@ fn layer_forward(
         layer.window,
     );
     if after {
-        let attn = std::mem::take(&mut s.attn);
+        let (o, o_bias, norm) = (&layer.o, &layer.o_bias, &layer.attn_norm);
         residual_of_normed(
             x,
-            &attn,
-            &layer.o,
-            &layer.o_bias,
-            &layer.attn_norm,
+            &s.attn,
+            o,
+            o_bias,
+            norm,
             eps_attn,
             q_width,
-            s,
+            &mut s.out,
+            &mut s.normed,
         );
-        s.attn = attn;
         s.normed.copy_from_slice(x);
     } else {
         project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
@@ -306,18 +306,18 @@ fn layer_forward(
     add_bias(&mut s.gate_up, &layer.gate_up_bias);
     swiglu_into(&mut s.act, &s.gate_up, ffn);
     if after {
-        let act = std::mem::take(&mut s.act);
+        let (down, down_bias, norm) = (&layer.down, &layer.down_bias, &layer.mlp_norm);
         residual_of_normed(
             x,
-            &act,
-            &layer.down,
-            &layer.down_bias,
-            &layer.mlp_norm,
+            &s.act,
+            down,
+            down_bias,
+            norm,
             eps_mlp,
             ffn,
-            s,
+            &mut s.out,
+            &mut s.normed,
         );
-        s.act = act;
     } else {
         project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
     }
@@ -334,15 +334,16 @@ fn residual_of_normed(
     norm: &[f32],
     eps: f32,
     k: usize,
-    s: &mut Scratch,
+    out: &mut Vec<f32>,
+    normed: &mut [f32],
 ) {
     let d = norm.len();
     let n = x.len() / d;
-    s.out.clear();
-    s.out.resize(n * d, 0.0);
-    project_into(&mut s.out, input, weight, bias, n, d, k);
-    rms_norm_into(&mut s.normed, &s.out, norm, eps);
-    for (x, y) in x.iter_mut().zip(&s.normed) {
+    out.clear();
+    out.resize(n * d, 0.0);
+    project_into(out, input, weight, bias, n, d, k);
+    rms_norm_into(normed, out, norm, eps);
+    for (x, y) in x.iter_mut().zip(normed.iter()) {
         *x += y;
     }
 }

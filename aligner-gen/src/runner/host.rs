@@ -74,7 +74,6 @@ pub(super) struct HostLayer {
     /// `[hidden, (heads + 2·kv_heads)·head_dim]`: query, key, value columns.
     pub(super) qkv: Vec<f32>,
     pub(super) qkv_bias: Option<Vec<f32>>,
-    /// Per-head RMSNorm weights of the queries and keys (Qwen3), before RoPE.
     /// Per-head RMSNorm weights of the queries and keys (Qwen3: one head wide), or of the whole
     /// projections (OLMo 2), before RoPE; with their ε.
     pub(super) q_norm: Option<Vec<f32>>,
@@ -126,15 +125,10 @@ impl HostWeights {
                 let (o, o_bias) = side_by_side(&[a.o_proj.merged()]);
                 let (down, down_bias) = side_by_side(&[p.down_proj.merged()]);
                 let norm = |n: &Option<burn::nn::RmsNorm>| n.as_ref().map(|n| values(n.gamma.val()));
-                let (attn_norm, mlp_norm) = match (&layer.input_layernorm, &layer.post_feedforward_layernorm)
-                {
-                    (Some(pre), _) => (pre, &layer.post_attention_layernorm),
-                    (None, Some(post)) => (&layer.post_attention_layernorm, post),
-                    (None, None) => (&layer.post_attention_layernorm, &layer.post_attention_layernorm),
-                };
+                let (attn_norm, mlp_norm) = layer.block_norms();
                 HostLayer {
                     attn_norm: values(attn_norm.gamma.val()),
-                    norms_after: layer.input_layernorm.is_none(),
+                    norms_after: layer.norms_after(),
                     qkv,
                     qkv_bias,
                     q_norm: norm(&a.q_norm),
@@ -156,14 +150,9 @@ impl HostWeights {
         let mut eps: Vec<f32> = m
             .layers
             .iter()
-            .flat_map(|l| match &l.input_layernorm {
-                Some(pre) => [pre.epsilon as f32, l.post_attention_layernorm.epsilon as f32],
-                None => [
-                    l.post_attention_layernorm.epsilon as f32,
-                    l.post_feedforward_layernorm
-                        .as_ref()
-                        .map_or(l.post_attention_layernorm.epsilon, |n| n.epsilon) as f32,
-                ],
+            .flat_map(|l| {
+                let (attn, mlp) = l.block_norms();
+                [attn.epsilon as f32, mlp.epsilon as f32]
             })
             .collect();
         eps.push(m.norm.epsilon as f32);
