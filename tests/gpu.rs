@@ -63,7 +63,13 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
+    for name in [
+        "qwen3_window",
+        "mistral_window",
+        "olmo2_bias",
+        "gemma2_capped",
+        "gemma3_local_global",
+    ] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let lm = LoadedModel::from_dir(&dir, &device).unwrap();
         let expected: Value =

@@ -985,18 +985,21 @@ fn conversational_parquet_and_json_forms_train_dpo_alike() {
 }
 
 /// The families beyond Llama train end to end through the CLI: tiny random Qwen3 (per-head q/k
-/// norms, a head_dim of its own, sliding-window layers), Mistral (12-token window) and OLMo 2
-/// (output norms) models made by transformers (tools/hf_parity.py), whose windows are far
+/// norms, a head_dim of its own, sliding-window layers), Mistral (12-token window), OLMo 2
+/// (output norms), Gemma 2 (soft-capping, GeGLU, four norms a layer) and Gemma 3 (q/k norms,
+/// local RoPE) models made by transformers (tools/hf_parity.py), whose windows are far
 /// shorter than the shipped stories, go through LoRA SFT on every projection (held-out NLL falls), a reward model with
 /// a score head, DPO from the SFT model and two GRPO steps, and every saved folder keeps its
 /// family: `model_type`, the window, the q/k and output norms, and the classifier architecture.
 #[test]
-fn qwen3_mistral_and_olmo2_models_train_with_every_method_and_keep_their_family() {
+fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_family() {
     let dir = tempfile::tempdir().unwrap();
     for (name, family, window) in [
         ("qwen3_window", "Qwen3", Value::from(12)),
         ("mistral_window", "Mistral", Value::from(12)),
         ("olmo2_bias", "Olmo2", Value::Null),
+        ("gemma2_capped", "Gemma2", Value::from(12)),
+        ("gemma3_local_global", "Gemma3", Value::from(12)),
     ] {
         let start = repo().join("tests/reference/hf_random").join(name);
         let model = format!("model.path={}", start.display());
@@ -1037,15 +1040,21 @@ fn qwen3_mistral_and_olmo2_models_train_with_every_method_and_keep_their_family(
         assert_eq!(config["architectures"][0], format!("{family}ForCausalLM"));
         assert_eq!(config["sliding_window"], window);
         let saved = aligner_tests::tensors(&sft.join("final"));
+        let has = |key: &str| saved.contains_key(&format!("model.layers.0.{key}.weight"));
         assert_eq!(
-            saved.contains_key("model.layers.0.self_attn.q_norm.weight"),
-            family != "Mistral",
-            "{name}: q_norm saved for Qwen3 and OLMo 2"
+            has("self_attn.q_norm"),
+            ["Qwen3", "Olmo2", "Gemma3"].contains(&family),
+            "{name}: q_norm saved for Qwen3, OLMo 2 and Gemma 3"
         );
+        let gemma = family.starts_with("Gemma");
         assert_eq!(
-            saved.contains_key("model.layers.0.post_feedforward_layernorm.weight"),
-            !saved.contains_key("model.layers.0.input_layernorm.weight"),
-            "{name}: OLMo 2's output norms replace the input norms"
+            (
+                has("input_layernorm"),
+                has("post_feedforward_layernorm"),
+                has("pre_feedforward_layernorm")
+            ),
+            (family != "Olmo2", family == "Olmo2" || gemma, gemma),
+            "{name}: OLMo 2's output norms replace the input norms; Gemma has both"
         );
         let sft_model = format!("model.path={}", sft.join("final").display());
 
@@ -1064,9 +1073,11 @@ fn qwen3_mistral_and_olmo2_models_train_with_every_method_and_keep_their_family(
         );
         let config: Value =
             serde_json::from_str(&std::fs::read_to_string(rm.join("final/config.json")).unwrap()).unwrap();
+        // transformers' name for a Gemma 3 text classifier.
+        let classifier = if family == "Gemma3" { "Gemma3Text" } else { family };
         assert_eq!(
             config["architectures"][0],
-            format!("{family}ForSequenceClassification")
+            format!("{classifier}ForSequenceClassification")
         );
 
         let dpo = dir.path().join(format!("{name}-dpo"));

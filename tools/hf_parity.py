@@ -7,7 +7,9 @@
   python3 tools/hf_parity.py architectures OUT_DIR [NAME ...]
       Makes small random models of the other families aligner loads (Qwen3 with per-head q/k norms,
       a head_dim of its own and sliding-window layers; Mistral with a 12-token window; OLMo 2 with
-      its output norms, whole-projection q/k norms and attention biases), saves them
+      its output norms, whole-projection q/k norms and attention biases; Gemma 2 with soft-capped
+      attention and logits, a query pre-scale and alternating windows; Gemma 3 with q/k norms and
+      local and global RoPE bases, the global one linearly scaled), saves them
       and writes transformers' logits of a 70-token input and its greedy continuation of a prompt
       (past the window) to OUT_DIR/<name>/expected_logits.json. They take the shipped model's
       512-token vocabulary and tokenizer files (assets/stories260K), so `aligner sft --set
@@ -72,6 +74,20 @@ def architectures(out, *names):
             vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=500000.0,
             attention_bias=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "gemma2_capped": transformers.Gemma2Config(
+            vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+            final_logit_softcapping=6.0, sliding_window=12, max_position_embeddings=256, rope_theta=10000.0,
+            tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "gemma3_local_global": transformers.Gemma3TextConfig(
+            vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=20, sliding_window=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0),
     }
     if names:
         specs = {k: v for k, v in specs.items() if k in names}
@@ -81,13 +97,17 @@ def architectures(out, *names):
         config._attn_implementation = "eager"
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
         with torch.no_grad():
-            for p in model.parameters():
+            for key, p in model.named_parameters():
                 # Sharp distributions; norm weights around 1 as trained models have them.
                 if p.dim() == 1:
-                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                    # Gemma's norms scale by (1 + w).
+                    p.copy_((0.0 if name.startswith("gemma") else 1.0) + 0.3 * torch.randn_like(p))
                 else:
-                    # OLMo 2's output norms flatten a 0.25 model into one repeated token.
-                    p.normal_(0.0, 0.5 if name.startswith("olmo2") else 0.25)
+                    # Output norms (OLMo 2, Gemma) flatten a 0.25 model into one repeated token.
+                    # Gemma scales embeddings by √hidden: smaller ones keep the stream from
+                    # repeating its input token.
+                    std = 0.5 if name.startswith(("olmo2", "gemma")) else 0.25
+                    p.normal_(0.0, 0.1 if name.startswith("gemma") and "embed" in key else std)
         model.save_pretrained(f"{out}/{name}")
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/{name}", dtype=torch.float32).eval()
         reloaded.config._attn_implementation = "eager"

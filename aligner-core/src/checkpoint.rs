@@ -9,13 +9,13 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::module::Param;
-use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::config::{LlamaConfig, Precision};
 use crate::error::{CoreError, Result};
-use crate::model::{CausalLm, LlamaModel, named_param};
+use crate::model::{CausalLm, DecoderLayer, LlamaModel, RmsNorm, named_param};
 
 /// Files copied along with the weights when a model folder is saved.
 pub const TOKENIZER_FILES: &[&str] = &[
@@ -41,10 +41,20 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
     )];
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let p = format!("model.layers.{i}");
-        let attn = &mut layer.self_attn;
-        let mlp = &mut layer.mlp;
-        if let Some(norm) = layer.input_layernorm.as_mut() {
-            out.push((format!("{p}.input_layernorm"), Slot::Norm(norm)));
+        let names = layer.norm_names();
+        let DecoderLayer {
+            attn_norm_in,
+            self_attn: attn,
+            attn_norm_out,
+            mlp_norm_in,
+            mlp,
+            mlp_norm_out,
+        } = layer;
+        let norms = [attn_norm_in, attn_norm_out, mlp_norm_in, mlp_norm_out];
+        for (name, norm) in names.into_iter().zip(norms) {
+            if let Some(norm) = norm.as_mut() {
+                out.push((format!("{p}.{name}"), Slot::Norm(norm)));
+            }
         }
         out.push((
             format!("{p}.self_attn.q_proj"),
@@ -67,13 +77,6 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
         }
         if let Some(norm) = attn.k_norm.as_mut() {
             out.push((format!("{p}.self_attn.k_norm"), Slot::Norm(norm)));
-        }
-        out.push((
-            format!("{p}.post_attention_layernorm"),
-            Slot::Norm(&mut layer.post_attention_layernorm),
-        ));
-        if let Some(norm) = layer.post_feedforward_layernorm.as_mut() {
-            out.push((format!("{p}.post_feedforward_layernorm"), Slot::Norm(norm)));
         }
         out.push((
             format!("{p}.mlp.gate_proj"),
@@ -465,6 +468,8 @@ fn default_architecture(model_type: &str) -> &'static str {
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
         "olmo2" => "Olmo2ForCausalLM",
+        "gemma2" => "Gemma2ForCausalLM",
+        "gemma3_text" => "Gemma3ForCausalLM",
         "mistral" => "MistralForCausalLM",
         _ => "LlamaForCausalLM",
     }

@@ -80,8 +80,36 @@ impl Precision {
 /// Model types whose checkpoints share the Llama decoder layout (Qwen3 adds an RMSNorm per
 /// query and key head; OLMo 2 normalises the attention's and the MLP's outputs instead of their
 /// inputs, and the whole query and key projections; Mistral, Qwen2 and Qwen3 may attend over a
-/// sliding window).
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "olmo2"];
+/// sliding window; Gemma 2 and 3 scale the embeddings, normalise both the inputs and the outputs
+/// of attention and MLP with `(1 + w)` weights, use GeGLU, a query pre-scale, soft-capping
+/// (Gemma 2) and q/k norms with separate local and global RoPE (Gemma 3)).
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "olmo2",
+    "gemma2",
+    "gemma3_text",
+];
+
+/// The MLP's gate activation (`hidden_act`; Gemma's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) · up`.
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation (`gelu_pytorch_tanh`): Gemma.
+    GeluTanh,
+}
+
+/// Where a decoder block's RMSNorms sit: on the input of attention and of the MLP (Llama), on
+/// their outputs before the residual add (OLMo 2), or both (Gemma).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormPlacement {
+    pub before: bool,
+    pub after: bool,
+}
 
 /// Where an RMSNorm sits on the queries and keys, before RoPE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,8 +167,8 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<Value>,
-    #[serde(default = "default_act")]
-    pub hidden_act: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_act: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_word_embeddings: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -170,9 +198,6 @@ fn default_max_positions() -> usize {
 }
 fn default_eps() -> f64 {
     1e-6
-}
-fn default_act() -> String {
-    "silu".into()
 }
 
 impl LlamaConfig {
@@ -216,7 +241,7 @@ impl LlamaConfig {
             rope_theta: Some(10000.0),
             rope_scaling: None,
             rope_parameters: None,
-            hidden_act: "silu".into(),
+            hidden_act: None,
             tie_word_embeddings: Some(false),
             attention_bias: Some(false),
             mlp_bias: Some(false),
@@ -241,12 +266,7 @@ impl LlamaConfig {
         {
             return Err(CoreError::UnsupportedArchitecture(bad.clone()));
         }
-        if self.hidden_act != "silu" {
-            return Err(err(format!(
-                "hidden_act {:?} is not supported (only \"silu\")",
-                self.hidden_act
-            )));
-        }
+        self.activation().map_err(err)?;
         for (key, value) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -267,7 +287,7 @@ impl LlamaConfig {
             )));
         }
         if self.head_dim.is_none()
-            && self.model_type != "qwen3"
+            && self.family_head_dim().is_none()
             && !self.hidden_size.is_multiple_of(self.num_attention_heads)
         {
             return Err(err(format!(
@@ -289,7 +309,11 @@ impl LlamaConfig {
         }
         self.rope_theta_value().map_err(err)?;
         self.rope_scaling_kind().map_err(err)?;
+        self.local_rope().map_err(err)?;
         self.attention_windows().map_err(err)?;
+        self.attention_scale().map_err(err)?;
+        self.attention_softcap().map_err(err)?;
+        self.final_softcap().map_err(err)?;
         if let Some(key) = self.unimplemented_key() {
             return Err(err(format!(
                 "{key} = {} asks for computation aligner does not implement for {:?} models; \
@@ -301,7 +325,8 @@ impl LlamaConfig {
     }
 
     /// The first key of the file that changes what the model computes in a way aligner does
-    /// not implement (soft-capping, a query pre-scale, partial rotary dimensions, experts).
+    /// not implement for this family (soft-capping, a query pre-scale or local RoPE outside
+    /// Gemma, partial rotary dimensions, experts, bidirectional attention).
     fn unimplemented_key(&self) -> Option<&'static str> {
         const NEUTRAL: &[(&str, Option<f64>)] = &[
             ("attn_logit_softcapping", None),
@@ -312,26 +337,143 @@ impl LlamaConfig {
             ("num_local_experts", Some(0.0)),
             ("num_experts", Some(0.0)),
         ];
+        // Gemma computes these (Gemma 3 keeps `attn_logit_softcapping` in its config but
+        // transformers does not apply it, nor does aligner).
+        const GEMMA: &[&str] = &[
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+            "rope_local_base_freq",
+        ];
+        let bidirectional = self
+            .extra
+            .get("use_bidirectional_attention")
+            .is_some_and(|v| v.as_bool() == Some(true));
+        if bidirectional {
+            return Some("use_bidirectional_attention");
+        }
         NEUTRAL.iter().find_map(|&(key, neutral)| {
+            if self.is_gemma() && GEMMA.contains(&key) {
+                return None;
+            }
             let value = self.extra.get(key)?;
             let harmless = value.is_null() || neutral.is_some_and(|n| value.as_f64() == Some(n));
             (!harmless).then_some(key)
         })
     }
 
+    /// Gemma 2 or Gemma 3 (text).
+    pub fn is_gemma(&self) -> bool {
+        matches!(self.model_type.as_str(), "gemma2" | "gemma3_text")
+    }
+
     /// The RMSNorm on the queries and keys before RoPE (`q_norm`, `k_norm`).
     pub fn qk_norm(&self) -> QkNorm {
         match self.model_type.as_str() {
-            "qwen3" => QkNorm::PerHead,
+            "qwen3" | "gemma3_text" => QkNorm::PerHead,
             "olmo2" => QkNorm::Whole,
             _ => QkNorm::None,
         }
     }
 
-    /// Norms on the outputs of attention and MLP (`post_attention_layernorm`,
-    /// `post_feedforward_layernorm`) instead of on their inputs: OLMo 2.
-    pub fn norms_after(&self) -> bool {
-        self.model_type == "olmo2"
+    /// Where the blocks' norms sit: inputs (Llama), outputs (OLMo 2's
+    /// `post_attention_layernorm` / `post_feedforward_layernorm`), or both (Gemma's four).
+    pub fn norm_placement(&self) -> NormPlacement {
+        match self.model_type.as_str() {
+            "olmo2" => NormPlacement {
+                before: false,
+                after: true,
+            },
+            "gemma2" | "gemma3_text" => NormPlacement {
+                before: true,
+                after: true,
+            },
+            _ => NormPlacement {
+                before: true,
+                after: false,
+            },
+        }
+    }
+
+    /// Whether RMSNorm scales by `1 + w` (Gemma; the file stores `w`) rather than `w`.
+    pub fn norm_unit_offset(&self) -> bool {
+        self.is_gemma()
+    }
+
+    /// The factor on the token embeddings: `√hidden_size` in Gemma (in f32, as transformers
+    /// casts it to the weights' type).
+    pub fn embedding_scale(&self) -> Option<f64> {
+        self.is_gemma().then(|| (self.hidden_size as f64).sqrt())
+    }
+
+    /// The MLP's activation: `hidden_act` (default `silu`), or Gemma's `hidden_activation`
+    /// (default `gelu_pytorch_tanh`).
+    pub fn activation(&self) -> Result<Activation, String> {
+        let (key, name) = if self.is_gemma() {
+            let name = self
+                .extra
+                .get("hidden_activation")
+                .and_then(Value::as_str)
+                .or(self.hidden_act.as_deref())
+                .unwrap_or("gelu_pytorch_tanh");
+            ("hidden_activation", name)
+        } else {
+            ("hidden_act", self.hidden_act.as_deref().unwrap_or("silu"))
+        };
+        match name {
+            "silu" | "swish" => Ok(Activation::Silu),
+            "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
+            other => Err(format!(
+                "{key} {other:?} is not supported (\"silu\", \"gelu_pytorch_tanh\")"
+            )),
+        }
+    }
+
+    /// The attention's score scale: `query_pre_attn_scalar^-½` in Gemma (default 256),
+    /// `head_dim^-½` elsewhere.
+    pub fn attention_scale(&self) -> Result<f64, String> {
+        if !self.is_gemma() {
+            return Ok(1.0 / (self.head_dim() as f64).sqrt());
+        }
+        match self.extra.get("query_pre_attn_scalar") {
+            None | Some(Value::Null) => Ok(1.0 / 16.0),
+            Some(v) => match v.as_f64() {
+                Some(s) if s > 0.0 => Ok(1.0 / s.sqrt()),
+                _ => Err(format!(
+                    "query_pre_attn_scalar must be a positive number, got {v}"
+                )),
+            },
+        }
+    }
+
+    /// `cap · tanh(x / cap)` on the attention scores (Gemma 2's `attn_logit_softcapping`,
+    /// default 50; `null` turns it off).
+    pub fn attention_softcap(&self) -> Result<Option<f64>, String> {
+        match self.model_type.as_str() {
+            "gemma2" => self.softcap("attn_logit_softcapping", Some(50.0)),
+            _ => Ok(None),
+        }
+    }
+
+    /// `cap · tanh(x / cap)` on the output logits (`final_logit_softcapping`: Gemma 2's default
+    /// 30, Gemma 3's none).
+    pub fn final_softcap(&self) -> Result<Option<f64>, String> {
+        match self.model_type.as_str() {
+            "gemma2" => self.softcap("final_logit_softcapping", Some(30.0)),
+            "gemma3_text" => self.softcap("final_logit_softcapping", None),
+            _ => Ok(None),
+        }
+    }
+
+    fn softcap(&self, key: &str, default: Option<f64>) -> Result<Option<f64>, String> {
+        match self.extra.get(key) {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(cap) if cap > 0.0 && cap.is_finite() => Ok(Some(cap)),
+                _ => Err(format!("{key} must be a positive number or null, got {v}")),
+            },
+        }
     }
 
     /// Each layer's sliding attention window, as transformers reads it: `None` attends to every
@@ -345,6 +487,8 @@ impl LlamaConfig {
     /// - Llama has no sliding window (transformers ignores the key there too).
     pub fn attention_windows(&self) -> Result<Vec<Option<usize>>, String> {
         let layers = self.num_hidden_layers;
+        // Gemma's default window (transformers' config default).
+        let family_window = self.is_gemma().then_some(4096);
         let window = |default: Option<usize>| -> Result<Option<usize>, String> {
             match self.extra.get("sliding_window") {
                 None => Ok(default),
@@ -367,7 +511,7 @@ impl LlamaConfig {
                     types.len()
                 ));
             }
-            let sliding = window(None)?;
+            let sliding = window(family_window)?;
             return types
                 .iter()
                 .map(|t| match t.as_str() {
@@ -400,6 +544,28 @@ impl LlamaConfig {
                 };
                 Ok((0..layers).map(|i| sliding.filter(|_| i >= first)).collect())
             }
+            // Gemma 2 alternates sliding and global layers; Gemma 3 makes every
+            // `sliding_window_pattern`-th layer (default 6) global, the others sliding.
+            "gemma2" | "gemma3_text" => {
+                let every = if self.model_type == "gemma2" {
+                    2
+                } else {
+                    match self
+                        .extra
+                        .get("sliding_window_pattern")
+                        .or_else(|| self.extra.get("_sliding_window_pattern"))
+                    {
+                        None | Some(Value::Null) => 6,
+                        Some(v) => v.as_u64().filter(|&p| p > 0).ok_or_else(|| {
+                            format!("sliding_window_pattern must be a positive integer, got {v}")
+                        })? as usize,
+                    }
+                };
+                let sliding = window(family_window)?;
+                Ok((0..layers)
+                    .map(|i| sliding.filter(|_| !(i + 1).is_multiple_of(every)))
+                    .collect())
+            }
             _ => Ok(vec![None; layers]),
         }
     }
@@ -412,17 +578,25 @@ impl LlamaConfig {
     /// Per-head dimension: `head_dim` when given, else `hidden_size / num_attention_heads`
     /// (Qwen3's default is 128, independent of the hidden size, as transformers has it).
     pub fn head_dim(&self) -> usize {
-        let default = if self.model_type == "qwen3" {
-            128
-        } else {
-            self.hidden_size / self.num_attention_heads
-        };
+        let default = self
+            .family_head_dim()
+            .unwrap_or(self.hidden_size / self.num_attention_heads);
         self.head_dim.unwrap_or(default)
     }
 
-    /// Output embeddings shared with the input embeddings. HF's default differs by model type.
+    /// transformers' default `head_dim` where it does not derive from the hidden size.
+    fn family_head_dim(&self) -> Option<usize> {
+        match self.model_type.as_str() {
+            "qwen3" => Some(128),
+            "gemma2" | "gemma3_text" => Some(256),
+            _ => None,
+        }
+    }
+
+    /// Output embeddings shared with the input embeddings. HF's default differs by model type
+    /// (Gemma ties them).
     pub fn tied_embeddings(&self) -> bool {
-        self.tie_word_embeddings.unwrap_or(false)
+        self.tie_word_embeddings.unwrap_or(self.is_gemma())
     }
 
     /// Biases on the q/k/v projections (Qwen2 always; Llama when `attention_bias`).
@@ -453,26 +627,72 @@ impl LlamaConfig {
         }
     }
 
-    /// `rope_theta`, from the top level or from `rope_parameters` (transformers ≥ 4.56 / 5).
+    /// `rope_theta` of the (global) layers, from the top level or from `rope_parameters`
+    /// (transformers ≥ 4.56 / 5).
     pub fn rope_theta_value(&self) -> Result<f64, String> {
+        self.rope_theta_of(false)
+    }
+
+    /// The rotary scaling of the (global) layers, from `rope_scaling` or `rope_parameters`.
+    pub fn rope_scaling_kind(&self) -> Result<RopeScaling, String> {
+        self.rope_scaling_of(false)
+    }
+
+    /// Gemma 3's RoPE of its sliding-window layers, base and scaling apart from the global
+    /// layers' (`rope_parameters.sliding_attention`, or `rope_local_base_freq`, default 10000,
+    /// unscaled); `None` where every layer shares one.
+    pub fn local_rope(&self) -> Result<Option<(f64, RopeScaling)>, String> {
+        if self.model_type != "gemma3_text" {
+            return Ok(None);
+        }
+        Ok(Some((self.rope_theta_of(true)?, self.rope_scaling_of(true)?)))
+    }
+
+    /// The rotary settings of the global (`sliding == false`) or the local layers: Gemma 3
+    /// keeps one dict per layer kind in `rope_parameters`; other families one for all layers
+    /// (Gemma 3's older flat `rope_scaling` applies to its global layers only).
+    fn rope_dict(&self, sliding: bool) -> Option<&Value> {
+        let params = match (&self.rope_parameters, &self.rope_scaling) {
+            (Some(p), _) if !p.is_null() => p,
+            (_, Some(s)) if !s.is_null() => s,
+            _ => return None,
+        };
+        let per_kind = params.get("full_attention").is_some() || params.get("sliding_attention").is_some();
+        if per_kind {
+            let kind = if sliding {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            };
+            return params.get(kind).filter(|v| v.is_object());
+        }
+        (!(sliding && self.model_type == "gemma3_text")).then_some(params)
+    }
+
+    fn rope_theta_of(&self, sliding: bool) -> Result<f64, String> {
         let nested = self
-            .rope_parameters
-            .as_ref()
+            .rope_dict(sliding)
             .and_then(|p| p.get("rope_theta"))
             .and_then(Value::as_f64);
-        let theta = nested.or(self.rope_theta).unwrap_or(10000.0);
+        let top = if sliding {
+            self.extra.get("rope_local_base_freq").and_then(Value::as_f64)
+        } else {
+            self.rope_theta
+        };
+        let family = match self.model_type.as_str() {
+            "gemma3_text" if !sliding => 1_000_000.0,
+            _ => 10000.0,
+        };
+        let theta = nested.or(top).unwrap_or(family);
         if theta <= 0.0 {
             return Err(format!("rope_theta must be positive, got {theta}"));
         }
         Ok(theta)
     }
 
-    /// The rotary scaling, from `rope_scaling` or `rope_parameters`.
-    pub fn rope_scaling_kind(&self) -> Result<RopeScaling, String> {
-        let params = match (&self.rope_parameters, &self.rope_scaling) {
-            (Some(p), _) if !p.is_null() => p,
-            (_, Some(s)) if !s.is_null() => s,
-            _ => return Ok(RopeScaling::Default),
+    fn rope_scaling_of(&self, sliding: bool) -> Result<RopeScaling, String> {
+        let Some(params) = self.rope_dict(sliding) else {
+            return Ok(RopeScaling::Default);
         };
         let kind = params
             .get("rope_type")
@@ -525,6 +745,12 @@ fn is_supported_architecture(arch: &str) -> bool {
         "Olmo2ForCausalLM",
         "Olmo2ForSequenceClassification",
         "Olmo2Model",
+        "Gemma2ForCausalLM",
+        "Gemma2ForSequenceClassification",
+        "Gemma2Model",
+        "Gemma3ForCausalLM",
+        "Gemma3TextForSequenceClassification",
+        "Gemma3TextModel",
     ];
     KNOWN.contains(&arch)
 }
@@ -688,6 +914,86 @@ mod tests {
         .unwrap();
         assert!(c.qk_norm() == QkNorm::PerHead && !c.qkv_bias() && !c.o_bias());
         assert_eq!(c.head_dim(), 128);
+    }
+
+    #[test]
+    fn gemma_defaults_and_layer_patterns_as_transformers_has_them() {
+        let base = r#""vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":7,"num_attention_heads":2"#;
+        let gemma2 = parse(&format!(r#"{{{base},"model_type":"gemma2"}}"#)).unwrap();
+        assert_eq!(gemma2.head_dim(), 256);
+        assert!(gemma2.tied_embeddings());
+        assert_eq!(gemma2.activation().unwrap(), Activation::GeluTanh);
+        assert_eq!(gemma2.attention_scale().unwrap(), 1.0 / 16.0);
+        assert_eq!(gemma2.attention_softcap().unwrap(), Some(50.0));
+        assert_eq!(gemma2.final_softcap().unwrap(), Some(30.0));
+        assert_eq!(gemma2.embedding_scale(), Some(8f64.sqrt()));
+        assert!(gemma2.norm_unit_offset() && gemma2.qk_norm() == QkNorm::None);
+        assert_eq!(
+            gemma2.norm_placement(),
+            NormPlacement {
+                before: true,
+                after: true
+            }
+        );
+        // Alternating, the first layer sliding; transformers' 4096-token default window.
+        let w = Some(4096);
+        assert_eq!(
+            gemma2.attention_windows().unwrap(),
+            vec![w, None, w, None, w, None, w]
+        );
+        assert!(gemma2.local_rope().unwrap().is_none());
+
+        // Gemma 3 with an older config's flat keys: every 3rd layer global, rope_theta and
+        // rope_scaling for the global layers, rope_local_base_freq for the others.
+        let gemma3 = parse(&format!(
+            r#"{{{base},"model_type":"gemma3_text","sliding_window":5,"sliding_window_pattern":3,
+            "rope_theta":1000000.0,"rope_local_base_freq":10000.0,"rope_scaling":{{"rope_type":"linear","factor":8.0}},
+            "query_pre_attn_scalar":64,"attn_logit_softcapping":null,"final_logit_softcapping":null}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            gemma3.attention_windows().unwrap(),
+            vec![Some(5), Some(5), None, Some(5), Some(5), None, Some(5)]
+        );
+        assert_eq!(gemma3.rope_theta_value().unwrap(), 1_000_000.0);
+        assert_eq!(
+            gemma3.rope_scaling_kind().unwrap(),
+            RopeScaling::Linear { factor: 8.0 }
+        );
+        assert_eq!(
+            gemma3.local_rope().unwrap(),
+            Some((10000.0, RopeScaling::Default))
+        );
+        assert_eq!(gemma3.attention_scale().unwrap(), 0.125);
+        assert_eq!(gemma3.qk_norm(), QkNorm::PerHead);
+        assert_eq!(gemma3.attention_softcap().unwrap(), None);
+        assert_eq!(gemma3.final_softcap().unwrap(), None);
+
+        // Refused by name: Gemma's keys on a Llama, bidirectional Gemma 3, a bad activation.
+        let llama_scalar = parse(&format!(r#"{{{base},"query_pre_attn_scalar":64}}"#));
+        assert!(
+            llama_scalar
+                .unwrap_err()
+                .to_string()
+                .contains("query_pre_attn_scalar")
+        );
+        let bidirectional = parse(&format!(
+            r#"{{{base},"model_type":"gemma3_text","use_bidirectional_attention":true}}"#
+        ));
+        assert!(
+            bidirectional
+                .unwrap_err()
+                .to_string()
+                .contains("use_bidirectional_attention")
+        );
+        let act = parse(&format!(
+            r#"{{{base},"model_type":"gemma2","hidden_activation":"relu"}}"#
+        ));
+        assert!(act.unwrap_err().to_string().contains("hidden_activation"));
+        let cap = parse(&format!(
+            r#"{{{base},"model_type":"gemma2","final_logit_softcapping":-1}}"#
+        ));
+        assert!(cap.unwrap_err().to_string().contains("final_logit_softcapping"));
     }
 
     #[test]

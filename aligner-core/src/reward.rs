@@ -155,6 +155,8 @@ pub fn sequence_classification_config(config: &LlamaConfig, labels: &[String]) -
         "qwen2" => "Qwen2ForSequenceClassification",
         "qwen3" => "Qwen3ForSequenceClassification",
         "olmo2" => "Olmo2ForSequenceClassification",
+        "gemma2" => "Gemma2ForSequenceClassification",
+        "gemma3_text" => "Gemma3TextForSequenceClassification",
         "mistral" => "MistralForSequenceClassification",
         _ => "LlamaForSequenceClassification",
     };

@@ -131,8 +131,10 @@ fn response_logprobs_match_transformers() {
 /// with positions past the original context, Qwen2 biases stored in bf16, an explicit
 /// head_dim with attention and MLP biases, Qwen3 (per-head q/k norms, a head_dim of its own,
 /// sliding-window layers from `layer_types`), Mistral with a 12-token window, both on a
-/// 40-token input, and OLMo 2 (norms on the blocks' outputs, whole-projection q/k norms,
-/// attention biases).
+/// 40-token input, OLMo 2 (norms on the blocks' outputs, whole-projection q/k norms,
+/// attention biases), Gemma 2 (scaled embeddings, `1 + w` norms on both sides of each block,
+/// GeGLU, a query pre-scale, soft-capped scores and logits, alternating windows) and Gemma 3
+/// (per-head q/k norms, local and global RoPE bases, the global one linearly scaled).
 #[test]
 fn random_transformers_models_match_their_logits() {
     for name in [
@@ -142,6 +144,8 @@ fn random_transformers_models_match_their_logits() {
         "qwen3_window",
         "mistral_window",
         "olmo2_bias",
+        "gemma2_capped",
+        "gemma3_local_global",
     ] {
         let (model, expected) = hf_random(name, &Device::flex());
         let ids = ids(&expected["ids"]);
@@ -198,49 +202,67 @@ fn reference_logprobs(expected: &Value) -> Vec<f64> {
 
 /// Training computes what transformers does on the new families too: token log-probs on the
 /// autodiff device (the CPU's fused attention under the window mask, the q/k and output norms
-/// in the fused RMSNorm) match transformers' within 1e-3 per token; and the window is really
-/// applied: the same weights attending to every key give other log-probs.
+/// in the fused RMSNorm; Burn's attention under Gemma 2's soft-cap) match transformers' within
+/// 1e-3 per token; and each quirk is really applied: the same weights without the window,
+/// without Gemma 2's soft-caps, or with Gemma 3's global RoPE on every layer give other
+/// log-probs.
 #[test]
 fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
     let device = Device::flex().autodiff();
-    for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
-        let (mut model, expected) = hf_random(name, &device);
+    for name in [
+        "qwen3_window",
+        "mistral_window",
+        "olmo2_bias",
+        "gemma2_capped",
+        "gemma3_local_global",
+    ] {
+        let (model, expected) = hf_random(name, &device);
         let ids = ids(&expected["ids"]);
         let tokens = Tensor::<2, Int>::from_data(
             TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
             &device,
         );
         let want = reference_logprobs(&expected);
-        let got: Vec<f32> = model
-            .token_logprobs(tokens.clone())
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec()
-            .unwrap();
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (*a as f64 - b).abs())
-            .fold(0.0, f64::max);
+        let distance = |model: &aligner_core::CausalLm| {
+            let got: Vec<f32> = model
+                .token_logprobs(tokens.clone())
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec()
+                .unwrap();
+            got.iter()
+                .zip(&want)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max)
+        };
+        let worst = distance(&model);
         assert!(worst < 1e-3, "{name}: max |token log-prob difference| {worst}");
-        // Without the window the figures move far (OLMo 2 has none to take away).
-        if name == "olmo2_bias" {
-            continue;
+        let mut variants: Vec<(&str, aligner_core::CausalLm)> = Vec::new();
+        if name != "olmo2_bias" {
+            let mut full = model.clone();
+            for layer in &mut full.model.layers {
+                layer.self_attn.window = None;
+            }
+            variants.push(("without the window", full));
         }
-        for layer in &mut model.model.layers {
-            layer.self_attn.window = None;
+        if name == "gemma2_capped" {
+            let mut uncapped = model.clone();
+            uncapped.final_softcap = None;
+            variants.push(("without the final soft-cap", uncapped.clone()));
+            for layer in &mut uncapped.model.layers {
+                layer.self_attn.softcap = None;
+            }
+            uncapped.final_softcap = model.final_softcap;
+            variants.push(("without the attention soft-cap", uncapped));
         }
-        let full: Vec<f32> = model
-            .token_logprobs(tokens)
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec()
-            .unwrap();
-        let moved = full
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (*a as f64 - b).abs())
-            .fold(0.0, f64::max);
-        assert!(moved > 0.1, "{name}: the window changes nothing ({moved})");
+        if name == "gemma3_local_global" {
+            let mut global = model.clone();
+            global.model.local_rope = None;
+            variants.push(("with the global RoPE everywhere", global));
+        }
+        for (what, variant) in variants {
+            let moved = distance(&variant);
+            assert!(moved > 0.05, "{name}: {what} changes nothing ({moved})");
+        }
     }
 }

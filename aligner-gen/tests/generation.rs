@@ -106,13 +106,20 @@ fn greedy_tokens_equal_transformers() {
     }
 }
 
-/// Random Qwen3 (per-head q/k norms, sliding layers), Mistral (12-token window) and OLMo 2
-/// (output norms, whole-projection q/k norms) models made by transformers (tools/hf_parity.py): the engine's greedy continuation of a 6-token prompt,
+/// Random Qwen3 (per-head q/k norms, sliding layers), Mistral (12-token window), OLMo 2
+/// (output norms, whole-projection q/k norms), Gemma 2 (soft-capped scores and logits, GeGLU,
+/// a query pre-scale) and Gemma 3 (local and global RoPE) models made by transformers (tools/hf_parity.py): the engine's greedy continuation of a 6-token prompt,
 /// 40 tokens long (well past the window, so decoding reads a windowed cache), is transformers'
 /// token for token, on both forward paths, alone and beside another prompt.
 #[test]
 fn greedy_tokens_of_windowed_and_qk_normed_models_equal_transformers() {
-    for name in ["qwen3_window", "mistral_window", "olmo2_bias"] {
+    for name in [
+        "qwen3_window",
+        "mistral_window",
+        "olmo2_bias",
+        "gemma2_capped",
+        "gemma3_local_global",
+    ] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let lm = LoadedModel::from_dir(&dir, &Device::flex()).unwrap();
         let expected: Value =

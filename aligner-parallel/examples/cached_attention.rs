@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use aligner_parallel::fused::infer::{CacheLayout, cached_attention};
+use aligner_parallel::fused::infer::{CacheLayout, Scoring, cached_attention};
 
 fn filled(len: usize, seed: usize) -> Vec<f32> {
     (0..len)
@@ -27,7 +27,6 @@ fn main() {
         let (keys, values) = (filled(size, 1), filled(size, 2));
         let q = filled(rows * heads * dim, 3);
         let mut out = vec![0.0; rows * heads * dim];
-        let scale = 1.0 / (dim as f32).sqrt();
         let mut total = 0.0;
         let mut steps = 0;
         for round in 0..20 {
@@ -45,8 +44,7 @@ fn main() {
                     &at,
                     heads,
                     layout,
-                    scale,
-                    None,
+                    Scoring::plain(dim),
                 );
                 if round > 0 {
                     total += start.elapsed().as_secs_f64();

@@ -42,13 +42,15 @@ pub fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>, chunk_tokens: 
 /// log-softmax are ever materialised at once. Differentiable with respect to `hidden` and
 /// `weight`. The weight is cast to the hidden states' type (f32 master weights under half
 /// precision activations) and the log-probs come out in f32. On the Flex CPU backend and on Cube devices (wgpu, CUDA) each chunk is one
-/// [`crate::fused_token_logprobs`] node (hand-written backward); elsewhere it is composed from
-/// Burn ops.
+/// [`crate::fused_token_logprobs`] node (hand-written backward); elsewhere, and under a
+/// `softcap` (Gemma's `final_logit_softcapping`: logits become `cap · tanh(logit / cap)`), it
+/// is composed from Burn ops.
 pub fn token_logprobs_from_hidden(
     hidden: Tensor<3>,
     weight: Tensor<2>,
     targets: Tensor<2, Int>,
     chunk_tokens: usize,
+    softcap: Option<f64>,
 ) -> Tensor<2> {
     let [batch, seq, d_model] = hidden.dims();
     let rows = batch * seq;
@@ -57,7 +59,8 @@ pub fn token_logprobs_from_hidden(
     let flat = hidden.reshape([rows, d_model]);
     let flat_targets = targets.reshape([rows, 1]);
     let device = flat.device();
-    let fused = crate::fused_available(&device) || crate::cube_kernels_available(&device);
+    let fused =
+        softcap.is_none() && (crate::fused_available(&device) || crate::cube_kernels_available(&device));
     let out = chunked_rows(rows, chunk_tokens, |start, end| {
         let chunk = flat.clone().slice([start..end, 0..d_model]);
         let ids = flat_targets.clone().slice([start..end, 0..1]);
@@ -66,10 +69,12 @@ pub fn token_logprobs_from_hidden(
             crate::fused_token_logprobs(chunk, weight.clone(), ids.reshape([len])).reshape([len, 1])
         } else {
             // The log-softmax in f32 whatever the compute type (a no-op cast in f32).
-            gathered_log_softmax(
-                chunk.matmul(weight.clone()).cast(burn::tensor::FloatDType::F32),
-                ids,
-            )
+            let logits = chunk.matmul(weight.clone()).cast(burn::tensor::FloatDType::F32);
+            let logits = match softcap {
+                Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+                None => logits,
+            };
+            gathered_log_softmax(logits, ids)
         }
     });
     // The kernels' log-probs are f32 whatever the compute type; the composed ones follow it.
@@ -155,7 +160,13 @@ mod tests {
         let targets = Tensor::<2, Int>::random([2, 5], Distribution::Uniform(0.0, 30.0), &device);
         let logits = hidden.clone().matmul(weight.clone().unsqueeze());
         let expected = full_reference(logits, targets.clone());
-        let got = token_logprobs_from_hidden(hidden, weight, targets, 3);
+        let got = token_logprobs_from_hidden(hidden.clone(), weight.clone(), targets.clone(), 3, None);
+        got.into_data()
+            .assert_approx_eq::<f32>(&expected.to_data(), Tolerance::absolute(1e-5));
+        // Soft-capped: the cap applied to the full logits, then the log-softmax.
+        let logits = hidden.clone().matmul(weight.clone().unsqueeze());
+        let expected = full_reference(logits.div_scalar(2.5).tanh().mul_scalar(2.5), targets.clone());
+        let got = token_logprobs_from_hidden(hidden, weight, targets, 3, Some(2.5));
         got.into_data()
             .assert_approx_eq::<f32>(&expected.to_data(), Tolerance::absolute(1e-5));
     }

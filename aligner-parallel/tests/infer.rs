@@ -1,12 +1,12 @@
 //! The inference kernels (aligner-gen's host path) against the same maths composed from Burn
-//! ops, each on its own: RMS norm, SwiGLU, rotate-half RoPE, the row reductions of sampling,
+//! ops, each on its own: RMS norm, SwiGLU, GeGLU, rotate-half RoPE, the row reductions of sampling,
 //! and ragged grouped-query attention over a KV cache.
 
 use aligner_parallel::fused::infer::{
-    CacheLayout, LANES, cached_attention, log_sum_exp, rms_norm_into, rope_rows, row_max, scaled_exp_sum,
-    swiglu_into,
+    CacheLayout, LANES, Scoring, cached_attention, geglu_into, log_sum_exp, rms_norm_into, rope_rows,
+    row_max, scaled_exp_sum, swiglu_into,
 };
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::{gelu_approximate, silu, softmax};
 use burn::tensor::{Device, Tensor, TensorData};
 
 /// Deterministic values in [-2, 2).
@@ -62,6 +62,17 @@ fn swiglu_rows_match_composed_ops() {
     let both = tensor(&gate_up, [rows, 2 * ff]);
     let want = silu(both.clone().slice([0..rows, 0..ff])) * both.slice([0..rows, ff..2 * ff]);
     assert_close(&got, &host(want), 1e-5, "swiglu");
+}
+
+#[test]
+fn geglu_rows_match_composed_ops() {
+    let (rows, ff) = (29, 40);
+    let gate_up = filled(rows * 2 * ff, 4);
+    let mut got = vec![0.0; rows * ff];
+    geglu_into(&mut got, &gate_up, ff);
+    let both = tensor(&gate_up, [rows, 2 * ff]);
+    let want = gelu_approximate(both.clone().slice([0..rows, 0..ff])) * both.slice([0..rows, ff..2 * ff]);
+    assert_close(&got, &host(want), 1e-5, "geglu");
 }
 
 #[test]
@@ -124,18 +135,30 @@ fn row_reductions_match_composed_ops() {
 /// with NaN and infinities (what a diverged earlier occupant could leave): it must not leak.
 /// Head widths with an unrolled path (8, 64) and without (12); capacities of whole vectors
 /// and not; rows short of four vectors of positions and one past them (70); no window, and
-/// sliding windows of 1, 7 and 40 positions (each token then sees only its last ones).
+/// sliding windows of 1, 7 and 40 positions (each token then sees only its last ones); the
+/// plain score scale and another one with a soft-cap (Gemma 2's).
 #[test]
 fn cached_attention_matches_composed_ops_and_ignores_stale_positions() {
     for window in [None, Some(1), Some(7), Some(40)] {
         for (heads, kv_heads, dim, capacity) in [(4, 2, 8, 5 * LANES), (2, 1, 12, 5 * LANES), (2, 2, 64, 75)]
         {
-            check_cached_attention(heads, kv_heads, dim, capacity, window);
+            let plain = Scoring {
+                window,
+                ..Scoring::plain(dim)
+            };
+            check_cached_attention(heads, kv_heads, dim, capacity, plain);
+            let capped = Scoring {
+                scale: 0.7,
+                window,
+                softcap: Some(1.5),
+            };
+            check_cached_attention(heads, kv_heads, dim, capacity, capped);
         }
     }
 }
 
-fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: usize, window: Option<usize>) {
+fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: usize, scoring: Scoring) {
+    let window = scoring.window;
     let cache_rows = 5;
     let layout = CacheLayout {
         kv_heads,
@@ -173,10 +196,9 @@ fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: u
     }
     let (extra, stride) = (3, 3 + heads * dim);
     let q = filled(rows.len() * stride, 8);
-    let scale = 1.0 / (dim as f32).sqrt();
     let mut got = vec![0.0; rows.len() * heads * dim];
     cached_attention(
-        &mut got, &q, stride, extra, &keys, &values, &rows, heads, layout, scale, window,
+        &mut got, &q, stride, extra, &keys, &values, &rows, heads, layout, scoring,
     );
 
     let mut want = Vec::new();
@@ -192,7 +214,12 @@ fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: u
             let k = tensor(&lanes, [dim, n]);
             let v = tensor(&values[base + first * dim..][..n * dim], [n, dim]);
             let qh = tensor(&q[t * stride + extra + h * dim..][..dim], [1, dim]);
-            let probs = softmax(qh.matmul(k) * scale, 1);
+            let scores = qh.matmul(k) * scoring.scale;
+            let scores = match scoring.softcap {
+                Some(cap) => scores.div_scalar(cap).tanh().mul_scalar(cap),
+                None => scores,
+            };
+            let probs = softmax(scores, 1);
             want.extend(host(probs.matmul(v)));
         }
     }
@@ -204,6 +231,6 @@ fn check_cached_attention(heads: usize, kv_heads: usize, dim: usize, capacity: u
         &got,
         &want,
         1e-5,
-        &format!("cached attention, dim {dim}, capacity {capacity}, window {window:?}"),
+        &format!("cached attention, dim {dim}, capacity {capacity}, {scoring:?}"),
     );
 }

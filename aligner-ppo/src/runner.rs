@@ -33,7 +33,7 @@ use crate::losses::{LossAgg, entropy, masked_token_mean, policy_loss};
 use crate::rollout::{Layout, Sequence};
 use crate::sampler::{Rollout, Sampler};
 pub use crate::timing::StepTimes;
-use aligner_parallel::{DEFAULT_CHUNK_TOKENS, ReduceOp, shard_range, token_logprobs_from_hidden};
+use aligner_parallel::{ReduceOp, shard_range};
 
 /// The file a PPO checkpoint writes last (its presence marks the checkpoint complete).
 pub const PPO_STATE: &str = "ppo_state.json";
@@ -686,7 +686,7 @@ impl PpoRunner<'_> {
             .narrow(1, 0, width - 1)
             .reshape([rows, width - 1, d]);
         let targets = layout.tokens.clone().narrow(1, 1, width - 1);
-        let lp = token_logprobs_from_hidden(inputs, actor.output_weight(), targets, DEFAULT_CHUNK_TOKENS);
+        let lp = actor.token_logprobs_of_hidden(inputs, targets);
         let mut out = policy_loss(
             layout.response_columns(lp),
             old,

@@ -1,15 +1,17 @@
 //! Grouped-query self-attention with rotary embeddings and an optional KV cache; query/key
-//! norms (Qwen3's per head, OLMo 2's over the whole projection) and a sliding window (Mistral,
-//! Qwen) where the config asks for them.
+//! norms (Qwen3's and Gemma 3's per head, OLMo 2's over the whole projection), a sliding window
+//! (Mistral, Qwen, Gemma), Gemma's query pre-scale and Gemma 2's score soft-capping where the
+//! config asks for them.
 
 use burn::module::Module;
-use burn::nn::{LinearConfig, RmsNorm};
+use burn::nn::LinearConfig;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Int, Tensor};
 
 use super::cache::LayerCache;
 use super::lora::LoraLinear;
+use super::norm::RmsNorm;
 use super::rope::RotaryAngles;
 use crate::config::{LlamaConfig, QkNorm};
 
@@ -30,6 +32,13 @@ pub struct Attention {
     /// Sliding window: a query sees itself and the `window - 1` keys before it.
     #[module(skip)]
     pub window: Option<usize>,
+    /// A factor on the queries that turns the kernels' `head_dim^-½` score scale into the
+    /// config's (Gemma's `query_pre_attn_scalar^-½`); `None` when they agree.
+    #[module(skip)]
+    pub query_scale: Option<f64>,
+    /// Gemma 2's `attn_logit_softcapping`: scores become `cap · tanh(score / cap)`.
+    #[module(skip)]
+    pub softcap: Option<f64>,
 }
 
 impl Attention {
@@ -47,7 +56,7 @@ impl Attention {
                 QkNorm::PerHead => head_dim,
                 QkNorm::Whole => heads * head_dim,
             };
-            Some(super::layer::rms_norm(width, config.rms_norm_eps, device))
+            Some(super::layer::rms_norm(config, width, device))
         };
         Self {
             q_proj: proj(hidden, n_heads * head_dim, qkv_bias),
@@ -63,6 +72,11 @@ impl Attention {
                 .attention_windows()
                 .ok()
                 .and_then(|w| w.get(index).copied().flatten()),
+            query_scale: config.attention_scale().ok().and_then(|scale| {
+                let factor = scale * (head_dim as f64).sqrt();
+                ((factor - 1.0).abs() > 1e-12).then_some(factor)
+            }),
+            softcap: config.attention_softcap().ok().flatten(),
         }
     }
 
@@ -92,7 +106,10 @@ impl Attention {
             }
             h.reshape([batch, seq, n, hd]).swap_dims(1, 2)
         };
-        let q = rope.apply(heads(&self.q_proj, self.n_heads, self.q_norm.as_ref()));
+        let mut q = rope.apply(heads(&self.q_proj, self.n_heads, self.q_norm.as_ref()));
+        if let Some(factor) = self.query_scale {
+            q = q.mul_scalar(factor);
+        }
         let k = rope.apply(heads(&self.k_proj, self.n_kv_heads, self.k_norm.as_ref()));
         let v = heads(&self.v_proj, self.n_kv_heads, None);
         let (k, v) = match cache {
@@ -114,16 +131,19 @@ impl Attention {
         let keys = k.dims()[2];
         let options = AttentionModuleOptions {
             scale: None,
-            softcap: None,
+            softcap: self.softcap,
             is_causal: mask.is_none(),
         };
+        // aligner's kernels do not soft-cap: capped models take Burn's attention (composed
+        // ops under autodiff, Flex's kernel in inference).
+        let capped = self.softcap.is_some();
         // Training on CPU: aligner's fused op (one autodiff node, hand-written backward).
-        if q.is_autodiff() && aligner_parallel::fused_available(&q.device()) {
+        if !capped && q.is_autodiff() && aligner_parallel::fused_available(&q.device()) {
             return aligner_parallel::fused_attention(q, k, v, mask);
         }
         // GPUs: aligner's flash-attention kernels (KV heads shared, no score matrix; the mask
         // stays on the device), training and inference alike.
-        if aligner_parallel::flash_attention_available(&q.device()) {
+        if !capped && aligner_parallel::flash_attention_available(&q.device()) {
             return aligner_parallel::flash_attention(q, k, v, mask);
         }
         // Flex's inference kernel shares KV heads itself and broadcasts the mask; Burn's

@@ -1,22 +1,26 @@
-//! One pre-norm decoder block: attention and a SwiGLU MLP, each with a residual.
+//! One decoder block: attention and a gated MLP, each with a residual, and RMSNorms on the
+//! blocks' inputs (Llama), outputs (OLMo 2) or both (Gemma).
 
 use burn::module::Module;
-use burn::nn::{LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::silu;
+use burn::nn::LinearConfig;
+use burn::tensor::activation::{gelu_approximate, silu};
 use burn::tensor::{Bool, Device, Tensor};
 
 use super::attention::Attention;
 use super::cache::LayerCache;
 use super::lora::LoraLinear;
+use super::norm::RmsNorm;
 use super::rope::RotaryAngles;
-use crate::config::LlamaConfig;
+use crate::config::{Activation, LlamaConfig};
 
-/// `down(silu(gate(x)) ⊙ up(x))`.
+/// `down(act(gate(x)) ⊙ up(x))`: SwiGLU (`silu`), or GeGLU (Gemma's tanh-approximated GELU).
 #[derive(Module, Debug)]
 pub struct Mlp {
     pub gate_proj: LoraLinear,
     pub up_proj: LoraLinear,
     pub down_proj: LoraLinear,
+    #[module(skip)]
+    pub activation: Activation,
 }
 
 impl Mlp {
@@ -28,45 +32,56 @@ impl Mlp {
             gate_proj: proj(h, f),
             up_proj: proj(h, f),
             down_proj: proj(f, h),
+            activation: config.activation().unwrap_or_default(),
         }
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let gate = self.gate_proj.forward(x.clone());
         let up = self.up_proj.forward(x);
-        // Training on CPU, and on GPUs: one fused node instead of sigmoid, two products and
-        // their backward.
-        let hidden = if fused_here(&gate) {
-            aligner_parallel::fused_swiglu(gate, up)
-        } else {
-            silu(gate) * up
+        let hidden = match self.activation {
+            // Training on CPU, and on GPUs: one fused node instead of sigmoid, two products
+            // and their backward.
+            Activation::Silu if fused_here(&gate) => aligner_parallel::fused_swiglu(gate, up),
+            Activation::Silu => silu(gate) * up,
+            Activation::GeluTanh => gelu_approximate(gate) * up,
         };
         self.down_proj.forward(hidden)
     }
 }
 
-/// `x + attn(norm(x))`, then `x + mlp(norm(x))`; OLMo 2: `x + norm(attn(x))`, then
-/// `x + norm(mlp(x))`.
+/// `x + out(attn(in(x)))`, then `x + out(mlp(in(x)))`, where each `in` / `out` norm may be
+/// absent: Llama has the input norms only, OLMo 2 the output norms only, Gemma all four.
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
-    /// The norm before attention; `None` in OLMo 2, which normalises outputs instead.
-    pub input_layernorm: Option<RmsNorm>,
+    /// HF's `input_layernorm`.
+    pub attn_norm_in: Option<RmsNorm>,
     pub self_attn: Attention,
-    /// The norm before the MLP; in OLMo 2 the norm of attention's output.
-    pub post_attention_layernorm: RmsNorm,
-    /// OLMo 2: the norm of the MLP's output.
-    pub post_feedforward_layernorm: Option<RmsNorm>,
+    /// OLMo 2's and Gemma's `post_attention_layernorm`.
+    pub attn_norm_out: Option<RmsNorm>,
+    /// Llama's `post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`.
+    pub mlp_norm_in: Option<RmsNorm>,
     pub mlp: Mlp,
+    /// OLMo 2's and Gemma's `post_feedforward_layernorm`.
+    pub mlp_norm_out: Option<RmsNorm>,
 }
 
 /// `norm.forward(x)`, as one fused node when training on CPU (Burn's is seven: casts, square,
 /// mean, add, sqrt, div, mul).
 pub fn norm(norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
     if fused_here(&x) {
-        let gamma = super::as_type_of(norm.gamma.val(), &x);
-        aligner_parallel::fused_rms_norm(x, gamma, norm.epsilon)
+        let scale = super::as_type_of(norm.scale(), &x);
+        aligner_parallel::fused_rms_norm(x, scale, norm.epsilon)
     } else {
         norm.forward(x)
+    }
+}
+
+/// `x` through `norm` when there is one.
+fn maybe_norm(n: Option<&RmsNorm>, x: Tensor<3>) -> Tensor<3> {
+    match n {
+        Some(n) => norm(n, x),
+        None => x,
     }
 }
 
@@ -78,41 +93,42 @@ fn fused_here(x: &Tensor<3>) -> bool {
         || aligner_parallel::cube_kernels_available(&device)
 }
 
-/// An HF-style RMSNorm (`x · rsqrt(mean(x²) + ε) · w`) of width `d`.
-pub fn rms_norm(d: usize, eps: f64, device: &Device) -> RmsNorm {
-    RmsNormConfig::new(d).with_epsilon(eps).init(device)
+/// An HF-style RMSNorm of width `d` for `config`'s family (Gemma's scale by `1 + w`).
+pub fn rms_norm(config: &LlamaConfig, d: usize, device: &Device) -> RmsNorm {
+    RmsNorm::new(d, config.rms_norm_eps, config.norm_unit_offset(), device)
 }
 
 impl DecoderLayer {
     /// Layer `index` of a model built for `config`.
     pub fn new(config: &LlamaConfig, index: usize, device: &Device) -> Self {
-        let norm = || rms_norm(config.hidden_size, config.rms_norm_eps, device);
-        let after = config.norms_after();
+        let placement = config.norm_placement();
+        let norm = |present: bool| present.then(|| rms_norm(config, config.hidden_size, device));
         Self {
-            input_layernorm: (!after).then(norm),
+            attn_norm_in: norm(placement.before),
             self_attn: Attention::new(config, index, device),
-            post_attention_layernorm: norm(),
-            post_feedforward_layernorm: after.then(norm),
+            attn_norm_out: norm(placement.after),
+            mlp_norm_in: norm(placement.before),
             mlp: Mlp::new(config, device),
+            mlp_norm_out: norm(placement.after),
         }
     }
 
-    /// Whether the norms sit on the blocks' outputs (OLMo 2) rather than their inputs.
-    pub fn norms_after(&self) -> bool {
-        self.input_layernorm.is_none()
-    }
-
-    /// The attention block's norm and the MLP block's: `input_layernorm` and
-    /// `post_attention_layernorm` on their inputs, or (OLMo 2) `post_attention_layernorm` and
-    /// `post_feedforward_layernorm` on their outputs. Every forward pass (this one, the engine's
-    /// host kernels) reads them here.
-    pub fn block_norms(&self) -> (&RmsNorm, &RmsNorm) {
-        match (&self.input_layernorm, &self.post_feedforward_layernorm) {
-            (Some(pre), _) => (pre, &self.post_attention_layernorm),
-            (None, Some(post)) => (&self.post_attention_layernorm, post),
-            // Not built by `new`: one norm left, it serves both blocks.
-            (None, None) => (&self.post_attention_layernorm, &self.post_attention_layernorm),
-        }
+    /// HF's names (`model.layers.N.<name>.weight`) of the norms in field order (attention's
+    /// input and output, the MLP's input and output): the MLP's input norm is
+    /// `post_attention_layernorm` unless attention has an output norm of that name (Gemma's
+    /// `pre_feedforward_layernorm`).
+    pub fn norm_names(&self) -> [&'static str; 4] {
+        let mlp_in = if self.attn_norm_out.is_some() {
+            "pre_feedforward_layernorm"
+        } else {
+            "post_attention_layernorm"
+        };
+        [
+            "input_layernorm",
+            "post_attention_layernorm",
+            mlp_in,
+            "post_feedforward_layernorm",
+        ]
     }
 
     pub fn forward(
@@ -122,16 +138,11 @@ impl DecoderLayer {
         mask: Option<&Tensor<4, Bool>>,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let (attn_norm, mlp_norm) = self.block_norms();
-        if self.norms_after() {
-            let attn = self.self_attn.forward(x.clone(), rope, mask, cache);
-            let x = x + norm(attn_norm, attn);
-            let mlp = self.mlp.forward(x.clone());
-            x + norm(mlp_norm, mlp)
-        } else {
-            let x = x.clone() + self.self_attn.forward(norm(attn_norm, x), rope, mask, cache);
-            let mlp = self.mlp.forward(norm(mlp_norm, x.clone()));
-            x + mlp
-        }
+        let h = maybe_norm(self.attn_norm_in.as_ref(), x.clone());
+        let h = self.self_attn.forward(h, rope, mask, cache);
+        let x = x + maybe_norm(self.attn_norm_out.as_ref(), h);
+        let h = maybe_norm(self.mlp_norm_in.as_ref(), x.clone());
+        let h = self.mlp.forward(h);
+        x + maybe_norm(self.mlp_norm_out.as_ref(), h)
     }
 }

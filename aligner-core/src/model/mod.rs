@@ -9,16 +9,18 @@ mod attention;
 mod cache;
 mod layer;
 mod lora;
+mod norm;
 mod rope;
 
 use burn::module::{Module, Param, ParamId};
-use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 pub use attention::Attention;
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};
+pub use norm::RmsNorm;
 pub use rope::{Rope, RotaryAngles, inverse_frequencies};
 
 use crate::config::{LlamaConfig, Precision};
@@ -30,7 +32,13 @@ pub struct LlamaModel {
     pub embed_tokens: Embedding,
     pub layers: Vec<DecoderLayer>,
     pub norm: RmsNorm,
+    /// The RoPE of every layer, or (Gemma 3) of the global layers.
     pub rope: Rope,
+    /// Gemma 3: the RoPE of the sliding-window layers (another base).
+    pub local_rope: Option<Rope>,
+    /// Gemma: the factor (`√hidden`) on the token embeddings.
+    #[module(skip)]
+    pub embedding_scale: Option<f64>,
     /// What the forward pass computes in: activations are cast to it after the embedding
     /// lookup and every weight is cast to the activations' type where it is used, so f32
     /// weights train as master weights under a half-precision forward (the casts' backward
@@ -47,8 +55,10 @@ impl LlamaModel {
             layers: (0..config.num_hidden_layers)
                 .map(|i| DecoderLayer::new(config, i, device))
                 .collect(),
-            norm: layer::rms_norm(config.hidden_size, config.rms_norm_eps, device),
+            norm: layer::rms_norm(config, config.hidden_size, device),
             rope: Rope::new(config, device),
+            local_rope: Rope::local(config, device),
+            embedding_scale: config.embedding_scale(),
             precision: config.precision,
         }
     }
@@ -63,14 +73,21 @@ impl LlamaModel {
         mask: Option<&Tensor<4, Bool>>,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor<3> {
-        let mut x = self
-            .embed_tokens
-            .forward(tokens)
-            .cast(self.precision.float_dtype());
+        let mut x = self.embed_tokens.forward(tokens);
+        if let Some(scale) = self.embedding_scale {
+            x = x.mul_scalar(scale as f32);
+        }
+        let mut x = x.cast(self.precision.float_dtype());
         let angles = self.rope.angles(positions);
+        let local = self.local_rope.as_ref().map(|r| r.angles(positions));
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, &angles, mask, layer_cache);
+            // Gemma 3's sliding-window layers rotate with the local base.
+            let angles = match (&local, layer.self_attn.window) {
+                (Some(local), Some(_)) => local,
+                _ => &angles,
+            };
+            x = layer.forward(x, angles, mask, layer_cache);
         }
         layer::norm(&self.norm, x)
     }
@@ -82,6 +99,9 @@ pub struct CausalLm {
     pub model: LlamaModel,
     /// `None` when the output embeddings are tied to the input embeddings.
     pub lm_head: Option<Linear>,
+    /// Gemma's `final_logit_softcapping`: logits become `cap · tanh(logit / cap)`.
+    #[module(skip)]
+    pub final_softcap: Option<f64>,
 }
 
 impl CausalLm {
@@ -95,6 +115,16 @@ impl CausalLm {
         Self {
             model: LlamaModel::new(config, device),
             lm_head,
+            final_softcap: config.final_softcap().ok().flatten(),
+        }
+    }
+
+    /// `cap · tanh(logits / cap)` under a final soft-cap (Gemma), the logits themselves
+    /// otherwise.
+    pub fn cap_logits<const D: usize>(&self, logits: Tensor<D>) -> Tensor<D> {
+        match self.final_softcap {
+            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+            None => logits,
         }
     }
 
@@ -114,11 +144,12 @@ impl CausalLm {
         let [b, s, d] = hidden.dims();
         let weight = as_type_of(self.output_weight(), &hidden);
         let vocab = weight.dims()[1];
-        hidden
+        let logits = hidden
             .reshape([b * s, d])
             .matmul(weight)
             .reshape([b, s, vocab])
-            .cast(burn::tensor::FloatDType::F32)
+            .cast(burn::tensor::FloatDType::F32);
+        self.cap_logits(logits)
     }
 
     /// Logits of right-padded (or unpadded) `tokens: [batch, seq]` at positions `0..seq`.
@@ -151,8 +182,20 @@ impl CausalLm {
         let [_, _, d] = hidden.dims();
         let inputs = hidden.narrow(1, 0, seq - 1).reshape([batch, seq - 1, d]);
         let targets = tokens.narrow(1, 1, seq - 1);
-        // In f32 whatever the compute type (the weight is cast to the activations' type there).
-        token_logprobs_from_hidden(inputs, self.output_weight(), targets, DEFAULT_CHUNK_TOKENS)
+        self.token_logprobs_of_hidden(inputs, targets)
+    }
+
+    /// `log p(targets)` of the next-token distributions of `hidden: [batch, seq, d]` (chunked:
+    /// no `[batch, seq, vocab]` tensor), under the final soft-cap when the model has one.
+    /// In f32 whatever the compute type (the weight is cast to the activations' type there).
+    pub fn token_logprobs_of_hidden(&self, hidden: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
+        token_logprobs_from_hidden(
+            hidden,
+            self.output_weight(),
+            targets,
+            DEFAULT_CHUNK_TOKENS,
+            self.final_softcap,
+        )
     }
 }
 
@@ -231,6 +274,7 @@ impl CausalLm {
         Self {
             model: self.model.merged(),
             lm_head: self.lm_head.clone(),
+            final_softcap: self.final_softcap,
         }
     }
 }

@@ -61,11 +61,23 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -
 }
 
 impl Rope {
+    /// The RoPE of `config`'s (global) layers.
     pub fn new(config: &LlamaConfig, device: &Device) -> Self {
-        let head_dim = config.head_dim();
         let theta = config.rope_theta_value().unwrap_or(10000.0);
         let scaling = config.rope_scaling_kind().unwrap_or(RopeScaling::Default);
-        let inv_freq = inverse_frequencies(head_dim, theta, &scaling);
+        Self::with(config, theta, &scaling, device)
+    }
+
+    /// Gemma 3's RoPE of its sliding-window layers (its own base and scaling); `None` where
+    /// every layer shares [`Rope::new`]'s.
+    pub fn local(config: &LlamaConfig, device: &Device) -> Option<Self> {
+        let (theta, scaling) = config.local_rope().ok().flatten()?;
+        Some(Self::with(config, theta, &scaling, device))
+    }
+
+    fn with(config: &LlamaConfig, theta: f64, scaling: &RopeScaling, device: &Device) -> Self {
+        let head_dim = config.head_dim();
+        let inv_freq = inverse_frequencies(head_dim, theta, scaling);
         Self {
             inv_freq: Tensor::from_data(TensorData::new(inv_freq, [head_dim / 2]), device),
             max_positions: config.max_position_embeddings.max(1),

@@ -197,6 +197,7 @@ impl BurnRunner {
         let hidden = self.model.model.forward(tokens, positions, mask, Some(cache));
         let [_, _, d] = hidden.dims();
         let last = hidden.narrow(1, new - 1, 1).reshape([rows, d]);
-        last.matmul(self.head.clone()).cast(FloatDType::F32)
+        let logits = last.matmul(self.head.clone()).cast(FloatDType::F32);
+        self.model.cap_logits(logits)
     }
 }

@@ -6,11 +6,14 @@
 //! then runs once over every picked token, its column panels split between the cores (its
 //! weights are the largest matrix and are read once rather than once per group).
 
+use aligner_core::config::Activation;
 use aligner_parallel::fused::host::matmul;
-use aligner_parallel::fused::infer::{CacheLayout, cached_attention, rms_norm_into, rope_rows, swiglu_into};
+use aligner_parallel::fused::infer::{
+    CacheLayout, cached_attention, geglu_into, rms_norm_into, rope_rows, swiglu_into,
+};
 use rayon::prelude::*;
 
-use super::host::{HostCache, HostLayer, HostWeights};
+use super::host::{HostCache, HostLayer, HostNorm, HostWeights};
 
 /// Fewest tokens worth a group of their own (below it, one thread does all).
 const MIN_GROUP_TOKENS: usize = 8;
@@ -55,10 +58,15 @@ pub(crate) fn forward(
         .collect();
     let last: Vec<f32> = hidden.concat();
     let mut normed = vec![0.0; last.len()];
-    rms_norm_into(&mut normed, &last, &w.norm, w.eps[2 * w.layers.len()]);
+    rms_norm_into(&mut normed, &last, &w.norm.scale, w.norm.eps);
     // Every entry is overwritten: a recycled buffer needs no clearing.
     logits.resize(picked.len() * w.vocab, 0.0);
     w.head.left_product(&mut logits, &normed, picked.len());
+    if let Some(cap) = w.final_softcap {
+        for l in logits.iter_mut() {
+            *l = cap * (*l / cap).tanh();
+        }
+    }
     logits
 }
 
@@ -145,6 +153,9 @@ fn trunk(
     for &t in tokens {
         x.extend_from_slice(&w.embed[t as usize * d..][..d]);
     }
+    if let Some(scale) = w.embed_scale {
+        x.iter_mut().for_each(|v| *v *= scale);
+    }
     // Rows relative to the group's first cache row.
     let local: Vec<(usize, usize)> = rows.iter().map(|&(r, p)| (r - cache.first_row, p)).collect();
     let mut scratch = Scratch::new(w, n);
@@ -168,9 +179,12 @@ struct Scratch {
     act: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// Gemma 3's sliding-window layers: the angles of the local RoPE base.
+    cos_local: Vec<f32>,
+    sin_local: Vec<f32>,
     /// One row's query or key heads, for the in-place per-head norm.
     head: Vec<f32>,
-    /// OLMo 2: a block's output before its norm.
+    /// OLMo 2, Gemma: a block's output before its norm.
     out: Vec<f32>,
 }
 
@@ -186,6 +200,8 @@ impl Scratch {
             act: vec![0.0; n * w.ffn],
             cos: Vec::new(),
             sin: Vec::new(),
+            cos_local: Vec::new(),
+            sin_local: Vec::new(),
             head: Vec::new(),
             out: Vec::new(),
         }
@@ -193,18 +209,24 @@ impl Scratch {
 
     /// Rotary angles as transformers computes them: float32 position × float32 frequency.
     fn angles(&mut self, w: &HostWeights, rows: &[(usize, usize)]) {
-        for &(_, pos) in rows {
-            for &f in &w.inv_freq {
-                let angle = pos as f32 * f;
-                self.cos.push(angle.cos());
-                self.sin.push(angle.sin());
+        let fill = |inv_freq: &[f32], cos: &mut Vec<f32>, sin: &mut Vec<f32>| {
+            for &(_, pos) in rows {
+                for &f in inv_freq {
+                    let angle = pos as f32 * f;
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
             }
+        };
+        fill(&w.inv_freq, &mut self.cos, &mut self.sin);
+        if let Some(local) = &w.local_inv_freq {
+            fill(local, &mut self.cos_local, &mut self.sin_local);
         }
     }
 }
 
-/// `x += attn(norm(x))`, then `x += mlp(norm(x))` for one decoder layer (OLMo 2:
-/// `x += norm(attn(x))`, then `x += norm(mlp(x))`).
+/// `x += out(attn(in(x)))`, then `x += out(mlp(in(x)))` for one decoder layer, each `in` /
+/// `out` norm where the layer has it (Llama: inputs; OLMo 2: outputs; Gemma: both).
 fn layer_forward(
     w: &HostWeights,
     i: usize,
@@ -217,40 +239,29 @@ fn layer_forward(
     let (n, d, hd, ffn) = (rows.len(), w.hidden, w.head_dim, w.ffn);
     let (q_width, kv_width) = (w.heads * hd, w.kv_heads * hd);
     let qkv_width = q_width + 2 * kv_width;
-    // Llama family: attention and MLP read normalised inputs. OLMo 2: they read `x` itself
-    // and their outputs are normalised before the residual add.
-    let (after, eps_attn, eps_mlp) = (layer.norms_after, w.eps[2 * i], w.eps[2 * i + 1]);
-    if after {
-        s.normed.copy_from_slice(x);
-    } else {
-        rms_norm_into(&mut s.normed, x, &layer.attn_norm, eps_attn);
-    }
+    block_input(&mut s.normed, x, layer.attn_in.as_ref());
     matmul(
         &mut s.qkv, &s.normed, &layer.qkv, n, qkv_width, d, false, false, false,
     );
     add_bias(&mut s.qkv, &layer.qkv_bias);
-    // Qwen3 (each head) and OLMo 2 (the whole projection): queries and keys normalised
-    // before RoPE.
-    norm_heads(
-        &mut s.qkv,
-        qkv_width,
-        0,
-        q_width,
-        &layer.q_norm,
-        layer.qk_eps,
-        &mut s.head,
-    );
+    // Qwen3, Gemma 3 (each head) and OLMo 2 (the whole projection): queries and keys
+    // normalised before RoPE.
+    norm_heads(&mut s.qkv, qkv_width, 0, q_width, &layer.q_norm, &mut s.head);
     norm_heads(
         &mut s.qkv,
         qkv_width,
         q_width,
         kv_width,
         &layer.k_norm,
-        layer.qk_eps,
         &mut s.head,
     );
-    rope_rows(&mut s.qkv, qkv_width, 0, w.heads, hd, &s.cos, &s.sin);
-    rope_rows(&mut s.qkv, qkv_width, q_width, w.kv_heads, hd, &s.cos, &s.sin);
+    let (cos, sin) = if layer.local_rope {
+        (&s.cos_local, &s.sin_local)
+    } else {
+        (&s.cos, &s.sin)
+    };
+    rope_rows(&mut s.qkv, qkv_width, 0, w.heads, hd, cos, sin);
+    rope_rows(&mut s.qkv, qkv_width, q_width, w.kv_heads, hd, cos, sin);
     let layout = cache.layout;
     let (keys, values) = (&mut *cache.keys[i], &mut *cache.values[i]);
     for (qkv, &(row, pos)) in s.qkv.chunks(qkv_width).zip(rows) {
@@ -260,7 +271,6 @@ fn layer_forward(
             layout.write_value(values, row, h, pos, vh);
         }
     }
-    let scale = 1.0 / (hd as f32).sqrt();
     cached_attention(
         &mut s.attn,
         &s.qkv,
@@ -271,27 +281,20 @@ fn layer_forward(
         rows,
         w.heads,
         layout,
-        scale,
-        layer.window,
+        layer.scoring,
     );
-    if after {
-        let (o, o_bias, norm) = (&layer.o, &layer.o_bias, &layer.attn_norm);
-        residual_of_normed(
-            x,
-            &s.attn,
-            o,
-            o_bias,
-            norm,
-            eps_attn,
-            q_width,
-            &mut s.out,
-            &mut s.normed,
-        );
-        s.normed.copy_from_slice(x);
-    } else {
-        project_into(x, &s.attn, &layer.o, &layer.o_bias, n, d, q_width);
-        rms_norm_into(&mut s.normed, x, &layer.mlp_norm, eps_mlp);
-    }
+    let attn_out = layer.attn_out.as_ref();
+    residual(
+        x,
+        &s.attn,
+        &layer.o,
+        &layer.o_bias,
+        attn_out,
+        q_width,
+        &mut s.out,
+        &mut s.normed,
+    );
+    block_input(&mut s.normed, x, layer.mlp_in.as_ref());
     matmul(
         &mut s.gate_up,
         &s.normed,
@@ -304,45 +307,54 @@ fn layer_forward(
         false,
     );
     add_bias(&mut s.gate_up, &layer.gate_up_bias);
-    swiglu_into(&mut s.act, &s.gate_up, ffn);
-    if after {
-        let (down, down_bias, norm) = (&layer.down, &layer.down_bias, &layer.mlp_norm);
-        residual_of_normed(
-            x,
-            &s.act,
-            down,
-            down_bias,
-            norm,
-            eps_mlp,
-            ffn,
-            &mut s.out,
-            &mut s.normed,
-        );
-    } else {
-        project_into(x, &s.act, &layer.down, &layer.down_bias, n, d, ffn);
+    match w.activation {
+        Activation::Silu => swiglu_into(&mut s.act, &s.gate_up, ffn),
+        Activation::GeluTanh => geglu_into(&mut s.act, &s.gate_up, ffn),
+    }
+    let mlp_out = layer.mlp_out.as_ref();
+    residual(
+        x,
+        &s.act,
+        &layer.down,
+        &layer.down_bias,
+        mlp_out,
+        ffn,
+        &mut s.out,
+        &mut s.normed,
+    );
+}
+
+/// A block's input: `x` normalised, or `x` itself where the block has no input norm.
+fn block_input(normed: &mut [f32], x: &[f32], norm: Option<&HostNorm>) {
+    match norm {
+        Some(norm) => rms_norm_into(normed, x, &norm.scale, norm.eps),
+        None => normed.copy_from_slice(x),
     }
 }
 
-/// OLMo 2's residual update `x += norm(input · weight + bias)` (`input: [n, k]`), through the
-/// scratch buffers `out` and `normed`.
+/// The residual update `x += input · weight + bias` (`input: [n, k]`), or with an output norm
+/// `x += norm(input · weight + bias)` through the scratch buffers `out` and `normed`.
 #[allow(clippy::too_many_arguments)]
-fn residual_of_normed(
+fn residual(
     x: &mut [f32],
     input: &[f32],
     weight: &[f32],
     bias: &Option<Vec<f32>>,
-    norm: &[f32],
-    eps: f32,
+    norm: Option<&HostNorm>,
     k: usize,
     out: &mut Vec<f32>,
     normed: &mut [f32],
 ) {
-    let d = norm.len();
+    let d = weight.len() / k;
     let n = x.len() / d;
+    let Some(norm) = norm else {
+        project_into(x, input, weight, bias, n, d, k);
+        return;
+    };
     out.clear();
     out.resize(n * d, 0.0);
     project_into(out, input, weight, bias, n, d, k);
-    rms_norm_into(normed, out, norm, eps);
+    rms_norm_into(normed, out, &norm.scale, norm.eps);
     for (x, y) in x.iter_mut().zip(normed.iter()) {
         *x += y;
     }
@@ -356,8 +368,7 @@ fn norm_heads(
     stride: usize,
     offset: usize,
     width: usize,
-    norm: &Option<Vec<f32>>,
-    eps: f32,
+    norm: &Option<HostNorm>,
     tmp: &mut Vec<f32>,
 ) {
     let Some(norm) = norm else { return };
@@ -365,7 +376,7 @@ fn norm_heads(
         let heads = &mut row[offset..offset + width];
         tmp.clear();
         tmp.extend_from_slice(heads);
-        rms_norm_into(heads, tmp, norm, eps);
+        rms_norm_into(heads, tmp, &norm.scale, norm.eps);
     }
 }
 

@@ -11,9 +11,10 @@
 
 use std::sync::Arc;
 
-use aligner_core::config::RopeScaling;
-use aligner_core::{CausalLm, LlamaConfig, model::inverse_frequencies};
-use aligner_parallel::fused::infer::{CacheBuffer, CacheLayout};
+use aligner_core::config::{Activation, RopeScaling};
+use aligner_core::model::{RmsNorm, inverse_frequencies};
+use aligner_core::{CausalLm, LlamaConfig};
+use aligner_parallel::fused::infer::{CacheBuffer, CacheLayout, Scoring};
 use aligner_parallel::fused::panels::{ColumnPanels, DEFAULT_PANEL_WIDTH};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
@@ -64,26 +65,44 @@ fn head_panel_width(vocab: usize) -> usize {
         .min(DEFAULT_PANEL_WIDTH)
 }
 
+/// An RMSNorm as the host applies it: its scale (`w`, or Gemma's `1 + w`) and ε.
+#[derive(Clone)]
+pub(super) struct HostNorm {
+    pub(super) scale: Vec<f32>,
+    pub(super) eps: f32,
+}
+
+impl HostNorm {
+    fn new(norm: &RmsNorm) -> Self {
+        Self {
+            scale: values(norm.scale()),
+            eps: norm.epsilon as f32,
+        }
+    }
+}
+
 /// One decoder layer as host buffers (`x · W` layout).
 #[derive(Clone)]
 pub(super) struct HostLayer {
-    /// The norms of attention and the MLP: of their inputs, or (`norms_after`: OLMo 2) of
-    /// their outputs.
-    pub(super) attn_norm: Vec<f32>,
-    pub(super) norms_after: bool,
+    /// The norms on attention's and the MLP's inputs (Llama, Gemma) and outputs (OLMo 2,
+    /// Gemma).
+    pub(super) attn_in: Option<HostNorm>,
+    pub(super) attn_out: Option<HostNorm>,
+    pub(super) mlp_in: Option<HostNorm>,
+    pub(super) mlp_out: Option<HostNorm>,
     /// `[hidden, (heads + 2·kv_heads)·head_dim]`: query, key, value columns.
     pub(super) qkv: Vec<f32>,
     pub(super) qkv_bias: Option<Vec<f32>>,
-    /// Per-head RMSNorm weights of the queries and keys (Qwen3: one head wide), or of the whole
-    /// projections (OLMo 2), before RoPE; with their ε.
-    pub(super) q_norm: Option<Vec<f32>>,
-    pub(super) k_norm: Option<Vec<f32>>,
-    pub(super) qk_eps: f32,
-    /// Sliding attention window (Mistral): a token sees itself and `window - 1` before it.
-    pub(super) window: Option<usize>,
+    /// RMSNorms of the queries and keys before RoPE: per head (Qwen3, Gemma 3: one head
+    /// wide) or over the whole projections (OLMo 2).
+    pub(super) q_norm: Option<HostNorm>,
+    pub(super) k_norm: Option<HostNorm>,
+    /// Score scale, sliding window and soft-cap.
+    pub(super) scoring: Scoring,
+    /// Gemma 3's sliding-window layers rotate with the local RoPE base.
+    pub(super) local_rope: bool,
     pub(super) o: Vec<f32>,
     pub(super) o_bias: Option<Vec<f32>>,
-    pub(super) mlp_norm: Vec<f32>,
     /// `[hidden, 2·ffn]`: gate, up columns.
     pub(super) gate_up: Vec<f32>,
     pub(super) gate_up_bias: Option<Vec<f32>>,
@@ -95,13 +114,19 @@ pub(super) struct HostLayer {
 #[derive(Clone)]
 pub(crate) struct HostWeights {
     pub(super) embed: Vec<f32>,
+    /// Gemma's `√hidden` on the embeddings.
+    pub(super) embed_scale: Option<f32>,
     pub(super) layers: Vec<HostLayer>,
-    pub(super) norm: Vec<f32>,
+    pub(super) norm: HostNorm,
     /// `[hidden, vocab]` (the transposed embeddings when tied), in column panels: the largest
     /// product of a step, read far faster that way than with a vocabulary-wide stride.
     pub(super) head: ColumnPanels,
+    /// Gemma's final soft-cap on the logits.
+    pub(super) final_softcap: Option<f32>,
     pub(super) inv_freq: Vec<f32>,
-    pub(super) eps: Vec<f32>,
+    /// Gemma 3: the inverse frequencies of the sliding-window layers.
+    pub(super) local_inv_freq: Option<Vec<f32>>,
+    pub(super) activation: Activation,
     pub(super) hidden: usize,
     pub(super) heads: usize,
     pub(super) kv_heads: usize,
@@ -114,6 +139,8 @@ impl HostWeights {
     /// Copies `model`'s weights (LoRA adapters, when enabled, folded in).
     pub(crate) fn new(model: &CausalLm, config: &LlamaConfig) -> Self {
         let m = &model.model;
+        let head_dim = config.head_dim();
+        let scale = config.attention_scale().unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
         let layers = m
             .layers
             .iter()
@@ -124,20 +151,24 @@ impl HostWeights {
                 let (gate_up, gate_up_bias) = side_by_side(&[p.gate_proj.merged(), p.up_proj.merged()]);
                 let (o, o_bias) = side_by_side(&[a.o_proj.merged()]);
                 let (down, down_bias) = side_by_side(&[p.down_proj.merged()]);
-                let norm = |n: &Option<burn::nn::RmsNorm>| n.as_ref().map(|n| values(n.gamma.val()));
-                let (attn_norm, mlp_norm) = layer.block_norms();
+                let norm = |n: &Option<RmsNorm>| n.as_ref().map(HostNorm::new);
                 HostLayer {
-                    attn_norm: values(attn_norm.gamma.val()),
-                    norms_after: layer.norms_after(),
+                    attn_in: norm(&layer.attn_norm_in),
+                    attn_out: norm(&layer.attn_norm_out),
+                    mlp_in: norm(&layer.mlp_norm_in),
+                    mlp_out: norm(&layer.mlp_norm_out),
                     qkv,
                     qkv_bias,
                     q_norm: norm(&a.q_norm),
                     k_norm: norm(&a.k_norm),
-                    qk_eps: a.q_norm.as_ref().map_or(0.0, |n| n.epsilon as f32),
-                    window: a.window,
+                    scoring: Scoring {
+                        scale,
+                        window: a.window,
+                        softcap: a.softcap.map(|c| c as f32),
+                    },
+                    local_rope: m.local_rope.is_some() && a.window.is_some(),
                     o,
                     o_bias,
-                    mlp_norm: values(mlp_norm.gamma.val()),
                     gate_up,
                     gate_up_bias,
                     down,
@@ -147,31 +178,30 @@ impl HostWeights {
             .collect();
         let theta = config.rope_theta_value().unwrap_or(10000.0);
         let scaling = config.rope_scaling_kind().unwrap_or(RopeScaling::Default);
-        let mut eps: Vec<f32> = m
-            .layers
-            .iter()
-            .flat_map(|l| {
-                let (attn, mlp) = l.block_norms();
-                [attn.epsilon as f32, mlp.epsilon as f32]
-            })
-            .collect();
-        eps.push(m.norm.epsilon as f32);
+        let local_inv_freq = config
+            .local_rope()
+            .ok()
+            .flatten()
+            .map(|(theta, scaling)| inverse_frequencies(head_dim, theta, &scaling));
         Self {
             embed: values(m.embed_tokens.weight.val()),
+            embed_scale: m.embedding_scale.map(|s| s as f32),
             layers,
-            norm: values(m.norm.gamma.val()),
+            norm: HostNorm::new(&m.norm),
             head: ColumnPanels::from_row_major(
                 &values(model.output_weight()),
                 config.hidden_size,
                 config.vocab_size,
                 head_panel_width(config.vocab_size),
             ),
-            inv_freq: inverse_frequencies(config.head_dim(), theta, &scaling),
-            eps,
+            final_softcap: model.final_softcap.map(|c| c as f32),
+            inv_freq: inverse_frequencies(head_dim, theta, &scaling),
+            local_inv_freq,
+            activation: m.layers.first().map_or(Activation::Silu, |l| l.mlp.activation),
             hidden: config.hidden_size,
             heads: config.num_attention_heads,
             kv_heads: config.num_kv_heads(),
-            head_dim: config.head_dim(),
+            head_dim,
             ffn: config.intermediate_size,
             vocab: config.vocab_size,
         }

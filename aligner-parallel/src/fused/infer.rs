@@ -28,10 +28,29 @@ pub fn rms_norm_into(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
 
 /// `out[r] = silu(gate[r]) · up[r]` for rows `gate_up[r] = [gate (ff) | up (ff)]`.
 pub fn swiglu_into(out: &mut [f32], gate_up: &[f32], ff: usize) {
-    assert_eq!(out.len() * 2, gate_up.len(), "swiglu operands");
+    gated_rows(out, gate_up, ff, swiglu_forward_rows);
+}
+
+/// `out[r] = gelu_tanh(gate[r]) · up[r]` (GeGLU with PyTorch's tanh-approximated GELU,
+/// Gemma's MLP) for rows `gate_up[r] = [gate (ff) | up (ff)]`.
+pub fn geglu_into(out: &mut [f32], gate_up: &[f32], ff: usize) {
+    // √(2/π), as PyTorch's `gelu(approximate="tanh")` has it.
+    const K: f32 = 0.797_884_6;
+    gated_rows(out, gate_up, ff, |o, gate, up| {
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            let inner = K * (g + 0.044_715 * g * g * g);
+            *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+        }
+    });
+}
+
+/// `row(out[r], gate[r], up[r])` for every row of `gate_up` (`[gate (ff) | up (ff)]`), on
+/// several threads when the rows are large enough.
+fn gated_rows(out: &mut [f32], gate_up: &[f32], ff: usize, row: impl Fn(&mut [f32], &[f32], &[f32]) + Sync) {
+    assert_eq!(out.len() * 2, gate_up.len(), "gated MLP operands");
     let rows = |(o, gu): (&mut [f32], &[f32])| {
         let (gate, up) = gu.split_at(ff);
-        swiglu_forward_rows(o, gate, up);
+        row(o, gate, up);
     };
     if out.len() < PARALLEL_ELEMENTS {
         out.chunks_mut(ff).zip(gate_up.chunks(2 * ff)).for_each(rows);
@@ -136,10 +155,33 @@ pub enum CacheBuffer {
     Values,
 }
 
+/// How a layer turns query·key products into attention scores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scoring {
+    /// The factor on `q·k` (`head_dim^-½`, Gemma's `query_pre_attn_scalar^-½`).
+    pub scale: f32,
+    /// A sliding window (Mistral's, Gemma's local layers): a token sees itself and the
+    /// `window - 1` positions before it.
+    pub window: Option<usize>,
+    /// Gemma 2's soft-cap: scores become `cap · tanh(score / cap)`.
+    pub softcap: Option<f32>,
+}
+
+impl Scoring {
+    /// `head_dim^-½`, every earlier position, no cap.
+    pub fn plain(dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (dim as f32).sqrt(),
+            window: None,
+            softcap: None,
+        }
+    }
+}
+
 /// Grouped-query attention of token rows over a KV cache: token `t` (query `q[t]`, `heads`
 /// heads of `layout.dim`, at column `q_offset` of rows of stride `q_stride`) belongs to cache
 /// row `rows[t].0` at position `rows[t].1` and attends to that row's positions `0..=pos`
-/// (which must be written), or under a sliding `window` (Mistral's layers) to
+/// (which must be written), or under `scoring`'s sliding window to
 /// `pos + 1 - window ..= pos` only. Query head `h` reads KV head `h / (heads / kv_heads)`.
 /// Output: `out[t]` = `heads · dim` values.
 #[allow(clippy::too_many_arguments)]
@@ -153,9 +195,13 @@ pub fn cached_attention(
     rows: &[(usize, usize)],
     heads: usize,
     layout: CacheLayout,
-    scale: f32,
-    window: Option<usize>,
+    scoring: Scoring,
 ) {
+    let Scoring {
+        scale,
+        window,
+        softcap,
+    } = scoring;
     let window = window.unwrap_or(usize::MAX).max(1);
     let width = heads * layout.dim;
     assert_eq!(out.len(), rows.len() * width, "attention output");
@@ -175,6 +221,7 @@ pub fn cached_attention(
             layout,
             scale,
             window,
+            softcap,
             &mut scores,
         );
     };
@@ -189,7 +236,7 @@ pub fn cached_attention(
 
 simd_fn!(
     /// One token's attention, every head: scores, softmax, weighted sum of values.
-    fn attend_row(out: &mut [f32], q: &[f32], keys: &[f32], values: &[f32], row: usize, pos: usize, heads: usize, layout: CacheLayout, scale: f32, window: usize, scores: &mut Vec<f32>) = attend_row_body
+    fn attend_row(out: &mut [f32], q: &[f32], keys: &[f32], values: &[f32], row: usize, pos: usize, heads: usize, layout: CacheLayout, scale: f32, window: usize, softcap: Option<f32>, scores: &mut Vec<f32>) = attend_row_body
 );
 
 #[inline(always)]
@@ -205,6 +252,7 @@ fn attend_row_body(
     layout: CacheLayout,
     scale: f32,
     window: usize,
+    softcap: Option<f32>,
     scores: &mut Vec<f32>,
 ) {
     let (dim, cap) = (layout.dim, layout.capacity);
@@ -231,6 +279,11 @@ fn attend_row_body(
                 .map(|(d, &qd)| qd * keys[base + d * cap + p])
                 .sum();
             *s = dot * scale;
+        }
+        if let Some(cap) = softcap {
+            for s in &mut scores[first..n] {
+                *s = cap * (*s / cap).tanh();
+            }
         }
         scores[n..].fill(f32::NEG_INFINITY);
         scores[..first].fill(f32::NEG_INFINITY);

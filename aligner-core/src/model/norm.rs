@@ -1,0 +1,47 @@
+//! RMSNorm as transformers computes it: `x · rsqrt(mean(x²) + ε) · w`, or Gemma's `· (1 + w)`.
+
+use burn::module::{Module, Param};
+use burn::tensor::{DType, Device, Tensor};
+
+/// An RMSNorm whose scale is the stored weight `w` (HF's `.weight`), or `1 + w` (Gemma, whose
+/// files store the offset from one: the weight trains, decays and saves as transformers has
+/// it).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    pub gamma: Param<Tensor<1>>,
+    pub epsilon: f64,
+    #[module(skip)]
+    pub unit_offset: bool,
+}
+
+impl RmsNorm {
+    /// A norm of width `d` that starts as the identity scale (`w = 1`, or `w = 0` with the
+    /// unit offset).
+    pub fn new(d: usize, epsilon: f64, unit_offset: bool, device: &Device) -> Self {
+        let gamma = if unit_offset {
+            Tensor::zeros([d], device)
+        } else {
+            Tensor::ones([d], device)
+        };
+        Self {
+            gamma: Param::from_tensor(gamma),
+            epsilon,
+            unit_offset,
+        }
+    }
+
+    /// The factor the normalised values are multiplied by: `w`, or `1 + w` (in f32, as
+    /// transformers adds it).
+    pub fn scale(&self) -> Tensor<1> {
+        let w = self.gamma.val();
+        if self.unit_offset { w.add_scalar(1.0) } else { w }
+    }
+
+    /// Burn ops: `x · rsqrt(mean(x²) + ε) · scale` over the last axis, the mean square in f32.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let dtype = x.dtype();
+        let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.epsilon).sqrt();
+        let scale = self.scale().cast(dtype);
+        (x / rms.cast(dtype)) * scale.unsqueeze()
+    }
+}
