@@ -69,6 +69,7 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
         "olmo2_bias",
         "gemma2_capped",
         "gemma3_local_global",
+        "phi3_longrope",
     ] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let lm = LoadedModel::from_dir(&dir, &device).unwrap();

@@ -987,7 +987,8 @@ fn conversational_parquet_and_json_forms_train_dpo_alike() {
 /// The families beyond Llama train end to end through the CLI: tiny random Qwen3 (per-head q/k
 /// norms, a head_dim of its own, sliding-window layers), Mistral (12-token window), OLMo 2
 /// (output norms), Gemma 2 (soft-capping, GeGLU, four norms a layer) and Gemma 3 (q/k norms,
-/// local RoPE) models made by transformers (tools/hf_parity.py), whose windows are far
+/// local RoPE) and Phi-3 (fused projections, partial rotary, LongRoPE: its LoRA adapts
+/// `qkv_proj` and `gate_up_proj`) models made by transformers (tools/hf_parity.py), whose windows are far
 /// shorter than the shipped stories, go through LoRA SFT on every projection (held-out NLL falls), a reward model with
 /// a score head, DPO from the SFT model and two GRPO steps, and every saved folder keeps its
 /// family: `model_type`, the window, the q/k and output norms, and the classifier architecture.
@@ -1000,6 +1001,7 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
         ("olmo2_bias", "Olmo2", Value::Null),
         ("gemma2_capped", "Gemma2", Value::from(12)),
         ("gemma3_local_global", "Gemma3", Value::from(12)),
+        ("phi3_longrope", "Phi3", Value::from(24)),
     ] {
         let start = repo().join("tests/reference/hf_random").join(name);
         let model = format!("model.path={}", start.display());
@@ -1041,6 +1043,27 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
         assert_eq!(config["sliding_window"], window);
         let saved = aligner_tests::tensors(&sft.join("final"));
         let has = |key: &str| saved.contains_key(&format!("model.layers.0.{key}.weight"));
+        // Phi-3 keeps its fused projections, and its adapter names them as PEFT expects.
+        let phi3 = family == "Phi3";
+        assert_eq!(
+            (
+                has("self_attn.qkv_proj"),
+                has("mlp.gate_up_proj"),
+                has("self_attn.q_proj")
+            ),
+            (phi3, phi3, !phi3),
+            "{name}: fused projections saved for Phi-3 only"
+        );
+        let adapter: Value = serde_json::from_str(
+            &std::fs::read_to_string(sft.join("final/adapter/adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let targets = adapter["target_modules"].as_array().unwrap();
+        assert_eq!(
+            targets.contains(&Value::from("qkv_proj")),
+            phi3,
+            "{name}: adapter targets {targets:?}"
+        );
         assert_eq!(
             has("self_attn.q_norm"),
             ["Qwen3", "Olmo2", "Gemma3"].contains(&family),

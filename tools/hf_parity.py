@@ -9,7 +9,9 @@
       a head_dim of its own and sliding-window layers; Mistral with a 12-token window; OLMo 2 with
       its output norms, whole-projection q/k norms and attention biases; Gemma 2 with soft-capped
       attention and logits, a query pre-scale and alternating windows; Gemma 3 with q/k norms and
-      local and global RoPE bases, the global one linearly scaled), saves them
+      local and global RoPE bases, the global one linearly scaled; Phi-3 with fused projections,
+      half of each head rotated, LongRoPE past a 32-token original context and a 24-token window),
+      saves them
       and writes transformers' logits of a 70-token input and its greedy continuation of a prompt
       (past the window) to OUT_DIR/<name>/expected_logits.json. They take the shipped model's
       512-token vocabulary and tokenizer files (assets/stories260K), so `aligner sft --set
@@ -88,6 +90,13 @@ def architectures(out, *names):
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
             max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
             pad_token_id=0),
+        "phi3_longrope": transformers.Phi3Config(
+            vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=32,
+            partial_rotary_factor=0.5, sliding_window=24, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
+                          "short_factor": [1.0, 1.5], "long_factor": [3.0, 7.0]},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0),
     }
     if names:
         specs = {k: v for k, v in specs.items() if k in names}

@@ -1,4 +1,5 @@
-//! `aligner bench`: speed tables on the shipped model and a random ~16M-parameter Llama.
+//! `aligner bench`: speed tables on the shipped model and a random ~16M-parameter Llama (or,
+//! asked for by name, a random Qwen2.5-0.5B-shaped or ~1.1B Llama model, or any model folder).
 
 use std::time::Instant;
 
@@ -13,9 +14,14 @@ use clap::Subcommand;
 pub struct BenchArgs {
     #[command(subcommand)]
     what: BenchCommand,
-    /// Only the models whose name contains this (`stories260K`, `random-16M`).
+    /// Only the models whose name contains this (`stories260K`, `random-16M`); `random-0.5B`
+    /// (Qwen2.5-0.5B's shape) and `random-1B` are built only when named exactly.
     #[arg(long, global = true, default_value = "")]
     only: String,
+    /// Benchmark this Hugging Face model folder (any family aligner loads) instead of the
+    /// built-in models.
+    #[arg(long, global = true)]
+    model: Option<std::path::PathBuf>,
     /// What the models compute in: f32, or bf16 / f16 on GPU devices (f32 master weights
     /// when training).
     #[arg(long, global = true, default_value = "f32", value_parser = crate::parse_precision)]
@@ -98,15 +104,41 @@ pub fn random_1b_config() -> LlamaConfig {
     LlamaConfig::llama(32000, 2048, 22, 32, 4, 5632)
 }
 
-/// Which benchmark models: those whose name contains `only`, computing in `precision`.
+/// A random model of Qwen2.5-0.5B's shape (494M parameters: hidden 896, 24 layers, 14 heads,
+/// 2 KV heads, FFN 4864, q/k/v biases, a 151,936-token vocabulary, tied embeddings); built only
+/// when asked for by name (`--only random-0.5B`). `tools/real_size.py make` writes the same
+/// shape with transformers.
+pub fn random_05b_config() -> LlamaConfig {
+    let mut config = LlamaConfig::llama(151_936, 896, 24, 14, 2, 4864);
+    config.model_type = "qwen2".into();
+    config.architectures = Some(vec!["Qwen2ForCausalLM".into()]);
+    config.tie_word_embeddings = Some(true);
+    config.rope_theta = Some(1_000_000.0);
+    config.rms_norm_eps = 1e-6;
+    config
+}
+
+/// Which benchmark models: a folder, or those whose name contains `only`, computing in
+/// `precision`.
 pub struct Selection {
     only: String,
+    model: Option<std::path::PathBuf>,
     precision: Precision,
 }
 
 /// The selected benchmark models; the others are not built.
 fn models(device: &Device, selection: &Selection) -> Result<Vec<(String, LlamaConfig, CausalLm)>> {
-    models_f32(device, &selection.only)?
+    let built = match &selection.model {
+        Some(dir) => {
+            let loaded = LoadedModel::from_dir(dir, device)?;
+            let name = dir
+                .file_name()
+                .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+            vec![(name, loaded.config, loaded.model)]
+        }
+        None => models_f32(device, &selection.only)?,
+    };
+    built
         .into_iter()
         .map(|(name, mut config, mut model)| {
             aligner_core::model::compute_in(selection.precision, &mut config, &mut model.model, device)
@@ -128,6 +160,12 @@ fn models_f32(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, C
         let random = CausalLm::new(&config, device);
         out.push(("random-16M".to_string(), config, random));
     }
+    if only == "random-0.5B" {
+        let config = random_05b_config();
+        device.seed(0);
+        let random = CausalLm::new(&config, device);
+        out.push(("random-0.5B".to_string(), config, random));
+    }
     if only == "random-1B" {
         let config = random_1b_config();
         device.seed(0);
@@ -145,6 +183,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
     let only = &Selection {
         only: args.only,
+        model: args.model,
         precision: args.dtype,
     };
     match args.what {
@@ -398,8 +437,8 @@ fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize
     use aligner_dpo::LossSpec;
     use aligner_dpo::objective::{DpoExample, DpoObjective};
 
-    println!("| model | params | pairs × seq | ms / step | pairs/s |");
-    println!("|---|---:|---:|---:|---:|");
+    println!("| model | params | pairs × seq | ms / step | pairs/s | peak RSS MB |");
+    println!("|---|---:|---:|---:|---:|---:|");
     for (name, config, model) in models(device, only)? {
         let seq_of = |salt: usize| ScoredSequence {
             ids: synthetic_ids(salt, seq, config.vocab_size),
@@ -420,8 +459,11 @@ fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize
         };
         let params = parameter_count(&model);
         let per = seconds_per_step(model, device, &objective, &refs, steps)?;
+        let rss = peak_rss_mb()
+            .map(|mb| format!("{mb:.0}"))
+            .unwrap_or_else(|| "–".into());
         println!(
-            "| {name} | {params} | {pairs} × {seq} | {:.1} | {:.1} |",
+            "| {name} | {params} | {pairs} × {seq} | {:.1} | {:.1} | {rss} |",
             per * 1e3,
             pairs as f64 / per
         );

@@ -56,18 +56,9 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
                 out.push((format!("{p}.{name}"), Slot::Norm(norm)));
             }
         }
-        out.push((
-            format!("{p}.self_attn.q_proj"),
-            Slot::Linear(&mut attn.q_proj.base),
-        ));
-        out.push((
-            format!("{p}.self_attn.k_proj"),
-            Slot::Linear(&mut attn.k_proj.base),
-        ));
-        out.push((
-            format!("{p}.self_attn.v_proj"),
-            Slot::Linear(&mut attn.v_proj.base),
-        ));
+        for (name, proj) in attn.projection_names().iter().zip(attn.qkv.iter_mut()) {
+            out.push((format!("{p}.self_attn.{name}"), Slot::Linear(&mut proj.base)));
+        }
         out.push((
             format!("{p}.self_attn.o_proj"),
             Slot::Linear(&mut attn.o_proj.base),
@@ -78,11 +69,9 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
         if let Some(norm) = attn.k_norm.as_mut() {
             out.push((format!("{p}.self_attn.k_norm"), Slot::Norm(norm)));
         }
-        out.push((
-            format!("{p}.mlp.gate_proj"),
-            Slot::Linear(&mut mlp.gate_proj.base),
-        ));
-        out.push((format!("{p}.mlp.up_proj"), Slot::Linear(&mut mlp.up_proj.base)));
+        for (name, proj) in mlp.projection_names().iter().zip(mlp.gate_up.iter_mut()) {
+            out.push((format!("{p}.mlp.{name}"), Slot::Linear(&mut proj.base)));
+        }
         out.push((
             format!("{p}.mlp.down_proj"),
             Slot::Linear(&mut mlp.down_proj.base),
@@ -470,6 +459,7 @@ fn default_architecture(model_type: &str) -> &'static str {
         "olmo2" => "Olmo2ForCausalLM",
         "gemma2" => "Gemma2ForCausalLM",
         "gemma3_text" => "Gemma3ForCausalLM",
+        "phi3" => "Phi3ForCausalLM",
         "mistral" => "MistralForCausalLM",
         _ => "LlamaForCausalLM",
     }

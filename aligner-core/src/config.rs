@@ -82,7 +82,8 @@ impl Precision {
 /// inputs, and the whole query and key projections; Mistral, Qwen2 and Qwen3 may attend over a
 /// sliding window; Gemma 2 and 3 scale the embeddings, normalise both the inputs and the outputs
 /// of attention and MLP with `(1 + w)` weights, use GeGLU, a query pre-scale, soft-capping
-/// (Gemma 2) and q/k norms with separate local and global RoPE (Gemma 3)).
+/// (Gemma 2) and q/k norms with separate local and global RoPE (Gemma 3); Phi-3 fuses the q/k/v
+/// and the gate/up projections and may rotate part of each head, with LongRoPE).
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "qwen2",
@@ -91,6 +92,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "olmo2",
     "gemma2",
     "gemma3_text",
+    "phi3",
 ];
 
 /// The MLP's gate activation (`hidden_act`; Gemma's `hidden_activation`).
@@ -135,6 +137,16 @@ pub enum RopeScaling {
         low_freq_factor: f64,
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
+    },
+    /// Phi-3's LongRoPE (`longrope`, formerly `su`): each frequency divided by its own factor,
+    /// `short_factor` while a forward pass's positions stay within
+    /// `original_max_position_embeddings`, `long_factor` past it; cos and sin multiplied by
+    /// `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
     },
 }
 
@@ -308,6 +320,7 @@ impl LlamaConfig {
             )));
         }
         self.rope_theta_value().map_err(err)?;
+        self.rotary_dim().map_err(err)?;
         self.rope_scaling_kind().map_err(err)?;
         self.local_rope().map_err(err)?;
         self.attention_windows().map_err(err)?;
@@ -356,10 +369,49 @@ impl LlamaConfig {
             if self.is_gemma() && GEMMA.contains(&key) {
                 return None;
             }
+            if self.model_type == "phi3" && key == "partial_rotary_factor" {
+                return None;
+            }
             let value = self.extra.get(key)?;
             let harmless = value.is_null() || neutral.is_some_and(|n| value.as_f64() == Some(n));
             (!harmless).then_some(key)
         })
+    }
+
+    /// Phi-3's fused projections: `qkv_proj` (queries, keys, values in turn) and `gate_up_proj`
+    /// (gate, then up).
+    pub fn fused_projections(&self) -> bool {
+        self.model_type == "phi3"
+    }
+
+    /// The leading dimensions of each head that RoPE rotates: `head_dim · partial_rotary_factor`
+    /// (Phi-3's key, at the top level or in `rope_parameters`), the whole head elsewhere.
+    pub fn rotary_dim(&self) -> Result<usize, String> {
+        let head_dim = self.head_dim();
+        if self.model_type != "phi3" {
+            return Ok(head_dim);
+        }
+        let factor = self
+            .rope_dict(false)
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or_else(|| self.extra.get("partial_rotary_factor"))
+            .filter(|v| !v.is_null());
+        let factor = match factor {
+            None => 1.0,
+            Some(v) => v
+                .as_f64()
+                .filter(|f| *f > 0.0 && *f <= 1.0)
+                .ok_or_else(|| format!("partial_rotary_factor must be in (0, 1], got {v}"))?,
+        };
+        // transformers truncates, as Python's int() does.
+        let dim = (head_dim as f64 * factor) as usize;
+        if dim < 2 || !dim.is_multiple_of(2) {
+            return Err(format!(
+                "partial_rotary_factor {factor} of head_dim {head_dim} rotates {dim} dimensions: \
+                 RoPE needs an even number"
+            ));
+        }
+        Ok(dim)
     }
 
     /// Gemma 2 or Gemma 3 (text).
@@ -566,6 +618,8 @@ impl LlamaConfig {
                     .map(|i| sliding.filter(|_| !(i + 1).is_multiple_of(every)))
                     .collect())
             }
+            // Phi-3: `sliding_window` (default none) on every layer.
+            "phi3" => Ok(vec![window(None)?; layers]),
             _ => Ok(vec![None; layers]),
         }
     }
@@ -716,10 +770,61 @@ impl LlamaConfig {
                 high_freq_factor: num("high_freq_factor")?,
                 original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
             }),
+            "longrope" | "su" => self.longrope(params, kind),
             other => Err(format!(
-                "rope scaling type {other:?} is not supported (default, linear, llama3)"
+                "rope scaling type {other:?} is not supported (default, linear, llama3, longrope)"
             )),
         }
+    }
+
+    /// LongRoPE's settings as transformers reads them: one short and one long factor per rotated
+    /// frequency, `original_max_position_embeddings` from the dict or the top level, and the
+    /// attention factor given or derived from `factor` (default `max_position_embeddings /
+    /// original`) as `√(1 + ln factor / ln original)`.
+    fn longrope(&self, params: &Value, kind: &str) -> Result<RopeScaling, String> {
+        let half = self.rotary_dim()? / 2;
+        let factors = |key: &str| -> Result<Vec<f64>, String> {
+            let list = params
+                .get(key)
+                .and_then(Value::as_array)
+                .ok_or_else(|| format!("rope scaling {kind:?} needs a list {key:?}"))?;
+            let values: Option<Vec<f64>> = list.iter().map(Value::as_f64).collect();
+            match values {
+                Some(v) if v.len() == half && v.iter().all(|f| *f > 0.0) => Ok(v),
+                _ => Err(format!(
+                    "rope scaling {key:?} must hold {half} positive numbers (one per rotated frequency), got {}",
+                    Value::Array(list.clone())
+                )),
+            }
+        };
+        let original = params
+            .get("original_max_position_embeddings")
+            .or_else(|| self.extra.get("original_max_position_embeddings"))
+            .and_then(Value::as_u64)
+            .filter(|&n| n > 1)
+            .ok_or_else(|| {
+                format!("rope scaling {kind:?} needs original_max_position_embeddings (above 1)")
+            })? as usize;
+        let attention_factor = match params.get("attention_factor").and_then(Value::as_f64) {
+            Some(f) => f,
+            None => {
+                let factor = params
+                    .get("factor")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(self.max_position_embeddings as f64 / original as f64);
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+                }
+            }
+        };
+        Ok(RopeScaling::LongRope {
+            short_factor: factors("short_factor")?,
+            long_factor: factors("long_factor")?,
+            original_max_position_embeddings: original,
+            attention_factor,
+        })
     }
 
     /// Writes the configuration as pretty JSON.
@@ -751,6 +856,9 @@ fn is_supported_architecture(arch: &str) -> bool {
         "Gemma3ForCausalLM",
         "Gemma3TextForSequenceClassification",
         "Gemma3TextModel",
+        "Phi3ForCausalLM",
+        "Phi3ForSequenceClassification",
+        "Phi3Model",
     ];
     KNOWN.contains(&arch)
 }
@@ -994,6 +1102,42 @@ mod tests {
             r#"{{{base},"model_type":"gemma2","final_logit_softcapping":-1}}"#
         ));
         assert!(cap.unwrap_err().to_string().contains("final_logit_softcapping"));
+    }
+
+    #[test]
+    fn phi3_partial_rotary_and_longrope_as_transformers_reads_them() {
+        let base = r#""model_type":"phi3","vocab_size":10,"hidden_size":32,"intermediate_size":16,"num_hidden_layers":2,"num_attention_heads":4,"max_position_embeddings":128"#;
+        let c = parse(&format!(
+            r#"{{{base},"sliding_window":24,"rope_parameters":{{"rope_type":"longrope","rope_theta":10000.0,
+            "partial_rotary_factor":0.5,"original_max_position_embeddings":32,"short_factor":[1.0,1.5],"long_factor":[3.0,7.0]}}}}"#
+        ))
+        .unwrap();
+        assert!(c.fused_projections());
+        assert_eq!(c.rotary_dim().unwrap(), 4);
+        assert_eq!(c.attention_windows().unwrap(), vec![Some(24); 2]);
+        // factor 128 / 32 = 4: attention factor √(1 + ln 4 / ln 32).
+        let expected = RopeScaling::LongRope {
+            short_factor: vec![1.0, 1.5],
+            long_factor: vec![3.0, 7.0],
+            original_max_position_embeddings: 32,
+            attention_factor: (1.0 + 4f64.ln() / 32f64.ln()).sqrt(),
+        };
+        assert_eq!(c.rope_scaling_kind().unwrap(), expected);
+        // Phi-3's older layout: `su`, the original length and the factor at the top level.
+        let old = parse(&format!(
+            r#"{{{base},"original_max_position_embeddings":32,"partial_rotary_factor":0.5,
+            "rope_scaling":{{"type":"su","short_factor":[1.0,1.5],"long_factor":[3.0,7.0]}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(old.rope_scaling_kind().unwrap(), expected);
+        assert_eq!(old.attention_windows().unwrap(), vec![None; 2]);
+        // One factor per rotated frequency, named when wrong; an odd rotated width refused.
+        let short = parse(&format!(
+            r#"{{{base},"original_max_position_embeddings":32,"rope_scaling":{{"type":"longrope","short_factor":[1.0],"long_factor":[3.0,7.0,1.0,1.0]}}}}"#
+        ));
+        assert!(short.unwrap_err().to_string().contains("short_factor"));
+        let odd = parse(&format!(r#"{{{base},"partial_rotary_factor":0.2}}"#));
+        assert!(odd.unwrap_err().to_string().contains("partial_rotary_factor"));
     }
 
     #[test]

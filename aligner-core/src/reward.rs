@@ -157,6 +157,7 @@ pub fn sequence_classification_config(config: &LlamaConfig, labels: &[String]) -
         "olmo2" => "Olmo2ForSequenceClassification",
         "gemma2" => "Gemma2ForSequenceClassification",
         "gemma3_text" => "Gemma3TextForSequenceClassification",
+        "phi3" => "Phi3ForSequenceClassification",
         "mistral" => "MistralForSequenceClassification",
         _ => "LlamaForSequenceClassification",
     };

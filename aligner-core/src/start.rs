@@ -47,6 +47,8 @@ pub fn policy_store(
 ) -> Box<dyn ModelStore<CausalLm>> {
     match lora_spec(section) {
         Some(spec) => {
+            // Saved adapters name the projections as the model does (Phi-3's fused ones).
+            let spec = spec.for_model(&model.model);
             let adapted = model.attach_lora(&spec, device);
             let (trainable, total) = crate::adapter::parameter_split(model);
             tracing::info!(adapted_layers = adapted, trainable, total, "LoRA");
@@ -75,6 +77,7 @@ pub fn head_store(
 ) -> Box<dyn ModelStore<RewardModel>> {
     match lora_spec(section) {
         Some(spec) => {
+            let spec = spec.for_model(&model.model);
             let adapted = model.model.attach_lora(&spec, device);
             tracing::info!(
                 adapted_layers = adapted,

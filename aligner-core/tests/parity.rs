@@ -134,7 +134,9 @@ fn response_logprobs_match_transformers() {
 /// 40-token input, OLMo 2 (norms on the blocks' outputs, whole-projection q/k norms,
 /// attention biases), Gemma 2 (scaled embeddings, `1 + w` norms on both sides of each block,
 /// GeGLU, a query pre-scale, soft-capped scores and logits, alternating windows) and Gemma 3
-/// (per-head q/k norms, local and global RoPE bases, the global one linearly scaled).
+/// (per-head q/k norms, local and global RoPE bases, the global one linearly scaled), and Phi-3
+/// (fused q/k/v and gate/up projections, half of each head rotated, LongRoPE with its long
+/// factors on a 40-token input past a 32-token original context, a 24-token window).
 #[test]
 fn random_transformers_models_match_their_logits() {
     for name in [
@@ -146,6 +148,7 @@ fn random_transformers_models_match_their_logits() {
         "olmo2_bias",
         "gemma2_capped",
         "gemma3_local_global",
+        "phi3_longrope",
     ] {
         let (model, expected) = hf_random(name, &Device::flex());
         let ids = ids(&expected["ids"]);
@@ -215,6 +218,7 @@ fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
         "olmo2_bias",
         "gemma2_capped",
         "gemma3_local_global",
+        "phi3_longrope",
     ] {
         let (model, expected) = hf_random(name, &device);
         let ids = ids(&expected["ids"]);
@@ -259,6 +263,20 @@ fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
             let mut global = model.clone();
             global.model.local_rope = None;
             variants.push(("with the global RoPE everywhere", global));
+        }
+        if name == "phi3_longrope" {
+            // The short factors throughout: what the input's 40 positions must not get.
+            let mut short = aligner_core::LlamaConfig::from_file(
+                &repo().join("tests/reference/hf_random/phi3_longrope/config.json"),
+            )
+            .unwrap();
+            short.max_position_embeddings = 4096;
+            if let Some(p) = short.rope_parameters.as_mut() {
+                p["original_max_position_embeddings"] = serde_json::json!(4096);
+            }
+            let mut variant = model.clone();
+            variant.model.rope = aligner_core::model::Rope::new(&short, &device);
+            variants.push(("with the short factors and no attention factor", variant));
         }
         for (what, variant) in variants {
             let moved = distance(&variant);

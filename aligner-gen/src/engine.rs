@@ -384,6 +384,7 @@ impl Engine {
         let max_positions = self.model.model.rope.max_positions();
         let mut active: Vec<Slot> = Vec::new();
         let mut exhausted = false;
+        let reencode_at = self.reencode_at();
         loop {
             while !exhausted && active.len() < slots {
                 let mut new = Vec::new();
@@ -435,7 +436,28 @@ impl Engine {
                 .map(|s| *s.out.token_ids.last().expect("a running row has sampled"))
                 .collect();
             let positions: Vec<usize> = active.iter().map(|s| s.next_pos).collect();
-            let logits = self.runner.decode(&tokens, &positions, &mut self.stats);
+            // LongRoPE (Phi-3): a sequence whose next token first reaches past the original
+            // context is computed again whole, with the long factors, as transformers'
+            // generation does.
+            let reencode: Vec<(usize, Vec<u32>)> = match reencode_at {
+                Some(original) => active
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.next_pos == original)
+                    .map(|(row, s)| {
+                        let request = &requests[s.request];
+                        let prompt = match (&request.guidance, s.negative) {
+                            (Some(g), true) => &g.negative_prompt_ids,
+                            _ => &request.prompt_ids,
+                        };
+                        (row, [prompt.as_slice(), &s.out.token_ids].concat())
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
+            let logits = self
+                .runner
+                .decode(&tokens, &positions, &reencode, &mut self.stats);
             for slot in active.iter_mut() {
                 slot.next_pos += 1;
             }
@@ -607,22 +629,30 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// LongRoPE's original context (Phi-3): the position at which a sequence is computed again
+    /// whole ([`Runner::decode`]); `None` for every other model.
+    fn reencode_at(&self) -> Option<usize> {
+        match self.config.rope_scaling_kind() {
+            Ok(aligner_core::config::RopeScaling::LongRope {
+                original_max_position_embeddings,
+                ..
+            }) => Some(original_max_position_embeddings),
+            _ => None,
+        }
+    }
+}
+
 /// The weights as an inference engine runs them: no autodiff, LoRA merged.
 pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
     let plain = model.valid();
     let has_adapters = plain.model.layers.iter().any(|layer| {
         let (a, m) = (&layer.self_attn, &layer.mlp);
-        [
-            &a.q_proj,
-            &a.k_proj,
-            &a.v_proj,
-            &a.o_proj,
-            &m.gate_proj,
-            &m.up_proj,
-            &m.down_proj,
-        ]
-        .iter()
-        .any(|p| p.lora.is_some())
+        a.qkv
+            .iter()
+            .chain(&m.gate_up)
+            .chain([&a.o_proj, &m.down_proj])
+            .any(|p| p.lora.is_some())
     });
     if has_adapters { plain.merged() } else { plain }
 }

@@ -119,6 +119,7 @@ fn greedy_tokens_of_windowed_and_qk_normed_models_equal_transformers() {
         "olmo2_bias",
         "gemma2_capped",
         "gemma3_local_global",
+        "phi3_longrope",
     ] {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let lm = LoadedModel::from_dir(&dir, &Device::flex()).unwrap();

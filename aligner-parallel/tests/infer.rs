@@ -77,9 +77,16 @@ fn geglu_rows_match_composed_ops() {
 
 #[test]
 fn rope_rotates_half_like_composed_ops() {
-    // Rows of [other (5) | 3 heads of 8]: only the heads turn.
+    // Rows of [other (5) | 3 heads of 8]: only the heads turn; all of each head, or (Phi-3's
+    // partial rotary factor) its first 4 dimensions.
+    for rotary in [8, 4] {
+        check_rope(rotary);
+    }
+}
+
+fn check_rope(rotary: usize) {
     let (rows, heads, dim, offset, stride) = (6, 3, 8, 5, 5 + 3 * 8);
-    let half = dim / 2;
+    let half = rotary / 2;
     let x = filled(rows * stride, 4);
     let angles: Vec<f32> = (0..rows * half).map(|i| i as f32 * 0.37).collect();
     let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
@@ -94,14 +101,15 @@ fn rope_rotates_half_like_composed_ops() {
         .reshape([rows, heads, dim]);
     let (a, b) = (
         h.clone().slice([0..rows, 0..heads, 0..half]),
-        h.clone().slice([0..rows, 0..heads, half..dim]),
+        h.clone().slice([0..rows, 0..heads, half..rotary]),
     );
     let rotated = Tensor::cat(vec![b.neg(), a], 2);
     let full = |t: &[f32]| {
         let t = tensor(t, [rows, 1, half]);
         Tensor::cat(vec![t.clone(), t], 2)
     };
-    let turned = h * full(&cos) + rotated * full(&sin);
+    let turned = h.clone().slice([0..rows, 0..heads, 0..rotary]) * full(&cos) + rotated * full(&sin);
+    let turned = Tensor::cat(vec![turned, h.slice([0..rows, 0..heads, rotary..dim])], 2);
     let want = Tensor::cat(
         vec![
             all.slice([0..rows, 0..offset]),
@@ -109,7 +117,7 @@ fn rope_rotates_half_like_composed_ops() {
         ],
         1,
     );
-    assert_close(&got, &host(want), 1e-5, "rope");
+    assert_close(&got, &host(want), 1e-5, &format!("rope over {rotary} of {dim}"));
 }
 
 #[test]

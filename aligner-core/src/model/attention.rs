@@ -18,9 +18,10 @@ use crate::config::{LlamaConfig, QkNorm};
 /// `softmax(QKᵀ/√d + mask)·V` over `n_heads` query heads sharing `n_kv_heads` key/value heads.
 #[derive(Module, Debug)]
 pub struct Attention {
-    pub q_proj: LoraLinear,
-    pub k_proj: LoraLinear,
-    pub v_proj: LoraLinear,
+    /// The query, key and value projections: `q_proj`, `k_proj`, `v_proj`, or Phi-3's one
+    /// `qkv_proj` whose output columns are the queries, keys and values in turn (see
+    /// [`Attention::projection_names`]).
+    pub qkv: Vec<LoraLinear>,
     pub o_proj: LoraLinear,
     /// RMSNorm of the queries / keys before RoPE: over each head (Qwen3's `q_norm` / `k_norm`,
     /// `head_dim` weights) or over the whole projection (OLMo 2's).
@@ -58,10 +59,18 @@ impl Attention {
             };
             Some(super::layer::rms_norm(config, width, device))
         };
+        let (q_width, kv_width) = (n_heads * head_dim, n_kv_heads * head_dim);
+        let qkv = if config.fused_projections() {
+            vec![proj(hidden, q_width + 2 * kv_width, qkv_bias)]
+        } else {
+            vec![
+                proj(hidden, q_width, qkv_bias),
+                proj(hidden, kv_width, qkv_bias),
+                proj(hidden, kv_width, qkv_bias),
+            ]
+        };
         Self {
-            q_proj: proj(hidden, n_heads * head_dim, qkv_bias),
-            k_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
-            v_proj: proj(hidden, n_kv_heads * head_dim, qkv_bias),
+            qkv,
             o_proj: proj(n_heads * head_dim, hidden, config.o_bias()),
             q_norm: qk_norm(n_heads),
             k_norm: qk_norm(n_kv_heads),
@@ -80,6 +89,32 @@ impl Attention {
         }
     }
 
+    /// HF's names of [`Attention::qkv`]'s projections, in order.
+    pub fn projection_names(&self) -> &'static [&'static str] {
+        if self.qkv.len() == 1 {
+            &["qkv_proj"]
+        } else {
+            &["q_proj", "k_proj", "v_proj"]
+        }
+    }
+
+    /// The queries, keys and values of `x`, `[batch, seq, heads · head_dim]` each.
+    fn project(&self, x: Tensor<3>) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+        let (q_width, kv_width) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        match self.qkv.as_slice() {
+            [fused] => {
+                let y = fused.forward(x);
+                (
+                    y.clone().narrow(2, 0, q_width),
+                    y.clone().narrow(2, q_width, kv_width),
+                    y.narrow(2, q_width + kv_width, kv_width),
+                )
+            }
+            [q, k, v] => (q.forward(x.clone()), k.forward(x.clone()), v.forward(x)),
+            other => unreachable!("{} q/k/v projections", other.len()),
+        }
+    }
+
     /// `x: [batch, seq, hidden]` → `[batch, seq, hidden]`.
     ///
     /// `mask` (`[batch, 1, seq, keys]`, `true` = masked out) is needed only when keys must be
@@ -93,9 +128,10 @@ impl Attention {
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
-        let heads = |proj: &LoraLinear, n: usize, norm: Option<&RmsNorm>| {
+        let device = x.device();
+        let (q, k, v) = self.project(x);
+        let heads = |mut h: Tensor<3>, n: usize, norm: Option<&RmsNorm>| {
             let hd = self.head_dim;
-            let mut h = proj.forward(x.clone());
             if let Some(norm) = norm {
                 h = if norm.gamma.dims()[0] == hd {
                     // Each head normalised on its own: [batch, seq·heads, head_dim].
@@ -106,19 +142,19 @@ impl Attention {
             }
             h.reshape([batch, seq, n, hd]).swap_dims(1, 2)
         };
-        let mut q = rope.apply(heads(&self.q_proj, self.n_heads, self.q_norm.as_ref()));
+        let mut q = rope.apply(heads(q, self.n_heads, self.q_norm.as_ref()));
         if let Some(factor) = self.query_scale {
             q = q.mul_scalar(factor);
         }
-        let k = rope.apply(heads(&self.k_proj, self.n_kv_heads, self.k_norm.as_ref()));
-        let v = heads(&self.v_proj, self.n_kv_heads, None);
+        let k = rope.apply(heads(k, self.n_kv_heads, self.k_norm.as_ref()));
+        let v = heads(v, self.n_kv_heads, None);
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v),
             None => (k, v),
         };
         let windowed = self
             .window
-            .and_then(|w| window_mask(batch, seq, k.dims()[2], w, mask, &x.device()));
+            .and_then(|w| window_mask(batch, seq, k.dims()[2], w, mask, &device));
         let out = self.attend(q, k, v, windowed.as_ref().or(mask));
         let out = out
             .swap_dims(1, 2)

@@ -16,8 +16,8 @@ use crate::config::{Activation, LlamaConfig};
 /// `down(act(gate(x)) ⊙ up(x))`: SwiGLU (`silu`), or GeGLU (Gemma's tanh-approximated GELU).
 #[derive(Module, Debug)]
 pub struct Mlp {
-    pub gate_proj: LoraLinear,
-    pub up_proj: LoraLinear,
+    /// `gate_proj` and `up_proj`, or Phi-3's one `gate_up_proj` (gate columns, then up).
+    pub gate_up: Vec<LoraLinear>,
     pub down_proj: LoraLinear,
     #[module(skip)]
     pub activation: Activation,
@@ -28,17 +28,37 @@ impl Mlp {
         let (h, f, bias) = (config.hidden_size, config.intermediate_size, config.mlp_bias());
         let proj =
             |d_in, d_out| LoraLinear::from(LinearConfig::new(d_in, d_out).with_bias(bias).init(device));
+        let gate_up = if config.fused_projections() {
+            vec![proj(h, 2 * f)]
+        } else {
+            vec![proj(h, f), proj(h, f)]
+        };
         Self {
-            gate_proj: proj(h, f),
-            up_proj: proj(h, f),
+            gate_up,
             down_proj: proj(f, h),
             activation: config.activation().unwrap_or_default(),
         }
     }
 
+    /// HF's names of [`Mlp::gate_up`]'s projections, in order.
+    pub fn projection_names(&self) -> &'static [&'static str] {
+        if self.gate_up.len() == 1 {
+            &["gate_up_proj"]
+        } else {
+            &["gate_proj", "up_proj"]
+        }
+    }
+
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = self.gate_proj.forward(x.clone());
-        let up = self.up_proj.forward(x);
+        let (gate, up) = match self.gate_up.as_slice() {
+            [fused] => {
+                let y = fused.forward(x);
+                let f = y.dims()[2] / 2;
+                (y.clone().narrow(2, 0, f), y.narrow(2, f, f))
+            }
+            [gate, up] => (gate.forward(x.clone()), up.forward(x)),
+            other => unreachable!("{} gate/up projections", other.len()),
+        };
         let hidden = match self.activation {
             // Training on CPU, and on GPUs: one fused node instead of sigmoid, two products
             // and their backward.

@@ -21,7 +21,7 @@ pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};
 pub use norm::RmsNorm;
-pub use rope::{Rope, RotaryAngles, inverse_frequencies};
+pub use rope::{Rope, RotaryAngles, inverse_frequencies, long_context_frequencies};
 
 use crate::config::{LlamaConfig, Precision};
 use aligner_parallel::{DEFAULT_CHUNK_TOKENS, token_logprobs_from_hidden};
@@ -200,7 +200,8 @@ impl CausalLm {
 }
 
 /// LoRA settings: rank, `alpha`, dropout on the adapter input, and the projection names
-/// (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`) to adapt.
+/// (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`; Phi-3's
+/// `qkv_proj` and `gate_up_proj`) to adapt.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
     pub rank: usize,
@@ -209,19 +210,46 @@ pub struct LoraSpec {
     pub targets: Vec<String>,
 }
 
-/// The seven projections of every layer with their HF prefixes.
+impl LoraSpec {
+    /// The spec with its targets named as `model` names its projections: on a model with fused
+    /// projections (Phi-3), `q_proj` / `k_proj` / `v_proj` mean `qkv_proj` and `gate_proj` /
+    /// `up_proj` mean `gate_up_proj` (what PEFT's `target_modules` must then say).
+    pub fn for_model(&self, model: &LlamaModel) -> LoraSpec {
+        let fused = model.layers.first().is_some_and(|l| l.self_attn.qkv.len() == 1);
+        let mut targets: Vec<String> = Vec::new();
+        for target in &self.targets {
+            let name = match target.as_str() {
+                "q_proj" | "k_proj" | "v_proj" if fused => "qkv_proj",
+                "gate_proj" | "up_proj" if fused => "gate_up_proj",
+                other => other,
+            };
+            if !targets.iter().any(|t| t == name) {
+                targets.push(name.to_string());
+            }
+        }
+        LoraSpec {
+            targets,
+            ..self.clone()
+        }
+    }
+}
+
+/// The projections of every layer (seven; five in Phi-3) with their HF prefixes.
 pub fn projections(model: &mut LlamaModel) -> Vec<(String, &mut LoraLinear)> {
     let mut out = Vec::new();
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let p = format!("model.layers.{i}");
         let attn = &mut layer.self_attn;
-        out.push((format!("{p}.self_attn.q_proj"), &mut attn.q_proj));
-        out.push((format!("{p}.self_attn.k_proj"), &mut attn.k_proj));
-        out.push((format!("{p}.self_attn.v_proj"), &mut attn.v_proj));
+        let names = attn.projection_names();
+        for (name, proj) in names.iter().zip(attn.qkv.iter_mut()) {
+            out.push((format!("{p}.self_attn.{name}"), proj));
+        }
         out.push((format!("{p}.self_attn.o_proj"), &mut attn.o_proj));
         let mlp = &mut layer.mlp;
-        out.push((format!("{p}.mlp.gate_proj"), &mut mlp.gate_proj));
-        out.push((format!("{p}.mlp.up_proj"), &mut mlp.up_proj));
+        let names = mlp.projection_names();
+        for (name, proj) in names.iter().zip(mlp.gate_up.iter_mut()) {
+            out.push((format!("{p}.mlp.{name}"), proj));
+        }
         out.push((format!("{p}.mlp.down_proj"), &mut mlp.down_proj));
     }
     out
@@ -231,6 +259,7 @@ impl LlamaModel {
     /// Freezes every weight of the trunk and attaches adapters to the targeted projections.
     /// Returns the number of adapted layers.
     pub fn attach_lora(&mut self, spec: &LoraSpec, device: &Device) -> usize {
+        let spec = &spec.for_model(self);
         *self = self.clone().no_grad();
         let mut adapted = 0;
         for (name, layer) in projections(self) {

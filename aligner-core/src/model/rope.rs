@@ -1,6 +1,7 @@
 //! Rotary position embeddings exactly as Hugging Face applies them: `rotate_half` layout
-//! (the two halves of each head are the real and imaginary parts), with `rope_theta` and
-//! Llama-3 / linear frequency scaling.
+//! (the two halves of each head are the real and imaginary parts), with `rope_theta`,
+//! Llama-3 / linear / LongRoPE frequency scaling, and (Phi-3) only the leading
+//! `partial_rotary_factor` of each head rotated.
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -12,24 +13,30 @@ use crate::config::{LlamaConfig, RopeScaling};
 #[derive(Module, Debug)]
 pub struct Rope {
     inv_freq: Tensor<1>,
+    /// LongRoPE: the frequencies of a forward pass whose positions reach past `original`.
+    long_inv_freq: Option<Tensor<1>>,
+    original: usize,
+    /// LongRoPE's factor on cos and sin (1 otherwise).
+    attention_factor: f64,
     max_positions: usize,
 }
 
-/// `cos` and `sin` of the angles of one forward pass, `[batch, 1, seq, head_dim]`.
+/// `cos` and `sin` of the angles of one forward pass, `[batch, 1, seq, rotary_dim]`.
 #[derive(Debug, Clone)]
 pub struct RotaryAngles {
     cos: Tensor<4>,
     sin: Tensor<4>,
 }
 
-/// Inverse frequencies `1 / theta^(2i/d)` in float32, as transformers computes them, after
-/// the configured scaling.
+/// Inverse frequencies `1 / theta^(2i/d)` of `d` rotated dimensions in float32, as
+/// transformers computes them, after the configured scaling (LongRoPE: its short factors).
 pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f32> {
     let base = theta as f32;
     let plain: Vec<f32> = (0..head_dim / 2)
         .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
         .collect();
     match *scaling {
+        RopeScaling::LongRope { ref short_factor, .. } => longrope_frequencies(head_dim, base, short_factor),
         RopeScaling::Default => plain,
         RopeScaling::Linear { factor } => plain.iter().map(|f| f / factor as f32).collect(),
         RopeScaling::Llama3 {
@@ -60,6 +67,35 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -
     }
 }
 
+/// LongRoPE's `1 / (factor_i · theta^(2i/d))`, in float32 as transformers has it.
+fn longrope_frequencies(dim: usize, base: f32, factors: &[f64]) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|i| 1.0 / (factors[i] as f32 * base.powf((2 * i) as f32 / dim as f32)))
+        .collect()
+}
+
+/// LongRoPE's frequencies past the original context (`long_factor`), its original length and
+/// its factor on cos and sin; `None` for other scalings.
+pub fn long_context_frequencies(
+    dim: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+) -> Option<(Vec<f32>, usize, f64)> {
+    match scaling {
+        RopeScaling::LongRope {
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } => Some((
+            longrope_frequencies(dim, theta as f32, long_factor),
+            *original_max_position_embeddings,
+            *attention_factor,
+        )),
+        _ => None,
+    }
+}
+
 impl Rope {
     /// The RoPE of `config`'s (global) layers.
     pub fn new(config: &LlamaConfig, device: &Device) -> Self {
@@ -76,10 +112,14 @@ impl Rope {
     }
 
     fn with(config: &LlamaConfig, theta: f64, scaling: &RopeScaling, device: &Device) -> Self {
-        let head_dim = config.head_dim();
-        let inv_freq = inverse_frequencies(head_dim, theta, scaling);
+        let dim = config.rotary_dim().unwrap_or(config.head_dim());
+        let tensor = |values: Vec<f32>| Tensor::from_data(TensorData::new(values, [dim / 2]), device);
+        let long = long_context_frequencies(dim, theta, scaling);
         Self {
-            inv_freq: Tensor::from_data(TensorData::new(inv_freq, [head_dim / 2]), device),
+            inv_freq: tensor(inverse_frequencies(dim, theta, scaling)),
+            original: long.as_ref().map_or(usize::MAX, |l| l.1),
+            attention_factor: long.as_ref().map_or(1.0, |l| l.2),
+            long_inv_freq: long.map(|l| tensor(l.0)),
             max_positions: config.max_position_embeddings.max(1),
         }
     }
@@ -91,15 +131,26 @@ impl Rope {
 
     /// Angles for `positions: [batch, seq]`: a float32 product of position and frequency, like
     /// transformers' float32 matmul, then cos/sin of it.
+    ///
+    /// LongRoPE picks its long factors when the pass's largest position reaches past the
+    /// original context, as transformers does per forward call.
     pub fn angles(&self, positions: &Tensor<2, Int>) -> RotaryAngles {
         let [batch, seq] = positions.dims();
         let [half] = self.inv_freq.dims();
+        let inv_freq = match &self.long_inv_freq {
+            Some(long) if positions.clone().max().into_scalar::<i64>() + 1 > self.original as i64 => long,
+            _ => &self.inv_freq,
+        };
         let pos = positions.clone().float().reshape([batch, 1, seq, 1]);
-        let freqs = pos * self.inv_freq.clone().reshape([1, 1, 1, half]);
+        let freqs = pos * inv_freq.clone().reshape([1, 1, 1, half]);
         let both = Tensor::cat(vec![freqs.clone(), freqs], 3);
+        let (cos, sin) = (both.clone().cos(), both.sin());
+        if self.attention_factor == 1.0 {
+            return RotaryAngles { cos, sin };
+        }
         RotaryAngles {
-            cos: both.clone().cos(),
-            sin: both.sin(),
+            cos: cos.mul_scalar(self.attention_factor),
+            sin: sin.mul_scalar(self.attention_factor),
         }
     }
 }
@@ -108,11 +159,18 @@ impl RotaryAngles {
     /// Rotates `x: [batch, heads, seq, head_dim]`: `x·cos + rotate_half(x)·sin`, through the
     /// backend extension: one kernel each way on GPUs, Burn's slices, negation, concatenation
     /// and products (differentiable as they are) elsewhere.
+    /// Under a partial rotary factor (Phi-3) only the leading `rotary_dim` dimensions turn;
+    /// the rest pass through.
     pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
         // In x's type, as transformers casts cos/sin to the activations' dtype.
         let cos = super::as_type_of(self.cos.clone(), &x);
         let sin = super::as_type_of(self.sin.clone(), &x);
-        aligner_parallel::fused_rope(x, cos, sin)
+        let (head_dim, rotary) = (x.dims()[3], cos.dims()[3]);
+        if rotary == head_dim {
+            return aligner_parallel::fused_rope(x, cos, sin);
+        }
+        let turned = aligner_parallel::fused_rope(x.clone().narrow(3, 0, rotary), cos, sin);
+        Tensor::cat(vec![turned, x.narrow(3, rotary, head_dim - rotary)], 3)
     }
 }
 

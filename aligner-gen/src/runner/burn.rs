@@ -102,6 +102,18 @@ impl BurnRunner {
     /// Prefills `prompts` together (left-padded) into a scratch cache, copies each into the
     /// next free row, and returns their last-position logits (on the device).
     pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Tensor<2> {
+        let (scratch, logits) = self.encode(prompts);
+        let cache = self.cache.as_mut().expect("reserve comes first");
+        for (j, prompt) in prompts.iter().enumerate() {
+            cache.copy_row_block(&scratch, j, self.starts.len());
+            self.starts.push(cache.len() - prompt.len());
+        }
+        logits
+    }
+
+    /// `sequences` run together (left-padded) through a scratch cache of their own: the cache
+    /// and their last-position logits.
+    fn encode(&self, prompts: &[&[u32]]) -> (KvCache, Tensor<2>) {
         let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
         let mut scratch = KvCache::new(&self.config, prompts.len(), width, &self.device);
         let mut flat = Vec::with_capacity(prompts.len() * width);
@@ -120,10 +132,24 @@ impl BurnRunner {
             (p, Some(m))
         };
         let logits = self.last_logits(tokens, &positions, mask.as_ref(), &mut scratch);
+        (scratch, logits)
+    }
+
+    /// Recomputes rows `(row, sequence)` whole (the sequence ends with the token just fed),
+    /// replacing their cached keys and values and their rows of `logits`: LongRoPE's switch
+    /// to its long factors ([`crate::runner::Runner::decode`]).
+    fn reencode(&mut self, rows: &[(usize, Vec<u32>)], mut logits: Tensor<2>) -> Tensor<2> {
+        if rows.is_empty() {
+            return logits;
+        }
+        let sequences: Vec<&[u32]> = rows.iter().map(|(_, s)| s.as_slice()).collect();
+        let (scratch, fresh) = self.encode(&sequences);
         let cache = self.cache.as_mut().expect("reserve comes first");
-        for (j, prompt) in prompts.iter().enumerate() {
-            cache.copy_row_block(&scratch, j, self.starts.len());
-            self.starts.push(cache.len() - prompt.len());
+        let vocab = logits.dims()[1];
+        for (j, (row, _)) in rows.iter().enumerate() {
+            cache.copy_row_block(&scratch, j, *row);
+            let line = fresh.clone().narrow(0, j, 1);
+            logits = logits.slice_assign([*row..*row + 1, 0..vocab], line);
         }
         logits
     }
@@ -133,6 +159,7 @@ impl BurnRunner {
         &mut self,
         tokens: &[u32],
         positions: &[usize],
+        reencode: &[(usize, Vec<u32>)],
         stats: &mut EngineStats,
     ) -> Tensor<2> {
         let mut cache = self.cache.take().expect("reserve comes first");
@@ -170,7 +197,7 @@ impl BurnRunner {
         let logits = self.last_logits(tokens, &positions, mask.as_ref(), &mut cache);
         cache.set_window_start(0);
         self.cache = Some(cache);
-        logits
+        self.reencode(reencode, logits)
     }
 
     /// Row `row` is done; the last running row moves into its place.

@@ -43,6 +43,13 @@ pub(crate) fn forward(
     debug_assert!(picked.windows(2).all(|p| p[0] < p[1]), "picked tokens in order");
     let groups = token_groups(rows, rayon::current_num_threads());
     let parts = split_cache(cache, rows, &groups);
+    // LongRoPE: the long factors once this call's positions reach past the original context,
+    // as transformers picks them per forward call (over the whole batch).
+    let last = rows.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
+    let long = w
+        .long_inv_freq
+        .as_ref()
+        .is_some_and(|(_, original)| last + 1 > *original);
     let hidden: Vec<Vec<f32>> = parts
         .into_par_iter()
         .zip(groups.par_iter())
@@ -53,7 +60,14 @@ pub(crate) fn forward(
                 .filter(|&&t| range.contains(&t))
                 .map(|&t| t - first)
                 .collect();
-            trunk(w, &mut part, &tokens[range.clone()], &rows[range.clone()], &local)
+            trunk(
+                w,
+                &mut part,
+                &tokens[range.clone()],
+                &rows[range.clone()],
+                &local,
+                long,
+            )
         })
         .collect();
     let last: Vec<f32> = hidden.concat();
@@ -146,6 +160,7 @@ fn trunk(
     tokens: &[u32],
     rows: &[(usize, usize)],
     picked: &[usize],
+    long: bool,
 ) -> Vec<f32> {
     let n = tokens.len();
     let d = w.hidden;
@@ -159,7 +174,7 @@ fn trunk(
     // Rows relative to the group's first cache row.
     let local: Vec<(usize, usize)> = rows.iter().map(|&(r, p)| (r - cache.first_row, p)).collect();
     let mut scratch = Scratch::new(w, n);
-    scratch.angles(w, rows);
+    scratch.angles(w, rows, long);
     for (i, layer) in w.layers.iter().enumerate() {
         layer_forward(w, i, layer, &mut x, cache, &local, &mut scratch);
     }
@@ -208,17 +223,22 @@ impl Scratch {
     }
 
     /// Rotary angles as transformers computes them: float32 position × float32 frequency.
-    fn angles(&mut self, w: &HostWeights, rows: &[(usize, usize)]) {
+    fn angles(&mut self, w: &HostWeights, rows: &[(usize, usize)], long: bool) {
+        let factor = w.rope_factor;
         let fill = |inv_freq: &[f32], cos: &mut Vec<f32>, sin: &mut Vec<f32>| {
             for &(_, pos) in rows {
                 for &f in inv_freq {
                     let angle = pos as f32 * f;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
+                    cos.push(angle.cos() * factor);
+                    sin.push(angle.sin() * factor);
                 }
             }
         };
-        fill(&w.inv_freq, &mut self.cos, &mut self.sin);
+        let inv_freq = match &w.long_inv_freq {
+            Some((frequencies, _)) if long => frequencies,
+            _ => &w.inv_freq,
+        };
+        fill(inv_freq, &mut self.cos, &mut self.sin);
         if let Some(local) = &w.local_inv_freq {
             fill(local, &mut self.cos_local, &mut self.sin_local);
         }

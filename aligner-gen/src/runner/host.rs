@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use aligner_core::config::{Activation, RopeScaling};
-use aligner_core::model::{RmsNorm, inverse_frequencies};
+use aligner_core::model::{RmsNorm, inverse_frequencies, long_context_frequencies};
 use aligner_core::{CausalLm, LlamaConfig};
 use aligner_parallel::fused::infer::{CacheBuffer, CacheLayout, Scoring};
 use aligner_parallel::fused::panels::{ColumnPanels, DEFAULT_PANEL_WIDTH};
@@ -124,6 +124,10 @@ pub(crate) struct HostWeights {
     /// Gemma's final soft-cap on the logits.
     pub(super) final_softcap: Option<f32>,
     pub(super) inv_freq: Vec<f32>,
+    /// LongRoPE (Phi-3): the frequencies of a forward call whose positions reach past the
+    /// original context (the given length), and the factor on cos and sin.
+    pub(super) long_inv_freq: Option<(Vec<f32>, usize)>,
+    pub(super) rope_factor: f32,
     /// Gemma 3: the inverse frequencies of the sliding-window layers.
     pub(super) local_inv_freq: Option<Vec<f32>>,
     pub(super) activation: Activation,
@@ -146,9 +150,12 @@ impl HostWeights {
             .iter()
             .map(|layer| {
                 let (a, p) = (&layer.self_attn, &layer.mlp);
-                let (qkv, qkv_bias) =
-                    side_by_side(&[a.q_proj.merged(), a.k_proj.merged(), a.v_proj.merged()]);
-                let (gate_up, gate_up_bias) = side_by_side(&[p.gate_proj.merged(), p.up_proj.merged()]);
+                // Fused (Phi-3) or side by side, the columns are q, k, v and gate, up.
+                let merged = |projections: &[aligner_core::model::LoraLinear]| -> Vec<_> {
+                    projections.iter().map(|p| p.merged()).collect()
+                };
+                let (qkv, qkv_bias) = side_by_side(&merged(&a.qkv));
+                let (gate_up, gate_up_bias) = side_by_side(&merged(&p.gate_up));
                 let (o, o_bias) = side_by_side(&[a.o_proj.merged()]);
                 let (down, down_bias) = side_by_side(&[p.down_proj.merged()]);
                 let norm = |n: &Option<RmsNorm>| n.as_ref().map(HostNorm::new);
@@ -178,11 +185,14 @@ impl HostWeights {
             .collect();
         let theta = config.rope_theta_value().unwrap_or(10000.0);
         let scaling = config.rope_scaling_kind().unwrap_or(RopeScaling::Default);
+        // The leading dimensions of each head that RoPE turns (Phi-3's partial rotary factor).
+        let rotary_dim = config.rotary_dim().unwrap_or(head_dim);
         let local_inv_freq = config
             .local_rope()
             .ok()
             .flatten()
-            .map(|(theta, scaling)| inverse_frequencies(head_dim, theta, &scaling));
+            .map(|(theta, scaling)| inverse_frequencies(rotary_dim, theta, &scaling));
+        let long = long_context_frequencies(rotary_dim, theta, &scaling);
         Self {
             embed: values(m.embed_tokens.weight.val()),
             embed_scale: m.embedding_scale.map(|s| s as f32),
@@ -195,7 +205,9 @@ impl HostWeights {
                 head_panel_width(config.vocab_size),
             ),
             final_softcap: model.final_softcap.map(|c| c as f32),
-            inv_freq: inverse_frequencies(head_dim, theta, &scaling),
+            inv_freq: inverse_frequencies(rotary_dim, theta, &scaling),
+            rope_factor: long.as_ref().map_or(1.0, |l| l.2 as f32),
+            long_inv_freq: long.map(|(freq, original, _)| (freq, original)),
             local_inv_freq,
             activation: m.layers.first().map_or(Activation::Silu, |l| l.mlp.activation),
             hidden: config.hidden_size,

@@ -194,18 +194,41 @@ impl Runner {
 
     /// Feeds running row `r` its token `tokens[r]` at position `positions[r]`; returns the
     /// logits of the next tokens.
-    pub(crate) fn decode(&mut self, tokens: &[u32], positions: &[usize], stats: &mut EngineStats) -> Logits {
+    ///
+    /// The rows of `reencode` (row, its whole sequence ending with that token) are computed
+    /// whole instead, their cached keys and values replaced: what transformers does for
+    /// LongRoPE (Phi-3) when a sequence first reaches past the original context, since every
+    /// position then rotates with the long factors.
+    pub(crate) fn decode(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+        reencode: &[(usize, Vec<u32>)],
+        stats: &mut EngineStats,
+    ) -> Logits {
         match self {
-            Runner::Burn(b) => Logits::Device(Box::new(b.decode(tokens, positions, stats))),
+            Runner::Burn(b) => Logits::Device(Box::new(b.decode(tokens, positions, reencode, stats))),
             Runner::Host(h) => {
                 let cache = h.cache.as_mut().expect("reserve comes first");
                 debug_assert!(positions.iter().zip(&cache.lens).all(|(p, l)| p == l));
-                let rows: Vec<(usize, usize)> = positions.iter().copied().enumerate().collect();
-                let picked: Vec<usize> = (0..tokens.len()).collect();
+                let (mut fed, mut rows, mut picked) = (Vec::new(), Vec::new(), Vec::new());
+                for (row, (&token, &pos)) in tokens.iter().zip(positions).enumerate() {
+                    match reencode.iter().find(|(r, _)| *r == row) {
+                        Some((_, sequence)) => {
+                            fed.extend_from_slice(sequence);
+                            rows.extend((0..sequence.len()).map(|p| (row, p)));
+                        }
+                        None => {
+                            fed.push(token);
+                            rows.push((row, pos));
+                        }
+                    }
+                    picked.push(fed.len() - 1);
+                }
                 let logits = forward(
                     &h.weights,
                     cache,
-                    tokens,
+                    &fed,
                     &rows,
                     &picked,
                     std::mem::take(&mut h.spare),

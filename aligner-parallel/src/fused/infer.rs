@@ -63,8 +63,9 @@ fn gated_rows(out: &mut [f32], gate_up: &[f32], ff: usize, row: impl Fn(&mut [f3
 
 /// Rotary embedding in Hugging Face's `rotate_half` layout, in place: in each row of `x`
 /// (stride `row_stride`), the `heads` heads of width `dim` starting at `offset` turn by their
-/// row's angles (`cos`, `sin`: `[rows, dim / 2]`): `(a, b) → (a·cos − b·sin, b·cos + a·sin)`
-/// for the pairs `(i, i + dim/2)`.
+/// row's angles (`cos`, `sin`: `[rows, r / 2]`, `r ≤ dim`): `(a, b) → (a·cos − b·sin,
+/// b·cos + a·sin)` for the pairs `(i, i + r/2)`; a head's dimensions past `r` (Phi-3's
+/// partial rotary factor) pass through.
 pub fn rope_rows(
     x: &mut [f32],
     row_stride: usize,
@@ -74,14 +75,17 @@ pub fn rope_rows(
     cos: &[f32],
     sin: &[f32],
 ) {
-    let half = dim / 2;
+    // The rotated width: the whole head, or (partial rotary) the leading part the angles cover.
+    let rows = (x.len() / row_stride).max(1);
+    let half = cos.len() / rows;
+    assert!(2 * half <= dim, "rope angles wider than the heads");
     for ((row, cos), sin) in x
         .chunks_mut(row_stride)
         .zip(cos.chunks(half))
         .zip(sin.chunks(half))
     {
         for head in row[offset..offset + heads * dim].chunks_mut(dim) {
-            let (a, b) = head.split_at_mut(half);
+            let (a, b) = head[..2 * half].split_at_mut(half);
             for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
                 let (x1, x2) = (*a, *b);
                 *a = x1 * c - x2 * s;
