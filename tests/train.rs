@@ -1145,3 +1145,48 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
         assert!(rows.iter().any(|r| r["step"] == 2), "{name}: GRPO ran two steps");
     }
 }
+
+/// `aligner bench --model DIR` measures any model folder aligner loads (here the random Phi-3,
+/// fused projections and LongRoPE included) in place of the built-in models: one row each of
+/// training, DPO (with its peak memory) and generation, named after the folder, with
+/// positive figures; a folder that is not a model is named in the error.
+#[test]
+fn bench_measures_a_model_folder() {
+    let dir = repo().join("tests/reference/hf_random/phi3_longrope");
+    let model = dir.to_str().unwrap();
+    for what in [
+        &["train", "--batch", "2", "--seq", "16", "--steps", "1"][..],
+        &["dpo", "--pairs", "2", "--seq", "16", "--steps", "1"],
+        &[
+            "generate",
+            "--prompts",
+            "2",
+            "--new-tokens",
+            "4",
+            "--batch-sizes",
+            "2",
+        ],
+    ] {
+        let mut args = vec!["bench", "--model", model];
+        args.extend_from_slice(what);
+        let (ok, stdout, stderr) = aligner_tests::aligner_output(&args);
+        assert!(ok, "{what:?}: {stderr}");
+        let rows: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("| phi3_longrope |"))
+            .collect();
+        assert_eq!(rows.len(), 1, "{what:?}: {stdout}");
+        let numbers: Vec<f64> = rows[0]
+            .split('|')
+            .filter_map(|cell| cell.trim().parse().ok())
+            .collect();
+        // Parameters, time and throughput at least (single-process all-reduce columns are 0).
+        assert!(
+            numbers.iter().filter(|n| **n > 0.0).count() >= 3,
+            "{what:?}: {}",
+            rows[0]
+        );
+    }
+    let (ok, _, stderr) = aligner_tests::aligner_output(&["bench", "--model", "assets", "forward"]);
+    assert!(!ok && stderr.contains("assets"), "{stderr}");
+}
