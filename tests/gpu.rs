@@ -63,14 +63,9 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    for name in [
-        "qwen3_window",
-        "mistral_window",
-        "olmo2_bias",
-        "gemma2_capped",
-        "gemma3_local_global",
-        "phi3_longrope",
-    ] {
+    // tests/reference/hf_random's families beyond Llama and Qwen2, one a line.
+    let families = std::fs::read_to_string(repo().join("tests/reference/hf_random/families.txt")).unwrap();
+    for name in families.lines() {
         let dir = repo().join("tests/reference/hf_random").join(name);
         let lm = LoadedModel::from_dir(&dir, &device).unwrap();
         let expected: Value =

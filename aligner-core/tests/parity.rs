@@ -139,17 +139,9 @@ fn response_logprobs_match_transformers() {
 /// factors on a 40-token input past a 32-token original context, a 24-token window).
 #[test]
 fn random_transformers_models_match_their_logits() {
-    for name in [
-        "llama3_scaled",
-        "qwen2_bias",
-        "llama_head_dim",
-        "qwen3_window",
-        "mistral_window",
-        "olmo2_bias",
-        "gemma2_capped",
-        "gemma3_local_global",
-        "phi3_longrope",
-    ] {
+    let families = hf_random_families();
+    let older = ["llama3_scaled", "qwen2_bias", "llama_head_dim"];
+    for name in older.into_iter().chain(families.lines()) {
         let (model, expected) = hf_random(name, &Device::flex());
         let ids = ids(&expected["ids"]);
         let tokens = Tensor::<2, Int>::from_data(
@@ -171,6 +163,12 @@ fn random_transformers_models_match_their_logits() {
             .fold(0.0f32, f32::max);
         assert!(worst < 1e-4, "{name}: max |logit difference| {worst}");
     }
+}
+
+/// The families of `tests/reference/hf_random` beyond Llama and Qwen2, one a line (each
+/// fixture carries transformers' greedy continuation and the shipped tokenizer).
+fn hf_random_families() -> String {
+    std::fs::read_to_string(repo().join("tests/reference/hf_random/families.txt")).unwrap()
 }
 
 /// The random model `tests/reference/hf_random/{name}` and transformers' figures for it (the
@@ -212,14 +210,7 @@ fn reference_logprobs(expected: &Value) -> Vec<f64> {
 #[test]
 fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
     let device = Device::flex().autodiff();
-    for name in [
-        "qwen3_window",
-        "mistral_window",
-        "olmo2_bias",
-        "gemma2_capped",
-        "gemma3_local_global",
-        "phi3_longrope",
-    ] {
+    for name in hf_random_families().lines() {
         let (model, expected) = hf_random(name, &device);
         let ids = ids(&expected["ids"]);
         let tokens = Tensor::<2, Int>::from_data(

@@ -35,4 +35,4 @@ pub use fused::{
     cube_kernels_available, flash_attention, flash_attention_available, fused_attention, fused_available,
     fused_rms_norm, fused_rope, fused_swiglu, fused_token_logprobs, use_burn_attention,
 };
-pub use logprob::{DEFAULT_CHUNK_TOKENS, token_logprobs, token_logprobs_from_hidden};
+pub use logprob::{DEFAULT_CHUNK_TOKENS, soft_cap, token_logprobs, token_logprobs_from_hidden};

@@ -70,15 +70,19 @@ pub fn token_logprobs_from_hidden(
         } else {
             // The log-softmax in f32 whatever the compute type (a no-op cast in f32).
             let logits = chunk.matmul(weight.clone()).cast(burn::tensor::FloatDType::F32);
-            let logits = match softcap {
-                Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
-                None => logits,
-            };
-            gathered_log_softmax(logits, ids)
+            gathered_log_softmax(soft_cap(logits, softcap), ids)
         }
     });
     // The kernels' log-probs are f32 whatever the compute type; the composed ones follow it.
     out.reshape([batch, seq]).cast(burn::tensor::FloatDType::F32)
+}
+
+/// `cap · tanh(x / cap)` under a soft-cap (Gemma's logits), `x` itself without one.
+pub fn soft_cap<const D: usize>(x: Tensor<D>, cap: Option<f64>) -> Tensor<D> {
+    match cap {
+        Some(cap) => x.div_scalar(cap).tanh().mul_scalar(cap),
+        None => x,
+    }
 }
 
 /// Runs `f(start, end)` over consecutive row ranges and concatenates the `[rows, 1]` results.

@@ -63,6 +63,11 @@ impl LlamaModel {
         }
     }
 
+    /// Whether `layer` rotates with the local RoPE: Gemma 3's sliding-window layers do.
+    pub fn rotates_locally(&self, layer: &DecoderLayer) -> bool {
+        self.local_rope.is_some() && layer.self_attn.window.is_some()
+    }
+
     /// Final hidden states `[batch, seq, hidden]` of `tokens: [batch, seq]` at `positions`.
     ///
     /// With a cache, `tokens` continue the cached sequence and their keys/values are appended.
@@ -82,9 +87,8 @@ impl LlamaModel {
         let local = self.local_rope.as_ref().map(|r| r.angles(positions));
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            // Gemma 3's sliding-window layers rotate with the local base.
-            let angles = match (&local, layer.self_attn.window) {
-                (Some(local), Some(_)) => local,
+            let angles = match &local {
+                Some(local) if self.rotates_locally(layer) => local,
                 _ => &angles,
             };
             x = layer.forward(x, angles, mask, layer_cache);
@@ -122,10 +126,7 @@ impl CausalLm {
     /// `cap · tanh(logits / cap)` under a final soft-cap (Gemma), the logits themselves
     /// otherwise.
     pub fn cap_logits<const D: usize>(&self, logits: Tensor<D>) -> Tensor<D> {
-        match self.final_softcap {
-            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
-            None => logits,
-        }
+        aligner_parallel::soft_cap(logits, self.final_softcap)
     }
 
     /// The output projection `[hidden, vocab]` (the transposed embeddings when tied), in its

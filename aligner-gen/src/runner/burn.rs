@@ -111,8 +111,8 @@ impl BurnRunner {
         logits
     }
 
-    /// `sequences` run together (left-padded) through a scratch cache of their own: the cache
-    /// and their last-position logits.
+    /// `prompts` (whole sequences) run together, left-padded, through a scratch cache of their
+    /// own: the cache and their last-position logits.
     fn encode(&self, prompts: &[&[u32]]) -> (KvCache, Tensor<2>) {
         let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
         let mut scratch = KvCache::new(&self.config, prompts.len(), width, &self.device);

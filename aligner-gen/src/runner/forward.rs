@@ -9,7 +9,7 @@
 use aligner_core::config::Activation;
 use aligner_parallel::fused::host::matmul;
 use aligner_parallel::fused::infer::{
-    CacheLayout, cached_attention, geglu_into, rms_norm_into, rope_rows, swiglu_into,
+    CacheLayout, cached_attention, geglu_into, rms_norm_into, rope_rows, soft_cap_in_place, swiglu_into,
 };
 use rayon::prelude::*;
 
@@ -77,9 +77,7 @@ pub(crate) fn forward(
     logits.resize(picked.len() * w.vocab, 0.0);
     w.head.left_product(&mut logits, &normed, picked.len());
     if let Some(cap) = w.final_softcap {
-        for l in logits.iter_mut() {
-            *l = cap * (*l / cap).tanh();
-        }
+        soft_cap_in_place(&mut logits, cap);
     }
     logits
 }

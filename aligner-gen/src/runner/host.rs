@@ -173,7 +173,7 @@ impl HostWeights {
                         window: a.window,
                         softcap: a.softcap.map(|c| c as f32),
                     },
-                    local_rope: m.local_rope.is_some() && a.window.is_some(),
+                    local_rope: m.rotates_locally(layer),
                     o,
                     o_bias,
                     gate_up,

@@ -159,6 +159,14 @@ pub enum CacheBuffer {
     Values,
 }
 
+/// `x ← cap · tanh(x / cap)` for every value (Gemma's soft-cap, on scores or logits).
+#[inline]
+pub fn soft_cap_in_place(values: &mut [f32], cap: f32) {
+    for x in values {
+        *x = cap * (*x / cap).tanh();
+    }
+}
+
 /// How a layer turns query·key products into attention scores.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Scoring {
@@ -285,9 +293,7 @@ fn attend_row_body(
             *s = dot * scale;
         }
         if let Some(cap) = softcap {
-            for s in &mut scores[first..n] {
-                *s = cap * (*s / cap).tanh();
-            }
+            soft_cap_in_place(&mut scores[first..n], cap);
         }
         scores[n..].fill(f32::NEG_INFINITY);
         scores[..first].fill(f32::NEG_INFINITY);
