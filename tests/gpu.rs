@@ -126,14 +126,16 @@ fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
         "ppo.steps=2",
         "--set",
         "ppo.eval_every=0",
-        // Small rollouts and evaluations, no frontier sampling: lavapipe runs every kernel on
-        // the CPU, and what these tests check does not depend on the rollout's size.
+        // Small rollouts and evaluations, 16 new tokens, no frontier sampling: lavapipe runs
+        // every kernel on the CPU, and what these tests check does not depend on their size.
         "--set",
         "ppo.rollout_prompts=8",
         "--set",
         "ppo.mini_batch=4",
         "--set",
         "ppo.eval_prompts=8",
+        "--set",
+        "ppo.max_new_tokens=16",
         "--set",
         "frontier.prompts=''",
     ];
@@ -156,11 +158,17 @@ fn train(command: &str, device: &str, run: &Path) {
     set("train.save_every=0".into());
     // The frontier's sampling at each validation costs minutes on lavapipe; generation on
     // wgpu is checked above against transformers' greedy tokens. The reference pass covers the
-    // 160 pairs the 10 steps train on (batch 16), not the whole training split.
+    // 160 pairs the 10 steps train on (batch 16), not the whole training split. Validation
+    // takes the first 32 held-out rows.
     if command == "dpo" {
         set("frontier.prompts=''".into());
         let pairs = aligner_tests::head("train.pref.jsonl", 160, &run.with_extension("pairs.jsonl"));
         set(format!("data.train={}", pairs.display()));
+        let held_out = aligner_tests::head("test.pref.jsonl", 32, &run.with_extension("held-out.jsonl"));
+        set(format!("data.validation={}", held_out.display()));
+    } else {
+        let held_out = aligner_tests::head("test.sft.jsonl", 32, &run.with_extension("held-out.jsonl"));
+        set(format!("data.validation={}", held_out.display()));
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = aligner(&args);
@@ -323,8 +331,13 @@ fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
         "an f32 run keeps no second copy"
     );
 
-    // Cut after step 4 (the newest checkpoint is step 3), then resumed.
-    run("wgpu", &cut, &["--stop-after", "4"]);
+    // Cut after step 4 (the newest checkpoint is step 3), then resumed; without validation,
+    // which the losses and weights compared here do not depend on.
+    run(
+        "wgpu",
+        &cut,
+        &["--stop-after", "4", "--set", "data.validation=''"],
+    );
     assert!(!cut.join("final").exists());
     let (ok, err) = aligner(&["--device", "wgpu", "sft", "--resume", cut.to_str().unwrap()]);
     assert!(ok, "{err}");
