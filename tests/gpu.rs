@@ -164,12 +164,14 @@ fn train(command: &str, device: &str, run: &Path) {
         set("frontier.prompts=''".into());
         let pairs = aligner_tests::head("train.pref.jsonl", 160, &run.with_extension("pairs.jsonl"));
         set(format!("data.train={}", pairs.display()));
-        let held_out = aligner_tests::head("test.pref.jsonl", 32, &run.with_extension("held-out.jsonl"));
-        set(format!("data.validation={}", held_out.display()));
-    } else {
-        let held_out = aligner_tests::head("test.sft.jsonl", 32, &run.with_extension("held-out.jsonl"));
-        set(format!("data.validation={}", held_out.display()));
     }
+    let held_out_file = if command == "dpo" {
+        "test.pref.jsonl"
+    } else {
+        "test.sft.jsonl"
+    };
+    let held_out = aligner_tests::head(held_out_file, 32, &run.with_extension("held-out.jsonl"));
+    set(format!("data.validation={}", held_out.display()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = aligner(&args);
     assert!(ok, "{command} on {device}: {err}");
