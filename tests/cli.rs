@@ -349,6 +349,9 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         ]
     };
     let args = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
+    let base = repo().join("assets/stories260K");
+    let lm_as_reward = |key: &str| format!("{key}={}", base.display());
+    const NOT_A_REWARD_MODEL: &str = "stories260K is not a reward model";
     let cases: Vec<(Vec<String>, &str)> = vec![
         (flag("--temperature", "-1"), "--temperature"),
         (flag("--temperature", "NaN"), "--temperature"),
@@ -416,6 +419,38 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             "train.lr",
         ),
         (args(&["sft", "--resume", &path(&other_files)]), "config.toml"),
+        // A causal LM's folder where a trained reward or attribute model is meant: it has no
+        // score head, and a fresh one would score every sample 0.
+        (set("ppo", lm_as_reward("reward_model.path")), NOT_A_REWARD_MODEL),
+        (set("ppo", lm_as_reward("reward.model")), NOT_A_REWARD_MODEL),
+        (
+            set("online-dpo", lm_as_reward("reward_model.path")),
+            NOT_A_REWARD_MODEL,
+        ),
+        (set("rs", lm_as_reward("reward_model.path")), NOT_A_REWARD_MODEL),
+        (
+            args(&[
+                "eval",
+                "--out",
+                &path(&dir.path().join("eval")),
+                "--reward",
+                &path(&base),
+            ]),
+            NOT_A_REWARD_MODEL,
+        ),
+        (
+            args(&[
+                "steerlm",
+                "annotate",
+                "--model",
+                &path(&base),
+                "--data",
+                "assets/tinystories_sentiment/test.steer.jsonl",
+                "--out",
+                &path(&dir.path().join("annotated.jsonl")),
+            ]),
+            NOT_A_REWARD_MODEL,
+        ),
     ];
     for (args, culprit) in cases {
         let output = Command::new(aligner_tests::aligner_exe())

@@ -82,16 +82,10 @@ pub fn first_and_last(rows: &[Value], key: &str) -> (f64, f64) {
 }
 
 /// The tinystories_sentiment lexicon score (assets/tinystories_sentiment/SOURCE.txt): positive
-/// minus negative words, words being lower-cased runs of [a-z'].
+/// minus negative words, words being lower-cased runs of [a-z']. The library's own function,
+/// the one copy of the lexicon, which the frontier and the built-in reward also use.
 pub fn lexicon_score(text: &str) -> i64 {
-    const POSITIVE: &str = "happy happily smiled smile smiles laughed laugh fun love loved loves friend friends good great kind nice hug hugged play played together yay glad enjoy enjoyed best beautiful proud excited thank thanked";
-    const NEGATIVE: &str = "sad sadly cried cry crying scared angry mad hurt bad upset lost alone broke broken afraid fear tears mean never sorry ouch pain sick";
-    let lower = text.to_lowercase();
-    let words = lower.split(|c: char| !(c.is_ascii_lowercase() || c == '\''));
-    words
-        .filter(|w| !w.is_empty())
-        .map(|w| POSITIVE.split(' ').any(|p| p == w) as i64 - NEGATIVE.split(' ').any(|n| n == w) as i64)
-        .sum()
+    aligner_gen::frontier::sentiment_lexicon(text)
 }
 
 /// Mean lexicon score of the `"response"` of each row of a JSON-lines file.

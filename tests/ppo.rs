@@ -563,3 +563,69 @@ fn one_step_off_trains_on_samples_one_update_old_and_still_learns() {
     );
     assert!(end > start + 0.1, "held-out reward {start} -> {end}");
 }
+
+/// Steps whose samples teach nothing warn and, `ppo.stop_after_flat_steps` of them in a row,
+/// stop the run with an error saying why, instead of logging `policy_loss 0` to the end: GRPO
+/// at temperature 0 draws one answer four times per prompt (every group advantage 0), and a
+/// reward weighted 0 scores every sample alike.
+#[test]
+fn steps_that_teach_nothing_stop_the_run_saying_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, sets: &[&str]| -> (bool, String, PathBuf) {
+        let out = dir.path().join(name);
+        let mut args = vec![
+            "ppo",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "ppo.advantage=\"grpo\"",
+            "--set",
+            "ppo.samples_per_prompt=4",
+            "--set",
+            "ppo.rollout_prompts=4",
+            "--set",
+            "ppo.mini_batch=16",
+            "--set",
+            "ppo.eval_prompts=4",
+            "--set",
+            "ppo.steps=6",
+            "--set",
+            "ppo.stop_after_flat_steps=2",
+            "--set",
+            "reward.function=\"tinystories_sentiment\"",
+            "--set",
+            "frontier.prompts=''",
+        ];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let (ok, err) = aligner(&args);
+        (ok, err, out)
+    };
+    let (ok, err, out) = run("greedy", &["ppo.temperature=0"]);
+    assert!(!ok, "a run at temperature 0 trained to its end: {err}");
+    assert!(
+        err.contains("2 steps in a row taught the policy nothing")
+            && err.contains("the 4 samples of each prompt had the same reward")
+            && err.contains("ppo.stop_after_flat_steps"),
+        "{err}"
+    );
+    assert!(
+        err.contains("this step's samples teach nothing"),
+        "no warning: {err}"
+    );
+    // The first flat step trained and was logged; the second stopped the run before its update.
+    let steps: Vec<f64> = values(&metrics(&out), "policy_loss");
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert!(!out.join("final").exists());
+
+    let (ok, err, _) = run("weightless", &["reward.weight=0"]);
+    assert!(
+        !ok && err.contains("every sample's reward was 0") && err.contains("weights all 0"),
+        "{err}"
+    );
+    // A signal that comes back resets the count: at temperature 1 the run ends normally.
+    let (ok, err, out) = run("sampled", &["ppo.steps=2"]);
+    assert!(ok, "{err}");
+    assert!(out.join("final/model.safetensors").exists());
+}

@@ -388,10 +388,12 @@ fn example_configs_parse_and_run() {
         ]);
         assert!(ok, "{command}: {err}");
     }
-    // The RL and self-play configs, cut to one tiny step (the base model stands in as a
-    // reward model with a fresh, zero head).
-    let base = repo().join("assets/stories260K");
-    let rm = format!("reward_model.path={}", base.display());
+    // The RL and self-play configs, cut to one tiny step, scored by the shared quick reward
+    // model.
+    let rm = format!(
+        "reward_model.path={}",
+        aligner_tests::quick_reward_model().display()
+    );
     let runs: [(&[&str], &str, &[&str]); 8] = [
         (
             &["ppo"],

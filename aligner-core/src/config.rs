@@ -414,6 +414,14 @@ impl LlamaConfig {
         Ok(dim)
     }
 
+    /// A sequence classifier (`*ForSequenceClassification`): a reward, value or attribute
+    /// model's folder, with a trained `score` head.
+    pub fn is_sequence_classifier(&self) -> bool {
+        self.architectures
+            .as_ref()
+            .is_some_and(|a| a.iter().any(|n| n.ends_with("ForSequenceClassification")))
+    }
+
     /// Gemma 2 or Gemma 3 (text).
     pub fn is_gemma(&self) -> bool {
         matches!(self.model_type.as_str(), "gemma2" | "gemma3_text")

@@ -52,6 +52,14 @@ pub enum CoreError {
     Data(#[from] DataError),
     #[error(transparent)]
     Comm(#[from] aligner_parallel::CommError),
+    /// A folder given as a trained reward or attribute model that has no score head (a causal
+    /// LM's folder): loaded, it would score every sample 0.
+    #[error(
+        "{dir} is not a reward model: its config.json names {architectures}, not a \
+         *ForSequenceClassification, so it has no trained score head and every sample would \
+         score 0; give the `final/` folder of an `aligner rm` run (or another sequence classifier)"
+    )]
+    NotARewardModel { dir: PathBuf, architectures: String },
     #[error("{0}")]
     Invalid(String),
 }

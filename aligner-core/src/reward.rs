@@ -107,11 +107,7 @@ impl RewardModel {
     /// head of `outputs` values.
     pub fn load(dir: &Path, config: &LlamaConfig, outputs: usize, device: &Device) -> Result<Self> {
         let mut model = Self::new(config, outputs, device);
-        let is_classifier = config
-            .architectures
-            .as_ref()
-            .is_some_and(|a| a.iter().any(|n| n.ends_with("ForSequenceClassification")));
-        if is_classifier {
+        if config.is_sequence_classifier() {
             load_slots(dir, config, model.slots(), device)?;
         } else {
             load_slots(dir, config, trunk_slots(&mut model.model), device)?;

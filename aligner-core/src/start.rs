@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::LoadedModel;
 use crate::adapter::{LoraStore, RewardLoraStore};
 use crate::config::{LlamaConfig, Precision};
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::model::{CausalLm, LoraSpec};
 use crate::reward::{RewardModel, labels_of};
 use crate::store::{CausalLmStore, ModelStore, RewardModelStore};
@@ -116,7 +116,28 @@ impl LoadedRewardModel {
         Ok(self)
     }
 
+    /// The trained reward or attribute model of the folder `dir`: refused, naming the folder,
+    /// when it is not a sequence classifier (a causal LM's folder has no trained head, and a
+    /// fresh one would score every sample 0).
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        if !config.is_sequence_classifier() {
+            let architectures = match &config.architectures {
+                Some(names) if !names.is_empty() => names.join(", "),
+                _ => format!("no architectures (model_type {:?})", config.model_type),
+            };
+            return Err(CoreError::NotARewardModel {
+                dir: dir.to_path_buf(),
+                architectures,
+            });
+        }
+        Self::starting_from(dir, device)
+    }
+
+    /// A scalar-headed model to train further from the folder `dir`: a sequence classifier
+    /// with its head and labels, or a causal LM's trunk under a fresh zero head (a PPO
+    /// critic may start from either).
+    pub fn starting_from(dir: &Path, device: &Device) -> Result<Self> {
         let config = LlamaConfig::from_file(&dir.join("config.json"))?;
         let mut labels = labels_of(&config);
         if labels.is_empty() {

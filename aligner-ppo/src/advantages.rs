@@ -113,6 +113,36 @@ impl Advantage {
     }
 }
 
+/// Why a step's samples would teach the policy nothing, or `None` when they carry a signal:
+/// no sample left to train on (`kept` is 0), one reward for every sample, or, for the group
+/// advantages, one reward within every group of `group` samples, which makes every advantage
+/// 0. `scores` are the step's rewards (after shaping), `group` samples per prompt in a row.
+pub fn missing_signal(scores: &[f32], kept: usize, group: usize, mode: Advantage) -> Option<String> {
+    let alike = |s: &[f32]| s.iter().all(|&x| x == s[0]);
+    if scores.is_empty() || kept == 0 {
+        return Some(
+            "no sample was left to train on (dynamic sampling dropped every group, or no \
+             response ended with EOS under ppo.non_eos = \"exclude\")"
+                .into(),
+        );
+    }
+    if alike(scores) {
+        return Some(format!(
+            "every sample's reward was {}: a constant reward teaches nothing (are the reward's \
+             weights all 0, or does it answer the same for every sample?)",
+            scores[0]
+        ));
+    }
+    if mode.needs_groups() && scores.chunks(group.max(1)).all(alike) {
+        return Some(format!(
+            "the {group} samples of each prompt had the same reward, so every group advantage \
+             was 0 (identical samples, e.g. at ppo.temperature = 0, or prompts every sample \
+             gets right or wrong)"
+        ));
+    }
+    None
+}
+
 /// Sequence-level advantages of `scores` under a group baseline (`Gae` and `ReinforcePp` are
 /// not one: they return the scores unchanged). `scores.len()` must be a multiple of `group`.
 pub fn group_advantages(scores: &[f32], group: usize, mode: Advantage) -> Vec<f32> {
@@ -280,6 +310,42 @@ mod tests {
         assert_eq!(overlong_penalty(44, 48, 8, 1.0), -0.5);
         assert_eq!(overlong_penalty(48, 48, 8, 2.0), -2.0);
         assert_eq!(overlong_penalty(48, 48, 0, 1.0), 0.0);
+    }
+
+    #[test]
+    fn a_step_without_signal_says_why() {
+        use Advantage::*;
+        // Rewards that differ within a group carry a signal under every advantage.
+        for mode in [Gae, Grpo, Rloo, DrGrpo, ReinforcePp] {
+            assert_eq!(
+                missing_signal(&[1.0, 0.0, 0.0, 0.0], 4, 2, mode),
+                None,
+                "{mode:?}"
+            );
+        }
+        // One reward for every sample: nothing to learn, whatever the advantage.
+        for mode in [Gae, Grpo, ReinforcePp] {
+            let why = missing_signal(&[0.5; 4], 4, 2, mode).unwrap();
+            assert!(why.contains("every sample's reward was 0.5"), "{why}");
+        }
+        // Alike within each group but not across them: only the group advantages lose it.
+        let by_prompt = [1.0, 1.0, 0.0, 0.0];
+        let why = missing_signal(&by_prompt, 4, 2, Grpo).unwrap();
+        assert!(why.contains("the 2 samples of each prompt"), "{why}");
+        assert!(missing_signal(&by_prompt, 4, 2, Rloo).is_some());
+        assert_eq!(missing_signal(&by_prompt, 4, 2, Gae), None);
+        assert_eq!(missing_signal(&by_prompt, 4, 2, ReinforcePp), None);
+        // Nothing kept (every group dropped, or every response cut off and excluded).
+        assert!(
+            missing_signal(&[], 0, 2, Grpo)
+                .unwrap()
+                .contains("no sample was left")
+        );
+        assert!(
+            missing_signal(&[1.0, 0.0], 0, 1, Gae)
+                .unwrap()
+                .contains("no sample was left")
+        );
     }
 
     #[test]

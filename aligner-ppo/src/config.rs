@@ -69,6 +69,10 @@ pub struct PpoSection {
     pub dynamic_sampling: bool,
     /// How many extra draws of `rollout_prompts` prompts a step may make to refill its batch.
     pub dynamic_sampling_max_draws: usize,
+    /// Steps in a row whose samples carry no learning signal (a constant reward, every group
+    /// alike under a group advantage, nothing left to train on) after which the run stops
+    /// with an error saying why; each such step warns at once. 0 = never stop.
+    pub stop_after_flat_steps: usize,
     /// DAPO's overlong reward shaping: responses longer than `max_new_tokens −
     /// overlong_buffer` tokens lose up to `overlong_penalty` linearly (0 = off).
     pub overlong_buffer: usize,
@@ -236,6 +240,7 @@ impl Default for PpoSection {
             loss_agg: LossAgg::TokenMean,
             dynamic_sampling: false,
             dynamic_sampling_max_draws: 3,
+            stop_after_flat_steps: 4,
             overlong_buffer: 0,
             overlong_penalty: 1.0,
             value_clip_eps: 0.2,

@@ -164,7 +164,7 @@ impl CriticWorker {
         device: &Device,
         precision: Precision,
     ) -> Result<Self> {
-        let value = LoadedRewardModel::from_dir(value_dir, device)?.in_precision(precision, device)?;
+        let value = LoadedRewardModel::starting_from(value_dir, device)?.in_precision(precision, device)?;
         let reward = reward_dir
             .map(|dir| reward_model(dir, device, precision))
             .transpose()?;

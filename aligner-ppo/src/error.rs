@@ -21,6 +21,16 @@ pub enum PpoError {
         last: String,
         checkpoints: String,
     },
+    /// `ppo.stop_after_flat_steps` steps in a row whose samples carried no learning signal.
+    #[error(
+        "{steps} steps in a row taught the policy nothing: {why}. The run stopped \
+         (ppo.stop_after_flat_steps = {steps}); the last checkpoint is in {checkpoints}"
+    )]
+    NoSignal {
+        steps: usize,
+        why: String,
+        checkpoints: String,
+    },
     #[error("{0}")]
     Invalid(String),
 }

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::advantages::{
-    Advantage, gae, group_advantages, kl_per_token, reinforce_pp, token_rewards, whiten,
+    Advantage, gae, group_advantages, kl_per_token, missing_signal, reinforce_pp, token_rewards, whiten,
 };
 use crate::config::{NonEos, PpoConfig};
 use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest};
@@ -219,6 +219,8 @@ impl PpoRunner<'_> {
         bar.set_position(start as u64);
         let mut totals = StepTimes::default();
         let mut last_eval = None;
+        // Steps in a row whose samples carried no learning signal.
+        let mut flat_steps = 0;
         // `Some` when the run stops early (`--stop-after`).
         let stopped = std::thread::scope(|scope| {
             let mut ahead: Option<Ahead<'_>> = None;
@@ -310,9 +312,23 @@ impl PpoRunner<'_> {
                         self.sampler().shaped(&critic_out.rewards, &generations)
                     }
                 };
-                let (scored, more) =
+                let (scored, more, flat) =
                     self.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
                 metrics.extend(more);
+                match flat {
+                    Some(why) => {
+                        flat_steps += 1;
+                        tracing::warn!(step = step + 1, "this step's samples teach nothing: {why}");
+                        if cfg.stop_after_flat_steps > 0 && flat_steps >= cfg.stop_after_flat_steps {
+                            return Err(PpoError::NoSignal {
+                                steps: flat_steps,
+                                why,
+                                checkpoints: self.run.checkpoints().display().to_string(),
+                            });
+                        }
+                    }
+                    None => flat_steps = 0,
+                }
                 let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
                 let value_ticket = critic.filter(|_| train_values).map(|critic| {
                     critic.train(TrainRequest {
@@ -499,7 +515,8 @@ impl PpoRunner<'_> {
             .ok_or_else(|| PpoError::Critic("rank 0 holds no critic".into()))
     }
 
-    /// Rewards, KL penalty, advantages and returns of a rollout; the step's metrics.
+    /// Rewards, KL penalty, advantages and returns of a rollout; the step's metrics; why its
+    /// samples teach nothing, when they do not.
     fn score(
         &self,
         sequences: Vec<Sequence>,
@@ -507,7 +524,7 @@ impl PpoRunner<'_> {
         ref_logprobs: &[Vec<f32>],
         critic_out: InferReply,
         scores: Vec<f32>,
-    ) -> Result<(Scored, Map<String, Value>)> {
+    ) -> Result<(Scored, Map<String, Value>, Option<String>)> {
         let cfg = &self.config.ppo;
         if scores.len() != sequences.len() {
             return Err(PpoError::Critic(format!(
@@ -561,6 +578,7 @@ impl PpoRunner<'_> {
             }
             advantages = kept_adv;
         }
+        let flat = missing_signal(&scores, keep.len(), cfg.samples_per_prompt, cfg.advantage);
         let metrics = row(&[
             (
                 "kl",
@@ -587,7 +605,7 @@ impl PpoRunner<'_> {
             old_values: pick(&values),
             returns: pick(&returns),
         };
-        Ok((scored, metrics))
+        Ok((scored, metrics, flat))
     }
 
     /// `ppo.epochs` passes of the clipped policy loss (minus `ppo.entropy_coef` × entropy).

@@ -86,6 +86,13 @@ impl Default for SpinSection {
     }
 }
 
+impl SpinSection {
+    /// The DPO β of iteration `k` (from 1): `beta` for the first, `beta_later` after it.
+    pub fn beta(&self, k: usize) -> f64 {
+        if k <= 1 { self.beta } else { self.beta_later }
+    }
+}
+
 /// `aligner spin` configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -316,7 +323,7 @@ impl Spin<'_> {
     /// iteration on) plus the NLL term of `spin.sft_weight`.
     fn objective(&self, k: usize) -> Result<DpoObjective> {
         let spin = &self.config.spin;
-        let beta = if k == 1 { spin.beta } else { spin.beta_later };
+        let beta = spin.beta(k);
         Ok(DpoObjective {
             loss: self.registry.build(&spin.loss, &LossSpec::with_beta(beta))?,
             sft_weight: spin.sft_weight,
@@ -447,4 +454,86 @@ fn margins(examples: &[DpoExample]) -> (f64, f64) {
         }
     }
     (seq / n, tok / n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aligner_core::score::ScoredSequence;
+
+    fn rows(lines: &[&str]) -> Vec<PromptResponseRow> {
+        lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+
+    #[test]
+    fn the_ground_truth_is_chosen_over_the_references_answer() {
+        let rows = rows(&[
+            r#"{"prompt": "Once", "response": " upon a time"}"#,
+            r#"{"prompt": "Tom", "response": " ran home"}"#,
+        ]);
+        let pairs = pairs(&rows, vec![" there was".into(), " sat".into()]);
+        let expected: Vec<DpoRow> = [
+            r#"{"prompt": "Once", "chosen": " upon a time", "rejected": " there was"}"#,
+            r#"{"prompt": "Tom", "chosen": " ran home", "rejected": " sat"}"#,
+        ]
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+        assert_eq!(format!("{pairs:?}"), format!("{expected:?}"));
+    }
+
+    #[test]
+    fn margins_are_chosen_minus_rejected_per_sequence_and_per_token() {
+        // Prompt of 2 ids: 3 response tokens chosen, 1 rejected.
+        let sequence = |n: u32| ScoredSequence {
+            ids: (0..n).collect(),
+            prompt_len: 2,
+        };
+        let example = |reference: Option<(f32, f32)>| DpoExample {
+            chosen: sequence(5),
+            rejected: sequence(3),
+            reference,
+            rewards: None,
+        };
+        let examples = [example(Some((-6.0, -2.0))), example(Some((-3.0, -4.0)))];
+        let (per_sequence, per_token) = margins(&examples);
+        // ((-6 + 2) + (-3 + 4)) / 2 and ((-6/3 + 2/1) + (-3/3 + 4/1)) / 2.
+        assert!((per_sequence - -1.5).abs() < 1e-9, "{per_sequence}");
+        assert!((per_token - 1.5).abs() < 1e-9, "{per_token}");
+        assert_eq!(margins(&[]), (0.0, 0.0));
+    }
+
+    #[test]
+    fn saved_answers_are_reused_only_when_every_prompt_has_one() {
+        let dir = std::env::temp_dir().join(format!("aligner-spin-answers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("generations.jsonl");
+        std::fs::write(
+            &file,
+            "{\"prompt\": \"Once\", \"response\": \" a\"}\n{\"prompt\": \"Tom\", \"response\": \" b\"}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            saved_answers(&file, 2),
+            Some(vec![" a".to_string(), " b".to_string()])
+        );
+        // A file cut short (an interrupted iteration) or of another run is generated again.
+        assert_eq!(saved_answers(&file, 3), None);
+        assert_eq!(saved_answers(&dir.join("missing.jsonl"), 2), None);
+        std::fs::write(&file, "not json\n").unwrap();
+        assert_eq!(saved_answers(&file, 1), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_first_iteration_takes_beta_and_the_later_ones_beta_later() {
+        let spin = SpinSection::default();
+        assert_eq!((spin.beta(1), spin.beta(2), spin.beta(5)), (0.1, 5.0, 5.0));
+        let config: SpinConfig =
+            toml::from_str("[spin]\nbeta = 0.3\nbeta_later = 0.7\niterations = 3\n").unwrap();
+        assert_eq!((config.spin.beta(1), config.spin.beta(3)), (0.3, 0.7));
+        // The loop's other settings keep SPIN's defaults.
+        assert_eq!(config.train.lr, 1e-4);
+        assert!(toml::from_str::<SpinConfig>("[spin]\nbeta_latter = 1.0\n").is_err());
+    }
 }

@@ -4,7 +4,10 @@
 //! [`RewardInput::to_json`]); for each line read, one line on its stdout holding the score (a
 //! JSON number or `{"score": x}`), in order. A batch's lines are all written before its
 //! answers are read (a reader thread drains stdout meanwhile, so neither side blocks). The
-//! program's stderr is kept (its last lines) for the error message when it fails.
+//! program's stderr is kept (its last lines) for the error message when it fails. A line the
+//! program was not asked for (a banner, a debug print, a second answer to one request) would
+//! shift every later score by one, so it is an error naming the program and the line: lines
+//! left over before a batch is sent, or arriving just after its answers were read.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -17,6 +20,10 @@ use super::{Reward, RewardError, RewardInput, parse_score, shown};
 
 /// Lines of the program's stderr kept for an error message.
 const STDERR_LINES: usize = 20;
+
+/// How long, after a batch's answers, a line the program was not asked for may take to be
+/// caught with that batch (later, it is caught before the next batch is sent).
+const STRAY_LINE_GRACE: Duration = Duration::from_millis(20);
 
 /// `reward.command`: a persistent scoring process.
 pub struct CommandReward {
@@ -33,10 +40,34 @@ struct Process {
     child: Child,
     stdin: ChildStdin,
     lines: Receiver<std::io::Result<String>>,
+    /// Lines read from its stdout so far (an error names a line by its number).
+    lines_read: usize,
     stderr: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl Process {
+    /// The next line of its stdout within `wait` (`None` when none came).
+    fn next_line(&mut self, wait: Duration) -> Result<Option<String>, String> {
+        match self.lines.recv_timeout(wait) {
+            Ok(Ok(line)) => {
+                self.lines_read += 1;
+                Ok(Some(line))
+            }
+            Ok(Err(e)) => Err(format!("reading its stdout failed: {e}")),
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => Ok(None),
+        }
+    }
+
+    /// The error for a line nobody asked for.
+    fn stray(&self, line: &str) -> String {
+        format!(
+            "printed a line it was not asked for (line {} of its output: {}); each request is \
+             answered by exactly one line, and an extra one would shift every later score",
+            self.lines_read,
+            shown(line, 200)
+        )
+    }
+
     fn stderr_tail(&self) -> String {
         let lines = self.stderr.lock().map(|l| l.iter().cloned().collect::<Vec<_>>());
         match lines {
@@ -117,12 +148,16 @@ impl CommandReward {
             child,
             stdin,
             lines,
+            lines_read: 0,
             stderr: kept,
         })
     }
 
     /// One attempt at a batch in `process`; the error says what went wrong.
     fn attempt(&self, process: &mut Process, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, String> {
+        if let Some(line) = process.next_line(Duration::ZERO)? {
+            return Err(process.stray(&line));
+        }
         let mut payload = String::new();
         for input in batch {
             payload.push_str(&input.to_json().to_string());
@@ -138,7 +173,10 @@ impl CommandReward {
         for i in 0..batch.len() {
             let left = deadline.saturating_duration_since(Instant::now());
             let line = match process.lines.recv_timeout(left) {
-                Ok(Ok(line)) => line,
+                Ok(Ok(line)) => {
+                    process.lines_read += 1;
+                    line
+                }
                 Ok(Err(e)) => return Err(format!("reading its stdout failed: {e}")),
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(format!(
@@ -159,11 +197,16 @@ impl CommandReward {
                 .and_then(|v| parse_score(&v))
                 .ok_or_else(|| {
                     format!(
-                        "answer {i} of the batch is {}, not a finite number or {{\"score\": number}}",
+                        "answer {i} of the batch (line {} of its output) is {}, not a finite \
+                         number or {{\"score\": number}}",
+                        process.lines_read,
                         shown(&line, 200)
                     )
                 })?;
             scores.push(score);
+        }
+        if let Some(line) = process.next_line(STRAY_LINE_GRACE)? {
+            return Err(process.stray(&line));
         }
         Ok(scores)
     }
@@ -309,6 +352,43 @@ for line in sys.stdin:
         );
         let nan = "import sys\nfor line in sys.stdin:\n    print('NaN')";
         assert!(python(nan, 30.0, 0).score(&inputs(&["x"], &Map::new())).is_err());
+    }
+
+    #[test]
+    fn a_line_nobody_asked_for_is_an_error_naming_it() {
+        // Two answers per request: the second would be read as the next request's score.
+        let twice = "import sys\nfor line in sys.stdin:\n    print(1)\n    print(2)";
+        let reward = python(twice, 30.0, 0);
+        let first = reward.score(&inputs(&["x", "y"], &Map::new()));
+        std::thread::sleep(Duration::from_millis(200));
+        let second = reward.score(&inputs(&["z"], &Map::new()));
+        let e = first
+            .err()
+            .or(second.err())
+            .expect("a stray line was read as a score")
+            .to_string();
+        assert!(
+            e.contains("python3") && e.contains("not asked for") && e.contains("line 3 of its output: \"1\""),
+            "{e}"
+        );
+        // A banner before the answers is named by its line.
+        let banner = "import sys\nprint('verifier ready')\nfor line in sys.stdin:\n    print(1)";
+        let e = python(banner, 30.0, 0)
+            .score(&inputs(&["x"], &Map::new()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 1 of its output") && e.contains("verifier ready"),
+            "{e}"
+        );
+        // A well-behaved program answering batch after batch is never blamed.
+        let reward = python(LENGTH, 30.0, 0);
+        for _ in 0..5 {
+            assert_eq!(
+                reward.score(&inputs(&["ab", "c"], &Map::new())).unwrap(),
+                vec![2.0, 1.0]
+            );
+        }
     }
 
     #[test]
