@@ -317,6 +317,16 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         "long-scored.jsonl",
         &serde_json::json!({ "prompt": long_text, "response": " x" }).to_string(),
     );
+    let both_forms = data_file(
+        "both-forms.jsonl",
+        r#"{"prompt": "a", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}"#,
+    );
+    let array_as_lines = dir.path().join("array.jsonl");
+    std::fs::write(
+        &array_as_lines,
+        "[\n  {\"prompt\": \"Once\", \"response\": \" upon\"}\n]\n",
+    )
+    .unwrap();
     let bad_toml = dir.path().join("bad.toml");
     std::fs::write(&bad_toml, "train = [\n").unwrap();
     let nan_toml = dir.path().join("nan.toml");
@@ -409,6 +419,75 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         (set("kto", "kto.beta=0".into()), "kto.beta"),
         (set("ppo", "ppo.top_p=2".into()), "ppo.top_p"),
         (set("spin", "spin.temperature=-1".into()), "spin.temperature"),
+        (
+            set("ppo", "ppo.clip_eps_high=0.1".into()),
+            "ppo.clip_eps_high = 0.1 is below ppo.clip_eps",
+        ),
+        (
+            set("ppo", "ppo.critic_url='localhost:5557'".into()),
+            "ppo.critic_url = \"localhost:5557\" has no scheme",
+        ),
+        (
+            set("ppo", "ppo.critic_retry_seconds=1e30".into()),
+            "ppo.critic_retry_seconds",
+        ),
+        (set("ppo", "ppo.slots=0".into()), "ppo.slots"),
+        (
+            args(&[
+                "rs",
+                "--out",
+                &path(&dir.path().join("rm-beside-reward")),
+                "--set",
+                "reward.function='tinystories_sentiment'",
+                "--set",
+                &lm_as_reward("reward_model.path"),
+            ]),
+            "is set beside [reward]",
+        ),
+        (
+            set("ppo", "ppo.max_new_tokens=100000".into()),
+            "ppo.max_new_tokens = 100000: the model's context is 512 positions",
+        ),
+        (
+            set("spin", "spin.max_new_tokens=600".into()),
+            "spin.max_new_tokens = 600",
+        ),
+        (flag("--max-new-tokens", "4096"), "--max-new-tokens = 4096"),
+        (
+            args(&[
+                "ppo",
+                "--out",
+                &path(&dir.path().join("grpo-with-critic")),
+                "--set",
+                "ppo.advantage='grpo'",
+                "--set",
+                "ppo.samples_per_prompt=2",
+                "--set",
+                "ppo.critic_url='http://localhost:5557'",
+            ]),
+            "ppo.critic_url is set but ppo.advantage = \"grpo\" uses no critic",
+        ),
+        (
+            args(&[
+                "ppo",
+                "--out",
+                &path(&dir.path().join("timeout")),
+                "--set",
+                "reward.function='tinystories_sentiment'",
+                "--set",
+                "reward.timeout_seconds=1e30",
+            ]),
+            "more than a week",
+        ),
+        (
+            args(&["sft", "--config", "configs/sft.toml", "--set", "train.lr='abc'"]),
+            "--set train.lr='abc': train.lr",
+        ),
+        (
+            set("sft", data(&both_forms)),
+            "both-forms.jsonl:2: the row has both messages and prompt",
+        ),
+        (set("sft", data(&array_as_lines)), "array.jsonl:1: "),
         (args(&["sft", "--out", &path(&earlier_run)]), "--overwrite"),
         (
             args(&["sft", "--out", &path(&other_files), "--overwrite"]),
@@ -583,6 +662,234 @@ fn a_run_folder_is_overwritten_only_when_asked_and_then_whole() {
         Some(&2),
         "metrics of the old run were kept: {steps:?}"
     );
+}
+
+/// `--resume` passes over a checkpoint whose files no longer match its manifest (warning which
+/// file), and when no checkpoint is intact it stops before changing anything in the folder:
+/// not `config.toml`, not `config_changes.jsonl`, not the metrics.
+#[test]
+fn a_resume_passes_over_a_damaged_checkpoint_and_one_that_cannot_resume_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("sft");
+    let run_arg = run.to_str().unwrap();
+    let (ok, _, stderr) = aligner(&[
+        "sft",
+        "--out",
+        run_arg,
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.save_every=2",
+        "--stop-after",
+        "4",
+    ]);
+    assert!(ok, "{stderr}");
+    let weights = |step: usize| run.join(format!("checkpoints/step-{step}/model.safetensors"));
+    assert!(run.join("checkpoints/step-4/manifest.json").exists());
+    let damage = |step: usize| -> Vec<u8> {
+        let bytes = std::fs::read(weights(step)).unwrap();
+        let mut damaged = bytes.clone();
+        damaged[bytes.len() / 2] ^= 0x40;
+        std::fs::write(weights(step), damaged).unwrap();
+        bytes
+    };
+    fn files(dir: &std::path::Path, out: &mut Vec<(std::path::PathBuf, Vec<u8>)>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        entries.sort();
+        for path in entries {
+            match path.is_dir() {
+                true => files(&path, out),
+                false => out.push((path.clone(), std::fs::read(&path).unwrap())),
+            }
+        }
+    }
+    let snapshot = || {
+        let mut out = Vec::new();
+        files(&run, &mut out);
+        out
+    };
+    let resume = || {
+        aligner(&[
+            "sft",
+            "--resume",
+            run_arg,
+            "--set",
+            "train.lr=0.002",
+            "--allow-change",
+        ])
+    };
+    damage(4);
+    let step_2 = damage(2);
+    let before = snapshot();
+    let (ok, _, stderr) = resume();
+    assert!(
+        !ok && stderr.contains("no intact checkpoint")
+            && stderr.contains("step-4: model.safetensors does not match its checksum")
+            && stderr.contains("step-2: model.safetensors"),
+        "{stderr}"
+    );
+    assert!(snapshot() == before, "a failed resume changed the run folder");
+    assert!(!run.join("config_changes.jsonl").exists());
+
+    // With step 2 intact again, the run resumes from it and finishes, each step logged once;
+    // on the CPU it never starts the Vulkan loader (a wgpu build's default device).
+    std::fs::write(weights(2), step_2).unwrap();
+    let output = Command::new(aligner_tests::aligner_exe())
+        .args([
+            "sft",
+            "--resume",
+            run_arg,
+            "--set",
+            "train.lr=0.002",
+            "--allow-change",
+        ])
+        .env("VK_LOADER_DEBUG", "all")
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("Vulkan Loader"),
+        "a CPU resume loaded Vulkan: {stderr}"
+    );
+    assert!(
+        stderr.contains("passed over") && stderr.contains("step-4"),
+        "{stderr}"
+    );
+    let steps: Vec<u64> = aligner_tests::metrics(&run)
+        .iter()
+        .filter(|r| r.get("loss").is_some())
+        .filter_map(|r| r["step"].as_u64())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(jsonl(&run.join("config_changes.jsonl")).len(), 1);
+    assert!(run.join("final/model.safetensors").exists());
+}
+
+/// `generate`, `score`, `eval` and `plot` never write over one of their inputs, and replace
+/// an earlier result, or write straight into a model or run folder, only with `--overwrite`;
+/// a refused command leaves every file as it was.
+#[test]
+fn outputs_never_overwrite_inputs_or_earlier_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    let s = |path: &std::path::Path| path.to_str().unwrap().to_string();
+    let model = repo().join("assets/stories260K");
+    std::fs::write(
+        p("prompts.jsonl"),
+        "{\"prompt\": \"Once\"}\n{\"prompt\": \"Tom\"}\n",
+    )
+    .unwrap();
+    let run = p("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::write(
+        run.join("metrics.jsonl"),
+        "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"loss\": 1.5}\n",
+    )
+    .unwrap();
+    let files_before = |paths: &[std::path::PathBuf]| -> Vec<Option<Vec<u8>>> {
+        paths.iter().map(|f| std::fs::read(f).ok()).collect()
+    };
+    let watched = [
+        p("prompts.jsonl"),
+        run.join("metrics.jsonl"),
+        model.join("config.json"),
+        p("gen.jsonl"),
+        p("scores.jsonl"),
+        p("eval/summary.json"),
+        p("runs.svg"),
+    ];
+    let refused = |args: &[String], says: &str| {
+        let before = files_before(&watched);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, stdout, stderr) = aligner(&args);
+        assert!(!ok && stderr.contains(says), "{args:?}: {stdout}{stderr}");
+        assert!(files_before(&watched) == before, "{args:?} changed a file");
+        assert!(!model.join("gen.jsonl").exists() && !run.join("gen.jsonl").exists());
+    };
+    let works = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, _, stderr) = aligner(&args);
+        assert!(ok, "{args:?}: {stderr}");
+    };
+    let owned = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
+    let generate = |out: &std::path::Path, extra: &[&str]| {
+        let mut args = owned(&[
+            "generate",
+            "--prompts",
+            &s(&p("prompts.jsonl")),
+            "--max-new-tokens",
+            "4",
+        ]);
+        args.extend(owned(&["--out", &s(out)]));
+        args.extend(owned(extra));
+        args
+    };
+
+    // generate: its prompts file, a file of the model folder it reads, a run folder.
+    refused(&generate(&p("prompts.jsonl"), &["--overwrite"]), "an input");
+    refused(
+        &generate(&model.join("gen.jsonl"), &["--model", &s(&model), "--overwrite"]),
+        "inside",
+    );
+    refused(&generate(&run.join("gen.jsonl"), &[]), "is a run folder");
+    works(&generate(&p("gen.jsonl"), &[]));
+    refused(&generate(&p("gen.jsonl"), &["--seed", "5"]), "pass --overwrite");
+    let first = std::fs::read(p("gen.jsonl")).unwrap();
+    works(&generate(&p("gen.jsonl"), &["--seed", "5", "--overwrite"]));
+    assert_ne!(
+        std::fs::read(p("gen.jsonl")).unwrap(),
+        first,
+        "--overwrite replaced nothing"
+    );
+
+    // score: its data, an earlier result.
+    let score = |out: &std::path::Path, extra: &[&str]| {
+        let mut args = owned(&["score", "--data", &s(&p("gen.jsonl")), "--out", &s(out)]);
+        args.extend(owned(extra));
+        args
+    };
+    refused(&score(&p("gen.jsonl"), &["--overwrite"]), "an input");
+    works(&score(&p("scores.jsonl"), &[]));
+    refused(&score(&p("scores.jsonl"), &[]), "pass --overwrite");
+    works(&score(&p("scores.jsonl"), &["--overwrite"]));
+
+    // eval: a folder holding an earlier evaluation, a run folder, its own prompts' folder.
+    let eval = |out: &std::path::Path, extra: &[&str]| {
+        let mut args = owned(&[
+            "eval",
+            "--prompts",
+            &s(&p("prompts.jsonl")),
+            "--max-new-tokens",
+            "4",
+        ]);
+        args.extend(owned(&["--out", &s(out)]));
+        args.extend(owned(extra));
+        args
+    };
+    works(&eval(&p("eval"), &[]));
+    refused(&eval(&p("eval"), &[]), "pass --overwrite");
+    refused(&eval(&run, &[]), "is a run folder");
+    works(&eval(&p("eval"), &["--overwrite"]));
+    refused(
+        &owned(&["eval", "--plot", &s(&p("eval")), "--out", &s(&p("eval"))]),
+        "an input",
+    );
+
+    // plot: a file of a run it draws, an earlier chart.
+    let plot = |out: &std::path::Path, extra: &[&str]| {
+        let mut args = owned(&["plot", &s(&run), "--out", &s(out)]);
+        args.extend(owned(extra));
+        args
+    };
+    refused(&plot(&run.join("metrics.jsonl"), &["--overwrite"]), "an input");
+    works(&plot(&p("runs.svg"), &[]));
+    refused(&plot(&p("runs.svg"), &[]), "pass --overwrite");
+    works(&plot(&p("runs.svg"), &["--overwrite"]));
 }
 
 /// `aligner eval` puts the start model at zero KL to itself, with the reference's NLL of its

@@ -251,6 +251,24 @@ pub fn shared_run(name: &str, args: &[&str]) -> PathBuf {
 /// here independently of aligner: TFRecord framing with each length and CRC checked (masked
 /// CRC-32C), and the `Event` / `Summary` protobufs decoded field by field.
 pub fn tensorboard_scalars(run: &Path) -> std::collections::BTreeMap<(String, i64), f32> {
+    tensorboard_values(run)
+        .into_iter()
+        .map(|(tag, step, v)| ((tag, step), v))
+        .collect()
+}
+
+/// The `(tag, step)`s that more than one TensorBoard event of the run holds.
+pub fn tensorboard_repeats(run: &Path) -> Vec<(String, i64)> {
+    let mut seen = std::collections::BTreeMap::new();
+    for (tag, step, _) in tensorboard_values(run) {
+        *seen.entry((tag, step)).or_insert(0) += 1;
+    }
+    seen.into_iter().filter(|(_, n)| *n > 1).map(|(k, _)| k).collect()
+}
+
+/// Every scalar of every event file of `run/tb`: `(tag, step, value)`, read independently of
+/// aligner-core's reader.
+fn tensorboard_values(run: &Path) -> Vec<(String, i64, f32)> {
     fn masked(bytes: &[u8]) -> u32 {
         crc32c::crc32c(bytes).rotate_right(15).wrapping_add(0xa282_ead8)
     }
@@ -294,7 +312,7 @@ pub fn tensorboard_scalars(run: &Path) -> std::collections::BTreeMap<(String, i6
         }
         out
     }
-    let mut scalars = std::collections::BTreeMap::new();
+    let mut scalars = Vec::new();
     let files: Vec<_> = std::fs::read_dir(run.join("tb"))
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -332,7 +350,7 @@ pub fn tensorboard_scalars(run: &Path) -> std::collections::BTreeMap<(String, i6
                         .map(|f| String::from_utf8(f.2.clone()).unwrap());
                     let simple = value.iter().find(|f| f.0 == 2 && f.1 == 5);
                     if let (Some(tag), Some(simple)) = (tag, simple) {
-                        scalars.insert((tag, step), f32::from_le_bytes(simple.2[..4].try_into().unwrap()));
+                        scalars.push((tag, step, f32::from_le_bytes(simple.2[..4].try_into().unwrap())));
                     }
                 }
             }

@@ -158,7 +158,8 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
         let attributes = format!("verbosity:0,dialogue:0,positivity:{positivity}");
         (1..=3)
             .map(|seed| {
-                let out = dir.path().join(format!("boot-{positivity}-{seed}.jsonl"));
+                let guided = if guidance.is_empty() { "" } else { "-guided" };
+                let out = dir.path().join(format!("boot-{positivity}-{seed}{guided}.jsonl"));
                 let mut extra = vec!["--attributes", &attributes];
                 extra.extend_from_slice(guidance);
                 sample_sentiment_seeded(&bootstrapped, &out, seed, &extra)
@@ -282,7 +283,12 @@ fn spin_moves_the_policy_toward_the_data_and_refreshes_the_reference_per_iterati
     // policy at the start of iteration k: the base model for k = 1, iteration 1's final model
     // for k = 2.
     let score = |model: &Path, iteration: usize| -> Vec<f64> {
-        let out = dir.path().join(format!("score-{iteration}.jsonl"));
+        let by = if model.as_os_str().is_empty() {
+            "base"
+        } else {
+            "policy"
+        };
+        let out = dir.path().join(format!("score-{iteration}-{by}.jsonl"));
         let gens = run.join(format!("iter-{iteration}/generations.jsonl"));
         let mut args = vec![
             "score",

@@ -126,6 +126,94 @@ fn collectives_hold_on_two_and_three_ranks() {
     }
 }
 
+/// Ranks given different runs (another `--set` on one, a data file that differs between
+/// them) stop before any work with one error naming the key; ranks given the same run print
+/// one summary, rank 0's.
+#[test]
+fn ranks_given_different_runs_stop_naming_the_key_and_one_summary_is_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sft");
+    let data = |name: &str, rows: usize| head("train.sft.jsonl", rows, &dir.path().join(name));
+    let (a, b) = (data("a.jsonl", 8), data("b.jsonl", 9));
+    // `mpirun -np 1 aligner ARGS_0 : -np 1 aligner ARGS_1`: one command line per rank.
+    let two = |first: &[String], second: &[String]| {
+        let mut command = mpirun(1, &aligner_exe());
+        let exe = aligner_exe();
+        command
+            .args(first)
+            .arg(":")
+            .args(["-np", "1"])
+            .arg(&exe)
+            .args(second);
+        command.output().unwrap()
+    };
+    let sft = |sets: &[String]| -> Vec<String> {
+        let mut args: Vec<String> = vec!["sft".into(), "--out".into(), out.display().to_string()];
+        for s in ["train.max_steps=2".to_string(), "data.validation=''".into()]
+            .iter()
+            .chain(sets)
+        {
+            args.extend(["--set".into(), s.clone()]);
+        }
+        args
+    };
+    let lr = |v: &str| sft(&[format!("train.lr={v}")]);
+    let result = two(&lr("0.001"), &lr("0.002"));
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        !result.status.success() && err.contains("`train.lr` is 0.001 on rank 0 and 0.002 on rank 1"),
+        "{err}"
+    );
+    assert!(!out.join("config.toml").exists(), "a rank started the run");
+
+    // One path, other contents on each rank (each node's own copy of the file): each rank
+    // reads `train.jsonl` in a working folder of its own.
+    let node = |name: &str, rows: &std::path::Path| {
+        let folder = dir.path().join(name);
+        std::fs::create_dir(&folder).unwrap();
+        std::fs::copy(rows, folder.join("train.jsonl")).unwrap();
+        folder
+    };
+    let (node_a, node_b) = (node("node-a", &a), node("node-b", &b));
+    let relative = sft(&["data.train='train.jsonl'".to_string()]);
+    let mut command = Command::new("mpirun");
+    command.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-x",
+        "RAYON_NUM_THREADS=1",
+    ]);
+    for (i, node) in [&node_a, &node_b].into_iter().enumerate() {
+        if i > 0 {
+            command.arg(":");
+        }
+        command
+            .args(["-np", "1", "--wdir"])
+            .arg(node)
+            .arg(aligner_exe())
+            .args(&relative);
+    }
+    let result = command.output().unwrap();
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        !result.status.success()
+            && err.contains("`data.train` is \"train.jsonl\" (a file of ")
+            && err.contains("on rank 0 and \"train.jsonl\" (a file of "),
+        "{err}"
+    );
+    assert!(!out.join("config.toml").exists(), "a rank started the run");
+
+    let same = sft(&[]);
+    let result = two(&same, &same);
+    let stdout = String::from_utf8_lossy(&result.stdout);
+    assert!(
+        result.status.success(),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    assert_eq!(stdout.matches("sft: 2 steps").count(), 1, "{stdout}");
+}
+
 #[test]
 fn sft_on_two_and_three_ranks_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();

@@ -200,15 +200,30 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
     assert!(!run.join("final").exists());
 
     let _restarted = CriticServer::start(&rm, port);
-    let (ok, err) = aligner(&["ppo", "--resume", run.to_str().unwrap()]);
+    let (ok, stdout, err) = aligner_tests::aligner_output(&["ppo", "--resume", run.to_str().unwrap()]);
     assert!(ok, "{err}");
     assert!(run.join("final/model.safetensors").exists());
-    let steps: Vec<u64> = metrics(&run).iter().filter_map(|r| r["step"].as_u64()).collect();
-    assert_eq!(*steps.last().unwrap(), 8);
-    // Each step is logged once: the rows of steps after the checkpoint were dropped on resume.
+    let rows = metrics(&run);
+    let steps: Vec<f64> = rows.iter().filter_map(|r| r["step"].as_f64()).collect();
+    assert_eq!(*steps.last().unwrap(), 8.0);
+    // The step-0 evaluation survives the resume, and the summary starts from it.
+    assert!(
+        rows[0]["step"] == 0.0 && rows[0]["eval_reward"].is_f64(),
+        "{:?}",
+        rows[0]
+    );
+    assert!(
+        stdout.contains("eval_reward ") && !stdout.contains("eval_reward - ->"),
+        "{stdout}"
+    );
+    // Each step is logged once: the rows of steps after the checkpoint were dropped on resume,
+    // in metrics.jsonl and in TensorBoard's event files.
     let mut sorted = steps.clone();
     sorted.dedup();
     assert_eq!(sorted, steps);
+    let repeated = aligner_tests::tensorboard_repeats(&run);
+    assert!(repeated.is_empty(), "logged twice in TensorBoard: {repeated:?}");
+    assert_tensorboard_matches_metrics(&run);
 }
 
 #[test]

@@ -49,6 +49,9 @@ pub struct EvalArgs {
     /// in metrics.jsonl) on one SVG, instead of evaluating.
     #[arg(long, num_args = 1.., value_name = "RUN")]
     plot: Vec<PathBuf>,
+    /// Replace the files of an earlier evaluation in `--out`.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 fn parse_reward_function(name: &str) -> Result<RewardFunction, String> {
@@ -80,6 +83,8 @@ fn default_reference(model: &Path) -> Result<PathBuf> {
 pub fn run(args: EvalArgs, device: &Device) -> Result<()> {
     if !args.plot.is_empty() {
         let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("."));
+        let inputs: Vec<&Path> = args.plot.iter().map(PathBuf::as_path).collect();
+        crate::output::check_folder("--out", &dir, &["frontier.svg"], &inputs, args.overwrite)?;
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot write {}", dir.display()))?;
         let path = dir.join("frontier.svg");
         plot_frontier(&args.plot, &path)?;
@@ -106,8 +111,27 @@ pub fn run(args: EvalArgs, device: &Device) -> Result<()> {
         Some(dir) => dir.clone(),
         None => default_reference(&model_dir)?,
     };
+    if let Some(out) = &args.out {
+        let inputs: Vec<&Path> = [
+            Some(model_dir.as_path()),
+            Some(reference_dir.as_path()),
+            section.prompts.as_deref(),
+            args.reward.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        crate::output::check_folder(
+            "--out",
+            out,
+            &["summary.json", "samples.jsonl"],
+            &inputs,
+            args.overwrite,
+        )?;
+    }
     let policy = aligner_core::LoadedModel::from_dir(&model_dir, device)
         .with_context(|| format!("loading model {}", model_dir.display()))?;
+    aligner_core::train::check_new_tokens(&[("--max-new-tokens", args.max_new_tokens)], &policy.config)?;
     let reference = aligner_core::LoadedModel::from_dir(&reference_dir, device)
         .with_context(|| format!("loading reference {}", reference_dir.display()))?;
     let mut rewards = Vec::new();

@@ -65,6 +65,9 @@ pub struct GenerateArgs {
     /// JSON Lines output, one line per prompt in input order; stdout text otherwise.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Replace `--out` when it exists.
+    #[arg(long)]
+    overwrite: bool,
     /// What the model computes in: f32, or bf16 / f16 on GPU devices.
     #[arg(long, default_value = "f32", value_parser = crate::parse_precision)]
     pub dtype: aligner_core::config::Precision,
@@ -115,10 +118,18 @@ fn check_flags(args: &GenerateArgs) -> Result<()> {
 pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     check_flags(&args)?;
     let dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
+    if let Some(out) = &args.out {
+        let inputs: Vec<&std::path::Path> = [Some(dir.as_path()), args.prompts.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        crate::output::check_file("--out", out, &inputs, args.overwrite)?;
+    }
     let lm = LoadedModel::from_dir(&dir, device)
         .with_context(|| format!("loading model {}", dir.display()))?
         .in_precision(args.dtype, device)
         .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
+    aligner_core::train::check_new_tokens(&[("--max-new-tokens", args.max_new_tokens)], &lm.config)?;
     // Each prompt with the line of the prompts file it came from (1 for --prompt).
     let (rows, lines): (Vec<SteeredPrompt>, Vec<usize>) = match (&args.prompt, &args.prompts) {
         (Some(text), None) => (

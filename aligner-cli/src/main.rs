@@ -1,9 +1,20 @@
 //! `aligner`: the command line of the aligner toolkit.
 
+/// Prints a run's result on stdout from rank 0 only: under `mpirun` every rank ends the same
+/// run, and one summary is what a user reads.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        if aligner_parallel::world().is_root() {
+            println!($($arg)*);
+        }
+    };
+}
+
 mod bench;
 mod convert;
 mod eval;
 mod generate;
+mod output;
 mod plot;
 mod ppo;
 mod registry;
@@ -171,11 +182,25 @@ fn probe(device: &Device, name: &str) -> Result<()> {
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> Result<()> {
+    let cli = Cli::parse();
+    // Burn puts what it makes without a device (a resumed optimizer's state) on its default
+    // device, the first GPU backend compiled in: pointed at `--device`'s backend, a CPU run
+    // never starts the Vulkan or CUDA runtime. Set before any thread exists, and whatever the
+    // environment says: a child process (a critic server) decides by its own `--device`.
+    let backend = match cli.device.split(':').next() {
+        Some("cpu" | "flex") => Some("flex"),
+        Some(gpu @ ("wgpu" | "cuda")) => Some(gpu),
+        // An unknown name is refused, naming it, when the device is made.
+        _ => None,
+    };
+    if let Some(backend) = backend {
+        // SAFETY: the program is single-threaded here (MPI and the logger start below).
+        unsafe { std::env::set_var("BURN_DEVICE", backend) };
+    }
     // Under `mpirun` / `srun` (builds with the `mpi` feature) this process is one rank of a
     // data-parallel group; otherwise the group is this process alone.
     let launch = aligner_parallel::launch()?;
     let world = aligner_parallel::world();
-    let cli = Cli::parse();
     // Rank 0 reports; the other ranks only warn (RUST_LOG still decides when set).
     let default_level = match (world.is_root(), cli.quiet, cli.verbose) {
         (false, ..) | (true, true, _) => "warn",

@@ -19,6 +19,9 @@ pub struct PlotArgs {
     /// The SVG to write.
     #[arg(long, default_value = "runs.svg")]
     out: PathBuf,
+    /// Replace `--out` when it exists.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 pub fn run(args: PlotArgs) -> Result<()> {
@@ -59,6 +62,8 @@ pub fn run(args: PlotArgs) -> Result<()> {
     if let Some(missing) = keys.iter().find(|k| !present(k)) {
         bail!("--keys: no run logs {missing:?}");
     }
+    let inputs: Vec<&std::path::Path> = args.runs.iter().map(PathBuf::as_path).collect();
+    crate::output::check_file("--out", &args.out, &inputs, args.overwrite)?;
     let refs: Vec<(&str, &[Map<String, Value>])> =
         runs.iter().map(|(l, r)| (l.as_str(), r.as_slice())).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();

@@ -9,9 +9,9 @@ use crate::train::{TrainArgs, format_metrics, format_number, prepare};
 pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "ppo")?;
     let summary = aligner_ppo::train(&config, &run, device)?;
-    println!("{}", summary.mean_times.table());
+    say!("{}", summary.mean_times.table());
     let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
-    println!(
+    say!(
         "ppo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
         summary.steps,
         run.path().display(),
@@ -28,7 +28,7 @@ pub fn online_dpo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare::<aligner_dpo::online::OnlineDpoConfig>(&args, "online-dpo")?;
     let summary = aligner_dpo::online::train(&config, &crate::registry::registry(), &run, device)?;
     let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
-    println!(
+    say!(
         "online-dpo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
         summary.steps,
         run.path().display(),
@@ -44,7 +44,7 @@ pub fn rs(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare::<aligner_ppo::rejection::RsConfig>(&args, "rs")?;
     let rounds = aligner_ppo::rejection_sampling(&config, &run, device)?;
     for r in &rounds {
-        println!(
+        say!(
             "round {}: held-out reward {:.3} -> {:.3}; kept {} best of {} (mean reward {:.3} of all samples, {:.3} kept)",
             r.round,
             r.eval_reward_before,
@@ -59,7 +59,7 @@ pub fn rs(args: TrainArgs, device: &Device) -> Result<()> {
         .last()
         .map(|r| format_metrics(&r.frontier))
         .unwrap_or_default();
-    println!(
+    say!(
         "rs: {} rounds; run in {}, policy in {}; {last}",
         rounds.len(),
         run.path().display(),
@@ -73,7 +73,7 @@ pub fn self_reward(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare::<aligner_selfreward::SelfRewardConfig>(&args, "self-reward")?;
     let reports = aligner_selfreward::train(&config, &crate::registry::registry(), &run, device)?;
     for r in &reports {
-        println!(
+        say!(
             "iteration {}: judge agreement {}; {} pairs of {} prompts; {}",
             r.iteration,
             r.judge_agreement.map_or_else(|| "-".to_string(), format_number),
@@ -82,7 +82,7 @@ pub fn self_reward(args: TrainArgs, device: &Device) -> Result<()> {
             format_metrics(&r.frontier)
         );
     }
-    println!(
+    say!(
         "self-reward: {} iterations; run in {}, policy in {}",
         reports.len().saturating_sub(1),
         run.path().display(),
@@ -114,9 +114,9 @@ pub fn cai(args: TrainArgs, device: &Device) -> Result<()> {
             parts.push(format!("judge agreement {}", format_number(a)));
         }
         parts.push(format_metrics(&r.frontier));
-        println!("{}: {}", r.stage, parts.join("; "));
+        say!("{}: {}", r.stage, parts.join("; "));
     }
-    println!(
+    say!(
         "cai: {} stages; run in {}, policy in {}",
         reports.len().saturating_sub(1),
         run.path().display(),
@@ -130,16 +130,18 @@ pub fn spin(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "spin")?;
     let iterations = aligner_spin::train(&config, &crate::registry::registry(), &run, device)?;
     for r in &iterations {
-        println!(
+        say!(
             "iteration {}: reference margin of ground truth over its own answers {:.3} ({:.4} per token)",
-            r.iteration, r.margin, r.margin_per_token
+            r.iteration,
+            r.margin,
+            r.margin_per_token
         );
     }
     let last = iterations
         .last()
         .map(|r| format_metrics(&r.eval))
         .unwrap_or_default();
-    println!(
+    say!(
         "spin: {} iterations; run in {}, policy in {}; {last}",
         iterations.len(),
         run.path().display(),

@@ -20,12 +20,18 @@ pub struct ScoreArgs {
     /// JSON Lines output (stdout otherwise): {"logprob", "n_tokens"} per input line.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Replace `--out` when it exists.
+    #[arg(long)]
+    overwrite: bool,
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
 }
 
 pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     let dir = aligner_core::model_dir_or_default(args.model.as_deref())?;
+    if let Some(out) = &args.out {
+        crate::output::check_file("--out", out, &[&dir, &args.data], args.overwrite)?;
+    }
     let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json"))?;
     let is_classifier = config
         .architectures

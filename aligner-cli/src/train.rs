@@ -62,6 +62,7 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
             .clone()
             .unwrap_or_else(|| PathBuf::from("runs").join(command));
         let config: T = load_config(defaults, args.config.as_deref(), &args.sets)?;
+        aligner_core::parallel::check_same_config(aligner_parallel::world().as_ref(), &config)?;
         let run = RunDir::new(out).overwrite(args.overwrite);
         return Ok((config, run.stop_after(args.stop_after)));
     };
@@ -74,6 +75,7 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
     }
     let recorded: T = load_config(defaults, Some(&recorded_file), &[])?;
     let config: T = load_config(defaults, Some(&recorded_file), &args.sets)?;
+    aligner_core::parallel::check_same_config(aligner_parallel::world().as_ref(), &config)?;
     let changes = config_changes(&recorded, &config)?;
     if !changes.is_empty() {
         let listed: Vec<String> = changes.iter().map(ToString::to_string).collect();
@@ -86,22 +88,22 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
             );
         }
         tracing::warn!(changes = %listed.join("; "), "--allow-change: the resumed run continues with changed settings");
-        if aligner_parallel::world().is_root() {
-            record_changes(dir, &changes)?;
-        }
     }
-    Ok((config, RunDir::resuming(dir).stop_after(args.stop_after)))
+    let mut run = RunDir::resuming(dir).stop_after(args.stop_after);
+    if !changes.is_empty() {
+        run = run.recording_changes(changes_row(&changes));
+    }
+    Ok((config, run))
 }
 
-/// Appends one line to `dir/config_changes.jsonl`: when, and which keys changed how.
-fn record_changes(dir: &Path, changes: &[ConfigChange]) -> Result<()> {
+/// The line `config_changes.jsonl` gets when the resume starts: when, and which keys changed
+/// how.
+fn changes_row(changes: &[ConfigChange]) -> serde_json::Value {
     let seconds = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let row = serde_json::json!({ "resumed_at_unix_seconds": seconds, "changes": changes });
-    aligner_core::data::append_jsonl(&dir.join("config_changes.jsonl"), &row)?;
-    Ok(())
+    serde_json::json!({ "resumed_at_unix_seconds": seconds, "changes": changes })
 }
 
 /// `name v` pairs of a metrics map, numbers printed as numbers, in the map's order.
@@ -159,7 +161,7 @@ pub(crate) fn report(command: &str, summary: &RunSummary, run: &Path) {
         Some(step) if step as usize != summary.steps => format!(" (the best validation's, step {step})"),
         _ => String::new(),
     };
-    println!(
+    say!(
         "{command}: {} steps; run in {}, model in {}{step}; {}",
         summary.steps,
         run.display(),

@@ -57,10 +57,12 @@ fn fields_for(path: &Path) -> Option<BTreeMap<String, String>> {
 fn rename_fields(
     mut row: serde_json::Value,
     fields: &BTreeMap<String, String>,
+    used: &mut std::collections::BTreeSet<String>,
 ) -> std::result::Result<serde_json::Value, String> {
     if let Some(object) = row.as_object_mut() {
         for (from, to) in fields {
             if let Some(value) = object.remove(from) {
+                used.insert(from.clone());
                 if object.contains_key(to) {
                     return Err(format!(
                         "data.fields renames {from:?} to {to:?}, but the row has {to:?} too"
@@ -71,6 +73,19 @@ fn rename_fields(
         }
     }
     Ok(row)
+}
+
+/// The renames of `fields` that no row read so far had a column for, as a message.
+fn unused_renames(
+    fields: Option<&BTreeMap<String, String>>,
+    used: &std::collections::BTreeSet<String>,
+) -> Option<String> {
+    let unused: Vec<String> = fields?
+        .iter()
+        .filter(|(from, _)| !used.contains(*from))
+        .map(|(from, to)| format!("{from:?} (to {to:?})"))
+        .collect();
+    (!unused.is_empty()).then(|| format!("data.fields renames {}, a column no row has", unused.join(", ")))
 }
 
 /// Rows of every data format: `(line, row)` pairs, the line counting from 1 (a JSON Lines
@@ -132,10 +147,20 @@ fn read_json_array(path: &Path) -> Result<Vec<serde_json::Value>> {
                 "a .json data file holds one array of rows ([{...}, ...]); for one row a line use .jsonl"
                     .into(),
         }),
-        Err(e) => Err(CoreError::Config {
-            path: path.to_path_buf(),
-            message: format!("not JSON: {e}"),
-        }),
+        Err(e) => {
+            // JSON Lines (one object a line) in a .json file.
+            let first = bytes.split(|&b| b == b'\n').find(|l| !l.trim_ascii().is_empty());
+            let lines = first.is_some_and(|l| serde_json::from_slice::<serde_json::Map<_, _>>(l).is_ok());
+            Err(CoreError::Config {
+                path: path.to_path_buf(),
+                message: match lines {
+                    true => format!(
+                        "not one JSON array ({e}): it holds JSON Lines (one object a line); name the file .jsonl"
+                    ),
+                    false => format!("not JSON: {e}"),
+                },
+            })
+        }
     }
 }
 
@@ -167,19 +192,28 @@ fn rows_from_values<T: DeserializeOwned>(
         line,
         message,
     };
+    let mut used = std::collections::BTreeSet::new();
     let rows = values
         .into_iter()
         .enumerate()
         .map(|(i, value)| {
             let value = match fields {
-                Some(fields) => rename_fields(value, fields).map_err(|m| bad_row(i + 1, m))?,
+                Some(fields) => rename_fields(value, fields, &mut used).map_err(|m| bad_row(i + 1, m))?,
                 None => value,
             };
-            let row: T =
-                serde_path_to_error::deserialize(value).map_err(|e| bad_row(i + 1, with_field(e, |m| m)))?;
+            let row: T = serde_path_to_error::deserialize(value).map_err(|e| {
+                let hint = unused_renames(fields, &used).map(|h| format!(" ({h} so far)"));
+                bad_row(i + 1, with_field(e, |m| m) + &hint.unwrap_or_default())
+            })?;
             Ok((i + 1, row))
         })
         .collect::<std::result::Result<Vec<_>, DataError>>()?;
+    if let Some(message) = unused_renames(fields, &used).filter(|_| !rows.is_empty()) {
+        return Err(CoreError::Config {
+            path: path.to_path_buf(),
+            message,
+        });
+    }
     if rows.is_empty() {
         return Err(CoreError::Config {
             path: path.to_path_buf(),
@@ -207,6 +241,7 @@ fn read_lines<T: DeserializeOwned>(
         message,
     };
     let mut rows = Vec::new();
+    let mut used = std::collections::BTreeSet::new();
     for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let line = std::str::from_utf8(raw).map_err(|e| bad_line(i + 1, format!("not UTF-8 text ({e})")))?;
         if line.trim().is_empty() {
@@ -216,16 +251,34 @@ fn read_lines<T: DeserializeOwned>(
             None => parse_line(line),
             Some(fields) => serde_json::from_str::<serde_json::Value>(line)
                 .map_err(|e| e.to_string())
-                .and_then(|v| rename_fields(v, fields))
-                .and_then(|v| serde_path_to_error::deserialize(v).map_err(|e| with_field(e, |m| m))),
+                .and_then(|v| rename_fields(v, fields, &mut used))
+                .and_then(|v| {
+                    serde_path_to_error::deserialize(v).map_err(|e| {
+                        let hint = unused_renames(Some(fields), &used).map(|h| format!(" ({h} so far)"));
+                        with_field(e, |m| m) + &hint.unwrap_or_default()
+                    })
+                }),
         }
-        .map_err(|e| bad_line(i + 1, e))?;
+        .map_err(|e| match line.trim_start().starts_with('[') && rows.is_empty() {
+            // A JSON array (one row per element) read as JSON Lines.
+            true => bad_line(
+                i + 1,
+                format!("{e}: this looks like one JSON array of rows, not JSON Lines (one object a line); name the file .json, or write one row a line"),
+            ),
+            false => bad_line(i + 1, e),
+        })?;
         rows.push((i + 1, row));
     }
     if rows.is_empty() {
         return Err(CoreError::Config {
             path: path.to_path_buf(),
             message: "no rows: the file is empty or holds only blank lines".into(),
+        });
+    }
+    if let Some(message) = unused_renames(fields, &used) {
+        return Err(CoreError::Config {
+            path: path.to_path_buf(),
+            message,
         });
     }
     Ok(rows)
@@ -605,9 +658,50 @@ mod tests {
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[1].0, 2);
         assert!(matches!(&rows[1].1.prompt, Prompt::Text(t) if t == "b"));
+        // A rename of a column no row has is refused, naming it.
+        let typo: BTreeMap<String, String> = [
+            ("question".to_string(), "prompt".to_string()),
+            ("answer".to_string(), "response".to_string()),
+        ]
+        .into();
+        let err = with_fields(&array, &typo, || read_jsonl_numbered::<PromptRow>(&array))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data.fields renames \"answer\" (to \"response\"), a column no row has"),
+            "{err}"
+        );
+        let lines = dir.path().join("rows.jsonl");
+        std::fs::write(&lines, "{\"prompt\": \"a\"}\n").unwrap();
+        let err = with_fields(&lines, &typo, || read_jsonl_numbered::<PromptRow>(&lines))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rows.jsonl") && err.contains("\"question\" (to \"prompt\")"),
+            "{err}"
+        );
         // Without the rename the column is not a prompt: the error names the file and the row.
         let err = read_jsonl_numbered::<PromptRow>(&array).unwrap_err().to_string();
         assert!(err.contains("rows.json") && err.contains("prompt"), "{err}");
+        // JSON and JSON Lines swapped: the error says which format the name promised.
+        let swapped = dir.path().join("array.jsonl");
+        std::fs::write(&swapped, "[\n  {\"prompt\": \"a\"}\n]\n").unwrap();
+        let err = read_jsonl_numbered::<PromptRow>(&swapped)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("array.jsonl:1") && err.contains("name the file .json"),
+            "{err}"
+        );
+        let swapped = dir.path().join("lines.json");
+        std::fs::write(&swapped, "{\"prompt\": \"a\"}\n{\"prompt\": \"b\"}\n").unwrap();
+        let err = read_jsonl_numbered::<PromptRow>(&swapped)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("lines.json") && err.contains("name the file .jsonl"),
+            "{err}"
+        );
         // A folder of shards: rows numbered on across them, in name order.
         let shards = dir.path().join("shards");
         std::fs::create_dir_all(&shards).unwrap();
@@ -689,6 +783,10 @@ mod tests {
             (r#"{"prompt": 7, "response": "b"}"#, "prompt: invalid type"),
             (r#"{"text": "a"}"#, "no prompt, response or messages"),
             (r#"{"messages": []}"#, "messages is empty"),
+            (
+                r#"{"prompt": "a", "messages": [{"role": "user", "content": "a"}]}"#,
+                "the row has both messages and prompt: give one form",
+            ),
             (
                 r#"{"messages": [{"role": "user", "content": "a"}]}"#,
                 "no assistant turn",

@@ -34,6 +34,65 @@ pub fn broadcast_from_root<T: Serialize + DeserializeOwned>(comm: &dyn Communica
     decode(&bytes)
 }
 
+/// Stops every rank with one error naming the first key that differs when the ranks of a
+/// data-parallel run were not given the same run (different `--set`s per rank, a config or
+/// data file that differs between nodes): compared are every resolved setting and the
+/// contents of each file a setting names.
+pub fn check_same_config<T: Serialize>(comm: &dyn Communicator, config: &T) -> Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let all = gather(comm, &fingerprint(config)?)?;
+    for (rank, other) in all.iter().enumerate().skip(1) {
+        let keys = all[0].keys().chain(other.keys());
+        if let Some(key) = keys.filter(|k| all[0].get(*k) != other.get(*k)).min() {
+            let value = |m: &Fingerprint| m.get(key).cloned().unwrap_or_else(|| "not set".into());
+            return Err(CoreError::Invalid(format!(
+                "rank {rank} was given another run than rank 0: `{key}` is {} on rank 0 and {} on \
+                 rank {rank}; every rank must run the same command with the same files",
+                value(&all[0]),
+                value(other)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A configuration as dotted keys and their values, a file's size and CRC-32C beside each
+/// value that names one.
+type Fingerprint = std::collections::BTreeMap<String, String>;
+
+fn fingerprint<T: Serialize>(config: &T) -> Result<Fingerprint> {
+    fn flatten(prefix: &str, value: &toml::Value, out: &mut Fingerprint) {
+        match value {
+            toml::Value::Table(table) => {
+                for (k, v) in table {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flatten(&key, v, out);
+                }
+            }
+            toml::Value::String(text) if !text.is_empty() && std::path::Path::new(text).is_file() => {
+                let contents = std::fs::read(text)
+                    .map(|b| format!("{} bytes, CRC-32C {:08x}", b.len(), crc32c::crc32c(&b)))
+                    .unwrap_or_else(|e| format!("unreadable: {e}"));
+                out.insert(prefix.to_string(), format!("{value} (a file of {contents})"));
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    let table: toml::Table = toml::from_str(&crate::train::config::to_toml(config)?)
+        .map_err(|e| CoreError::Invalid(format!("configuration: {e}")))?;
+    let mut out = Fingerprint::new();
+    flatten("", &toml::Value::Table(table), &mut out);
+    Ok(out)
+}
+
 /// Every rank's `value`, in rank order.
 pub fn gather<T: Serialize + DeserializeOwned>(comm: &dyn Communicator, value: &T) -> Result<Vec<T>> {
     comm.all_gather(&encode(value)?)?
@@ -122,4 +181,31 @@ where
     let mut pieces: Vec<(usize, Vec<T>)> = gathered.into_iter().flat_map(|(_, m)| m).collect();
     pieces.sort_by_key(|(start, _)| *start);
     Ok((pieces.into_iter().flat_map(|(_, v)| v).collect(), works))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fingerprint_names_each_setting_and_what_its_files_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("train.jsonl");
+        std::fs::write(&data, "{}\n").unwrap();
+        let mut config = toml::Table::new();
+        let mut train = toml::Table::new();
+        train.insert("lr".into(), 0.001.into());
+        train.insert("data".into(), data.to_str().unwrap().into());
+        config.insert("train".into(), train.into());
+        let before = fingerprint(&config).unwrap();
+        assert_eq!(before["train.lr"], "0.001");
+        assert!(before["train.data"].contains("3 bytes"), "{before:?}");
+        // The same path with other contents (a node's own copy of the file) differs.
+        std::fs::write(&data, "{}\n").unwrap();
+        assert_eq!(fingerprint(&config).unwrap(), before);
+        std::fs::write(&data, "[]\n").unwrap();
+        assert_ne!(fingerprint(&config).unwrap()["train.data"], before["train.data"]);
+        // One process has nothing to compare with.
+        check_same_config(&aligner_parallel::Single, &config).unwrap();
+    }
 }

@@ -34,8 +34,15 @@ pub struct RunDir {
     /// A new run may clear a folder that already holds a run (`--overwrite`).
     overwrite: bool,
     stop_after: Option<usize>,
+    /// A resumed run's `config_changes.jsonl` row (`--allow-change`), appended only once a
+    /// checkpoint to resume from is known intact.
+    changes: Option<serde_json::Value>,
     comm: Arc<dyn Communicator>,
 }
+
+/// The file each checkpoint lists its files in, with their sizes and CRC-32C, so a damaged
+/// checkpoint is found before it is loaded.
+pub const MANIFEST: &str = "manifest.json";
 
 impl std::fmt::Debug for RunDir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -64,6 +71,7 @@ impl RunDir {
             resume: false,
             overwrite: false,
             stop_after: None,
+            changes: None,
             comm: aligner_parallel::world(),
         }
     }
@@ -95,6 +103,13 @@ impl RunDir {
             resume: true,
             ..Self::new(path)
         }
+    }
+
+    /// A resumed run's row for `config_changes.jsonl` (the settings `--allow-change` let a
+    /// `--set` change), appended by [`RunDir::start`] once the run is known to resume.
+    pub fn recording_changes(mut self, row: serde_json::Value) -> Self {
+        self.changes = Some(row);
+        self
     }
 
     /// Whether a new run may clear a folder that already holds a run (`--overwrite`); without
@@ -152,11 +167,21 @@ impl RunDir {
         if !self.is_writer() {
             return Ok(());
         }
-        if !self.resume {
+        if self.resume {
+            // A resume whose checkpoints are all damaged changes nothing in the folder. (A run
+            // that resumes by stage, SPIN's iterations or SteerLM's steps, has none of its own.)
+            if !self.checkpoint_dirs(None).is_empty() && self.intact_checkpoints(None).is_empty() {
+                return Err(self.nothing_to_resume(None));
+            }
+        } else {
             self.claim(steps)?;
         }
         std::fs::create_dir_all(&self.path).map_err(|e| CoreError::cannot_write(&self.path, e))?;
-        crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())
+        crate::checkpoint::write_atomic(&self.join("config.toml"), to_toml(config)?.as_bytes())?;
+        if let Some(row) = &self.changes {
+            crate::data::append_jsonl(&self.join("config_changes.jsonl"), row)?;
+        }
+        Ok(())
     }
 
     /// An empty (or missing) folder for a new run, `steps` aside: another run's files are
@@ -294,21 +319,83 @@ impl RunDir {
             .max_by_key(|(s, _)| *s)
     }
 
-    /// Where a run starts: `None` for a new run, the newest checkpoint for a resumed one (an
-    /// error when it has none).
-    /// Rank 0 chooses, so every rank resumes from the same checkpoint.
+    /// Where a run starts: `None` for a new run, the newest intact checkpoint for a resumed
+    /// one (an error when it has none). A newer checkpoint whose files do not match its
+    /// manifest is passed over with a warning naming what is damaged. Rank 0 chooses, so
+    /// every rank resumes from the same checkpoint.
     pub fn resume_point(&self, marker: &str) -> Result<Option<(usize, PathBuf)>> {
         if !self.resume {
             return Ok(None);
         }
-        let step = self.agree(&self.latest_checkpoint(marker).map(|(step, _)| step))?;
+        let chosen = match self.is_writer() {
+            true => self
+                .intact_checkpoints(Some(marker))
+                .first()
+                .map(|(step, _)| *step),
+            false => None,
+        };
+        let step = self.agree(&chosen)?;
         match step.map(|s| (s, self.checkpoints().join(format!("step-{s}")))) {
             Some(point) => Ok(Some(point)),
-            None => Err(CoreError::Invalid(format!(
-                "--resume: no checkpoint in {}",
-                self.checkpoints().display()
-            ))),
+            None => Err(self.nothing_to_resume(Some(marker))),
         }
+    }
+
+    /// The checkpoints whose files match their manifests (and that hold `marker`, when
+    /// given), newest first; each damaged one newer than the newest intact one is warned
+    /// about.
+    fn intact_checkpoints(&self, marker: Option<&str>) -> Vec<(usize, PathBuf)> {
+        let mut found = self.checkpoint_dirs(marker);
+        found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+        let mut intact = Vec::new();
+        for (step, dir) in found {
+            match verify_manifest(&dir) {
+                Ok(()) => intact.push((step, dir)),
+                Err(why) if intact.is_empty() => {
+                    tracing::warn!(checkpoint = %dir.display(), "passed over: {why}")
+                }
+                Err(_) => {}
+            }
+        }
+        intact
+    }
+
+    /// Every `checkpoints/step-N` folder (holding `marker`, when given), in no order.
+    fn checkpoint_dirs(&self, marker: Option<&str>) -> Vec<(usize, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(self.checkpoints()) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let step = name.strip_prefix("step-")?.parse::<usize>().ok()?;
+                let complete = marker.is_none_or(|m| e.path().join(m).exists());
+                complete.then(|| (step, e.path()))
+            })
+            .collect()
+    }
+
+    /// Why `--resume` cannot continue the run: no checkpoint, or each one's damage.
+    fn nothing_to_resume(&self, marker: Option<&str>) -> CoreError {
+        let mut found = self.checkpoint_dirs(marker);
+        found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+        let damaged: Vec<String> = found
+            .iter()
+            .filter_map(|(step, dir)| {
+                verify_manifest(dir)
+                    .err()
+                    .map(|why| format!("step-{step}: {why}"))
+            })
+            .collect();
+        CoreError::Invalid(match damaged.is_empty() {
+            true => format!("--resume: no checkpoint in {}", self.checkpoints().display()),
+            false => format!(
+                "--resume: no intact checkpoint in {} ({}); nothing in the run folder was changed",
+                self.checkpoints().display(),
+                damaged.join("; ")
+            ),
+        })
     }
 
     /// Writes `checkpoints/step-N/`: `write` fills a temporary folder, which is then renamed,
@@ -329,11 +416,94 @@ impl RunDir {
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
         write(&tmp)?;
+        write_manifest(&tmp)?;
         let _ = std::fs::remove_dir_all(&final_dir);
         // The rename is the commit point.
         std::fs::rename(&tmp, &final_dir).map_err(|e| CoreError::cannot_write(&final_dir, e))?;
         Ok(final_dir)
     }
+}
+
+/// A checkpoint's files (relative paths, `/`-separated) with their sizes and CRC-32C.
+#[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+struct Manifest {
+    files: std::collections::BTreeMap<String, FileSum>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+struct FileSum {
+    bytes: u64,
+    crc32c: u32,
+}
+
+/// The files under `dir` (its manifest aside) and their sums.
+fn sum_files(dir: &Path) -> Result<Manifest> {
+    fn walk(root: &Path, dir: &Path, files: &mut std::collections::BTreeMap<String, FileSum>) -> Result<()> {
+        for entry in std::fs::read_dir(dir).map_err(|e| CoreError::io(dir, e))? {
+            let path = entry.map_err(|e| CoreError::io(dir, e))?.path();
+            if path.is_dir() {
+                walk(root, &path, files)?;
+                continue;
+            }
+            let name = path
+                .strip_prefix(root)
+                .unwrap_or(&path)
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("/");
+            if name == MANIFEST {
+                continue;
+            }
+            let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+            files.insert(
+                name,
+                FileSum {
+                    bytes: bytes.len() as u64,
+                    crc32c: crc32c::crc32c(&bytes),
+                },
+            );
+        }
+        Ok(())
+    }
+    let mut files = std::collections::BTreeMap::new();
+    walk(dir, dir, &mut files)?;
+    Ok(Manifest { files })
+}
+
+/// Writes `dir/manifest.json` for the files `dir` holds.
+fn write_manifest(dir: &Path) -> Result<()> {
+    crate::checkpoint::write_json(&dir.join(MANIFEST), &sum_files(dir)?)
+}
+
+/// Whether the checkpoint `dir` holds exactly the files its manifest lists, unchanged; a
+/// checkpoint from before manifests is taken as it is. The error says what differs.
+fn verify_manifest(dir: &Path) -> std::result::Result<(), String> {
+    let path = dir.join(MANIFEST);
+    if !path.exists() {
+        return Ok(());
+    }
+    let listed: Manifest = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .ok_or_else(|| format!("{} cannot be read", path.display()))?;
+    let found = sum_files(dir).map_err(|e| e.to_string())?;
+    for (name, sum) in &listed.files {
+        match found.files.get(name) {
+            None => return Err(format!("{name} is missing")),
+            Some(f) if f.bytes != sum.bytes => {
+                return Err(format!(
+                    "{name} has {} bytes, the checkpoint wrote {}",
+                    f.bytes, sum.bytes
+                ));
+            }
+            Some(f) if f.crc32c != sum.crc32c => {
+                return Err(format!("{name} does not match its checksum (changed or damaged)"));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// A progress bar on stderr drawn with `template` (indicatif's syntax); hidden on every rank
@@ -432,6 +602,47 @@ mod tests {
         assert_eq!(resumed.resume_point("state.json").unwrap().unwrap().0, 10);
         let err = resumed.resume_point("other.json").unwrap_err().to_string();
         assert!(err.contains("no checkpoint"), "{err}");
+    }
+
+    #[test]
+    fn a_damaged_checkpoint_is_passed_over_and_a_resume_without_an_intact_one_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        run.start(&toml::Table::new()).unwrap();
+        for step in [2, 4] {
+            run.save_checkpoint::<CoreError>(step, |tmp| {
+                std::fs::create_dir_all(tmp.join("actor")).unwrap();
+                crate::checkpoint::write_atomic(&tmp.join("actor/model.safetensors"), &[step as u8; 64])?;
+                crate::checkpoint::write_atomic(&tmp.join("state.json"), b"{}")
+            })
+            .unwrap();
+        }
+        let weights = |step: usize| {
+            run.checkpoints()
+                .join(format!("step-{step}/actor/model.safetensors"))
+        };
+        let resumed = RunDir::resuming(dir.path()).recording_changes(serde_json::json!({"changes": []}));
+        assert_eq!(resumed.resume_point("state.json").unwrap().unwrap().0, 4);
+        // Step 4's weights flipped a byte: step 2 is the newest intact checkpoint.
+        let mut bytes = std::fs::read(weights(4)).unwrap();
+        bytes[10] ^= 1;
+        std::fs::write(weights(4), &bytes).unwrap();
+        assert_eq!(resumed.resume_point("state.json").unwrap().unwrap().0, 2);
+        // Step 2's cut short too: no resume, and nothing written.
+        std::fs::write(weights(2), [2u8; 10]).unwrap();
+        let config = std::fs::read(dir.path().join("config.toml")).unwrap();
+        let mut changed = toml::Table::new();
+        changed.insert("lr".into(), 1.0.into());
+        let err = resumed.start(&changed).unwrap_err().to_string();
+        assert!(
+            err.contains("no intact checkpoint")
+                && err.contains("step-4: actor/model.safetensors does not match its checksum")
+                && err.contains("step-2: actor/model.safetensors has 10 bytes, the checkpoint wrote 64"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(dir.path().join("config.toml")).unwrap(), config);
+        assert!(!dir.path().join("config_changes.jsonl").exists());
+        assert!(resumed.resume_point("state.json").is_err());
     }
 
     #[test]

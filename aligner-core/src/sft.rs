@@ -56,10 +56,20 @@ impl<'de> Deserialize<'de> for SftRow {
                 Ok(SftRow::Chat { messages })
             }
             Fields {
-                messages: Some(_), ..
-            } => Err(D::Error::custom(format!(
-                "a row with messages has no prompt or response ({expected})"
-            ))),
+                messages: Some(_),
+                prompt,
+                response,
+            } => {
+                let also: Vec<&str> = [("prompt", prompt.is_some()), ("response", response.is_some())]
+                    .iter()
+                    .filter(|(_, given)| *given)
+                    .map(|(name, _)| *name)
+                    .collect();
+                Err(D::Error::custom(format!(
+                    "the row has both messages and {}: give one form, not both ({expected})",
+                    also.join(" and ")
+                )))
+            }
             Fields { prompt: Some(_), .. } => Err(D::Error::missing_field("response")),
             Fields {
                 response: Some(_), ..

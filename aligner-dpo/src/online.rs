@@ -183,6 +183,13 @@ pub fn train(
             "online DPO runs in one process (launch it without mpirun)".into(),
         ));
     }
+    if let (Some(path), false) = (&config.reward_model.path, config.reward.is_empty()) {
+        return Err(DpoError::Invalid(format!(
+            "reward_model.path = {} is set beside [reward], which judges the pairs and leaves it \
+             unused: leave reward_model.path out, or give the model as a [[reward]] table (model = ...)",
+            path.display()
+        )));
+    }
     run.start_with_steps(config, &["reward_model"])?;
     let rewards = if config.reward.is_empty() {
         let dir = match &config.reward_model.path {
@@ -197,6 +204,7 @@ pub fn train(
         config.reward.build(device)?
     };
     let lm = load_model(&config.model, device)?;
+    aligner_core::train::check_new_tokens(&[("online.max_new_tokens", on.max_new_tokens)], &lm.config)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     let context = lm.config.max_position_embeddings;
     let (train_prompts, eval_prompts) = data_files(&config.data)?
@@ -255,7 +263,8 @@ pub fn train(
         }
         Ok(out)
     };
-    let mut initial = None;
+    // A resumed run reads its step-0 evaluation back from the log it kept.
+    let mut initial = log.logged(0, "eval_reward")?;
     if start == 0 {
         let mut first = evaluate(&mut engine, &policy)?;
         initial = first.get("eval_reward").and_then(Value::as_f64);

@@ -122,6 +122,10 @@ impl FrontierSection {
             return Ok(None);
         };
         let options = self.options()?;
+        aligner_core::train::check_new_tokens(
+            &[("frontier.max_new_tokens", self.max_new_tokens)],
+            &reference.config,
+        )?;
         let mut prompts = load_prompts(
             path,
             &reference.tokenizer,

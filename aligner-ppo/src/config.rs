@@ -184,6 +184,35 @@ impl PpoSection {
                 high,
                 aligner_core::train::Range::Positive,
             )?;
+            if high < self.clip_eps {
+                return invalid(format!(
+                    "ppo.clip_eps_high = {high} is below ppo.clip_eps = {}: clip-higher widens the \
+                     upper clip range, so it must be at least ppo.clip_eps",
+                    self.clip_eps
+                ));
+            }
+        }
+        if let Some(url) = &self.critic_url {
+            if !self.advantage.needs_critic() {
+                return invalid(format!(
+                    "ppo.critic_url is set but ppo.advantage = {} uses no critic: leave it out \
+                     (or use ppo.advantage = \"gae\")",
+                    serde_json::to_string(&self.advantage).unwrap_or_default()
+                ));
+            }
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return invalid(format!(
+                    "ppo.critic_url = {url:?} has no scheme: write it as http://HOST:PORT (e.g. \
+                     http://localhost:5557)"
+                ));
+            }
+        }
+        // Beyond this a deadline overflows the clock; no critic is waited for a week.
+        if self.critic_retry_seconds > 604_800.0 {
+            return invalid(format!(
+                "ppo.critic_retry_seconds = {} is more than a week (604800 s)",
+                self.critic_retry_seconds
+            ));
         }
         aligner_core::train::check_value(
             "ppo.overlong_penalty",
@@ -212,6 +241,8 @@ impl PpoSection {
             ("ppo.max_new_tokens", self.max_new_tokens),
             ("ppo.epochs", self.epochs),
             ("ppo.mini_batch", self.mini_batch),
+            ("ppo.slots", self.slots),
+            ("ppo.workers", self.workers),
         ])
     }
 }

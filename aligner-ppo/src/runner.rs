@@ -204,7 +204,8 @@ impl PpoRunner<'_> {
             self.run.is_resumed().then_some(start),
             cfg.tensorboard,
         )?;
-        let mut initial_eval = None;
+        // A resumed run reads its step-0 evaluation back from the log it kept.
+        let mut initial_eval = log.logged(0, "eval_reward")?;
         if start == 0 && !self.eval_prompts.is_empty() {
             let reward = self.evaluate(engines(&mut pool)?, &actor, critic)?;
             initial_eval = Some(reward);

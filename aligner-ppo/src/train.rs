@@ -75,6 +75,23 @@ pub fn run_rewards(
     })
 }
 
+/// Refuses `reward_model.path` where nothing reads it: `[reward]` scores the samples, and
+/// `why_unused` (the method's words for it) says the method has no other use for it.
+pub fn check_reward_model_used(
+    section: &RewardModelSection,
+    rewards: &RewardSpecs,
+    why_unused: &str,
+) -> Result<()> {
+    match (&section.path, rewards.is_empty()) {
+        (Some(path), false) => Err(crate::PpoError::Invalid(format!(
+            "reward_model.path = {} is set beside [reward], which scores the samples; {why_unused}: \
+             leave reward_model.path out, or give the model as a [[reward]] table (model = ...)",
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The reward model folder: the configured one, or one trained now with `aligner rm`'s
 /// defaults (the shipped preference pairs) into `<run>/reward_model`, kept for resumes.
 pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Device) -> Result<PathBuf> {
@@ -92,14 +109,22 @@ pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Dev
 pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSummary> {
     config.ppo.check()?;
     config.reward.check()?;
+    let needs_critic = config.ppo.advantage.needs_critic();
+    if !needs_critic {
+        check_reward_model_used(
+            &config.reward_model,
+            &config.reward,
+            "this advantage has no critic to start from it",
+        )?;
+    }
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
-    let needs_critic = config.ppo.advantage.needs_critic();
     // A reward model is needed to score (no `[[reward]]`) or to start the critic (GAE).
     let rm_dir = (config.reward.is_empty() || needs_critic)
         .then(|| reward_model_dir(&config.reward_model, run, device))
         .transpose()?;
     let lm = load_model(&config.model, device)?;
+    aligner_core::train::check_new_tokens(&[("ppo.max_new_tokens", config.ppo.max_new_tokens)], &lm.config)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     // The critic's process scores with the reward model when the roles are combined and no
@@ -191,6 +216,11 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         ("rs.max_new_tokens", config.rs.max_new_tokens),
     ])?;
     config.reward.check()?;
+    check_reward_model_used(
+        &config.reward_model,
+        &config.reward,
+        "rejection sampling has no other use for it",
+    )?;
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
     let rm_dir = config
@@ -203,6 +233,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     let lm = load_model(&config.model, device)?;
     // Checked before the first round's samples are drawn.
     config.data.max_len(&lm.config)?;
+    aligner_core::train::check_new_tokens(&[("rs.max_new_tokens", config.rs.max_new_tokens)], &lm.config)?;
     aligner_core::train::check_value(
         "rs.kl_coef",
         config.rs.kl_coef,

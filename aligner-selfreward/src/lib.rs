@@ -284,6 +284,10 @@ pub fn train(
     let eft = read_labelled(&section.eft, &section.eft_label, range, range_keys)?;
     let eft_validation = read_labelled(&section.eft_validation, &section.eft_label, range, range_keys)?;
     let start = load_model(&config.model, device)?;
+    aligner_core::train::check_new_tokens(
+        &[("self_reward.max_new_tokens", section.max_new_tokens)],
+        &start.config,
+    )?;
     let frontier = config.frontier.for_start_model(&start, device)?;
 
     // IFT + EFT: one SFT run on instruction rows and judge rows.

@@ -213,6 +213,19 @@ pub fn check_counts(settings: &[(&str, usize)]) -> Result<()> {
     }
 }
 
+/// Refuses a number of new tokens (`(key, value)` each) that cannot fit the model's context
+/// beside a prompt (`max_position_embeddings` or more), naming the key and the model's context.
+pub fn check_new_tokens(settings: &[(&str, usize)], model: &crate::LlamaConfig) -> Result<()> {
+    let context = model.max_position_embeddings;
+    match settings.iter().find(|(_, value)| *value >= context) {
+        Some((key, value)) => Err(CoreError::Invalid(format!(
+            "{key} = {value}: the model's context is {context} positions (max_position_embeddings), \
+             prompt included; ask for fewer new tokens"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Checks several settings with [`check_value`]: `(key, value, range)` each.
 pub fn check_values(settings: &[(&str, f64, Range)]) -> Result<()> {
     settings
@@ -306,26 +319,42 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
         })?;
         merge(&mut value, user);
     }
+    let mut set_keys = Vec::new();
     for item in overrides {
         let (key, raw) = item
             .split_once('=')
             .ok_or_else(|| CoreError::Invalid(format!("--set {item:?}: expected key=value")))?;
         set_dotted(&mut value, key.trim(), parse_value(raw.trim()))?;
+        set_keys.push((key.trim().to_string(), item));
     }
-    let source = file
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("--set"));
+    // A bad value is blamed on the `--set` that gave it, else on the file.
+    let source = |bad_key: &str| -> PathBuf {
+        let covers = |set: &str| {
+            bad_key == set
+                || bad_key.starts_with(&format!("{set}."))
+                || set.starts_with(&format!("{bad_key}."))
+        };
+        match set_keys.iter().rev().find(|(set, _)| covers(set)) {
+            Some((_, item)) => PathBuf::from(format!("--set {item}")),
+            None => file
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| PathBuf::from("--set")),
+        }
+    };
     if let Some(key) = first_non_finite("", &value) {
         return Err(CoreError::Config {
-            path: source,
+            path: source(&key),
             message: format!("{key} is not a finite number (nan and inf are refused)"),
         });
     }
     // The error names the key it is about (`train.lr: invalid type ...`).
-    serde_path_to_error::deserialize(value).map_err(|e| CoreError::Config {
-        path: source,
-        // toml's own messages end in a newline (and sometimes repeat the key after it).
-        message: crate::data::with_field(e, |m| m.split("\nin `").next().unwrap_or_default().trim_end()),
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let key = e.path().to_string();
+        CoreError::Config {
+            path: source(&key),
+            // toml's own messages end in a newline (and sometimes repeat the key after it).
+            message: crate::data::with_field(e, |m| m.split("\nin `").next().unwrap_or_default().trim_end()),
+        }
     })
 }
 
@@ -502,6 +531,32 @@ mod tests {
         assert_eq!(c.train.batch_size, TrainSection::default().batch_size);
         let back: Example = toml::from_str(&to_toml(&c).unwrap()).unwrap();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn a_bad_value_is_blamed_on_where_it_came_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[train]\nlr = 0.5\n").unwrap();
+        let err = |file: &Path, sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            load_config(&Example::default(), Some(file), &sets)
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(&path, &["train.max_steps=2", "train.lr=abc"]);
+        assert!(e.starts_with("--set train.lr=abc: train.lr: invalid type"), "{e}");
+        let e = err(&path, &["train.lrr=1"]);
+        assert!(e.starts_with("--set train.lrr=1:") && e.contains("lrr"), "{e}");
+        let e = err(&path, &["train.lr=nan"]);
+        assert!(
+            e.starts_with("--set train.lr=nan: train.lr is not a finite"),
+            "{e}"
+        );
+        // The file's own bad value is the file's, whatever else is set.
+        std::fs::write(&path, "[train]\nlr = \"fast\"\n").unwrap();
+        let e = err(&path, &["train.max_steps=2"]);
+        assert!(e.starts_with(&format!("{}: train.lr", path.display())), "{e}");
     }
 
     #[test]

@@ -44,6 +44,10 @@ impl MetricsLog {
         tensorboard: bool,
     ) -> Result<Self> {
         let mut log = Self::for_run(run, keep_through_step)?;
+        if let (true, Some(limit)) = (log.enabled, keep_through_step) {
+            // Earlier event files drop what metrics.jsonl drops, so each step is there once.
+            crate::train::tensorboard::keep_through(&run.join("tb"), limit as i64)?;
+        }
         if log.enabled && tensorboard {
             log.tensorboard = Some(EventWriter::create(&run.join("tb"))?);
         }
@@ -57,12 +61,7 @@ impl MetricsLog {
         let kept: String = match (std::fs::read_to_string(&path), keep_through_step) {
             (Ok(text), Some(limit)) => text
                 .lines()
-                .filter(|l| {
-                    serde_json::from_str::<Value>(l)
-                        .ok()
-                        .and_then(|v| v.get("step").and_then(Value::as_u64))
-                        .is_some_and(|s| s as usize <= limit)
-                })
+                .filter(|l| row_step(l).is_some_and(|s| s <= limit as f64))
                 .map(|l| format!("{l}\n"))
                 .collect(),
             _ => String::new(),
@@ -106,6 +105,16 @@ impl MetricsLog {
         Ok(())
     }
 
+    /// The value of `key` in the row of `step` written so far (a resumed run's step-0
+    /// evaluation, for its summary); `None` on a silent log.
+    pub fn logged(&self, step: usize, key: &str) -> Result<Option<f64>> {
+        Ok(self
+            .rows()?
+            .iter()
+            .filter(|r| r.get("step").and_then(Value::as_f64) == Some(step as f64))
+            .find_map(|r| r.get(key)?.as_f64()))
+    }
+
     /// Every row written so far (none on a silent log).
     pub fn rows(&self) -> Result<Vec<Map<String, Value>>> {
         if !self.enabled {
@@ -118,6 +127,12 @@ impl MetricsLog {
             .filter_map(|v| v.as_object().cloned())
             .collect())
     }
+}
+
+/// The `step` of a metrics.jsonl line, written as an integer or (PPO's step-0 evaluation row,
+/// built from f64 values) as a float.
+fn row_step(line: &str) -> Option<f64> {
+    serde_json::from_str::<Value>(line).ok()?.get("step")?.as_f64()
 }
 
 /// Draws `keys` against `step` from `rows` into an SVG, one panel per key.
@@ -198,4 +213,39 @@ pub fn plot_runs(runs: &[(&str, &[Map<String, Value>])], keys: &[&str], path: &P
     }
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resumed_log_keeps_every_row_up_to_its_checkpoint_float_steps_included() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        std::fs::write(
+            &path,
+            "{\"step\":0.0,\"eval_reward\":1.0}\n{\"step\":1,\"loss\":2.0}\n{\"step\":2,\"loss\":1.0}\n\
+             {\"step\":3,\"loss\":0.5}\n{\"step\":3.0,\"eval_reward\":2.0}\nnot json\n",
+        )
+        .unwrap();
+        let log = MetricsLog::open(dir.path(), Some(2)).unwrap();
+        let steps: Vec<f64> = log
+            .rows()
+            .unwrap()
+            .iter()
+            .map(|r| r["step"].as_f64().unwrap())
+            .collect();
+        assert_eq!(steps, [0.0, 1.0, 2.0]);
+        assert_eq!(log.logged(0, "eval_reward").unwrap(), Some(1.0));
+        assert_eq!(log.logged(3, "eval_reward").unwrap(), None);
+        // A new run starts an empty file.
+        assert!(
+            MetricsLog::open(dir.path(), None)
+                .unwrap()
+                .rows()
+                .unwrap()
+                .is_empty()
+        );
+    }
 }

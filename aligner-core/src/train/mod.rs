@@ -30,8 +30,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use config::{
-    BestMode, ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_value,
-    check_values, config_changes, load_config, to_toml,
+    BestMode, ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_new_tokens,
+    check_value, check_values, config_changes, load_config, to_toml,
 };
 pub use metrics::{MetricsLog, plot_metrics, plot_runs};
 pub use order::{EpochOrder, mini_batches};

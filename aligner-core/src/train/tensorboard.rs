@@ -189,6 +189,65 @@ impl EventWriter {
     }
 }
 
+/// Drops the summaries of steps after `step` from every event file in `dir` (a killed run's
+/// steps past its checkpoint, which the resumed run logs again), each file rewritten through a
+/// temporary name. A record cut short by the kill ends the file; a file that needs no change
+/// is left as it is.
+pub fn keep_through(dir: &Path, step: i64) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in entries {
+        let path = entry.map_err(|e| CoreError::io(dir, e))?.path();
+        let is_events = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("events.out.tfevents."));
+        if !is_events {
+            continue;
+        }
+        let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+        let records = records(&bytes);
+        let whole = records.iter().map(|(_, raw)| raw.len()).sum::<usize>() == bytes.len();
+        let kept: Vec<&[u8]> = records
+            .iter()
+            .filter(|(event, _)| event.summary.is_none() || event.step <= step)
+            .map(|(_, raw)| *raw)
+            .collect();
+        if whole && kept.len() == records.len() {
+            continue;
+        }
+        crate::checkpoint::write_atomic(&path, &kept.concat())?;
+    }
+    Ok(())
+}
+
+/// The intact records at the start of an event file: each decoded event with its raw bytes.
+fn records(bytes: &[u8]) -> Vec<(Event, &[u8])> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(header) = bytes.get(at..at + 12) {
+        let (len_bytes, len_crc) = header.split_at(8);
+        if masked_crc(len_bytes).to_le_bytes() != len_crc {
+            break;
+        }
+        let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
+        let (Some(data), Some(crc)) = (
+            bytes.get(at + 12..at + 12 + len),
+            bytes.get(at + 12 + len..at + 16 + len),
+        ) else {
+            break;
+        };
+        if masked_crc(data).to_le_bytes() != crc {
+            break;
+        }
+        let Ok(event) = Event::decode(data) else { break };
+        out.push((event, &bytes[at..at + 16 + len]));
+        at += 16 + len;
+    }
+    out
+}
+
 /// Every event of an event file, each record's length and CRCs checked.
 pub fn read_events(path: &Path) -> Result<Vec<Event>> {
     let bytes = std::fs::read(path).map_err(|e| CoreError::io(path, e))?;
@@ -273,5 +332,39 @@ mod tests {
                 .to_string()
                 .contains("CRC")
         );
+    }
+
+    #[test]
+    fn a_resume_leaves_each_step_in_one_event_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let killed = EventWriter::create(dir.path()).unwrap();
+        for step in 1..=4 {
+            killed.write_step(step, &[("loss", step as f64)], &[]).unwrap();
+        }
+        // The kill cut the last record short.
+        let mut bytes = std::fs::read(killed.path()).unwrap();
+        let head = bytes[..10].to_vec();
+        bytes.extend_from_slice(&head);
+        std::fs::write(killed.path(), bytes).unwrap();
+        keep_through(dir.path(), 2).unwrap();
+        let resumed = EventWriter::create(dir.path()).unwrap();
+        for step in 3..=4 {
+            resumed.write_step(step, &[("loss", step as f64)], &[]).unwrap();
+        }
+        let steps = |path: &Path| -> Vec<i64> {
+            read_events(path)
+                .unwrap()
+                .iter()
+                .filter(|e| e.summary.is_some())
+                .map(|e| e.step)
+                .collect()
+        };
+        assert_eq!(steps(killed.path()), [1, 2]);
+        assert_eq!(steps(resumed.path()), [3, 4]);
+        // Nothing left to drop: the files stay as they are.
+        let before = std::fs::read(killed.path()).unwrap();
+        keep_through(dir.path(), 4).unwrap();
+        assert_eq!(std::fs::read(killed.path()).unwrap(), before);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 }

@@ -67,6 +67,9 @@ pub struct RewardSpec {
     pub batch_size: usize,
 }
 
+/// The longest `timeout_seconds` accepted: a week.
+pub const MAX_TIMEOUT_SECONDS: f64 = 604_800.0;
+
 fn one() -> f64 {
     1.0
 }
@@ -181,6 +184,66 @@ impl RewardSpec {
             return Err(bad(format!(
                 "{key}.timeout_seconds = {} must be above 0",
                 self.timeout_seconds
+            )));
+        }
+        // Beyond this a deadline overflows the clock; no batch should wait a week.
+        if self.timeout_seconds > MAX_TIMEOUT_SECONDS {
+            return Err(bad(format!(
+                "{key}.timeout_seconds = {} is more than a week ({MAX_TIMEOUT_SECONDS} s)",
+                self.timeout_seconds
+            )));
+        }
+        if self.batch_size == 0 {
+            return Err(bad(format!("{key}.batch_size = 0: must be at least 1")));
+        }
+        if self.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            return Err(bad(format!(
+                "{key}.name is empty: give a name, or leave it out for one from the source"
+            )));
+        }
+        if self.pattern.as_deref().is_some_and(str::is_empty) {
+            return Err(bad(format!(
+                "{key}.pattern is empty: it would match every response"
+            )));
+        }
+        if self.field.as_deref().is_some_and(|f| f.trim().is_empty()) {
+            return Err(bad(format!(
+                "{key}.field is empty: name a field of the prompt rows"
+            )));
+        }
+        // Settings the source or rule never reads are refused rather than silently ignored.
+        let source = set[0];
+        let rule = self.rule.map(rule_name);
+        let unused = [
+            (
+                "field",
+                self.field.is_some(),
+                matches!(rule, Some("contains" | "exact" | "regex")),
+            ),
+            (
+                "pattern",
+                self.pattern.is_some(),
+                matches!(rule, Some("contains" | "exact" | "regex")),
+            ),
+            ("target", self.target.is_some(), rule == Some("length")),
+            ("penalty", self.penalty.is_some(), rule == Some("stop")),
+            ("retries", self.retries > 0, matches!(source, "command" | "url")),
+            ("batch_size", self.batch_size != sixteen(), source == "model"),
+        ];
+        if let Some((setting, ..)) = unused.iter().find(|(_, given, used)| *given && !*used) {
+            let what = match rule {
+                Some(rule) => format!("rule {rule:?}"),
+                None => format!("a {source} reward"),
+            };
+            return Err(bad(format!(
+                "{key}.{setting} is set but {what} does not use it: leave it out"
+            )));
+        }
+        if let Some(url) = self.url.as_deref()
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return Err(bad(format!(
+                "{key}.url = {url:?} has no scheme: write it as http://HOST:PORT/PATH"
             )));
         }
         if self.command.as_ref().is_some_and(Vec::is_empty) {
@@ -399,6 +462,48 @@ mod tests {
         assert!(e.contains("reward.function = \"sentiment\""), "{e}");
         let e = check("[reward]\ncommand = []\n");
         assert!(e.contains("reward.command is empty"), "{e}");
+        // Values out of range, and settings the source or rule would ignore.
+        for (text, says) in [
+            (
+                "command = [\"v\"]\ntimeout_seconds = 1e30",
+                "reward.timeout_seconds = 1000000000000000000000000000000 is more than a week",
+            ),
+            ("model = \"rm\"\nbatch_size = 0", "reward.batch_size = 0"),
+            ("rule = \"stop\"\nname = \" \"", "reward.name is empty"),
+            ("rule = \"contains\"\npattern = \"\"", "reward.pattern is empty"),
+            ("rule = \"regex\"\nfield = \"\"", "reward.field is empty"),
+            (
+                "rule = \"length\"\ntarget = 4\npattern = \"x\"",
+                "reward.pattern is set but rule \"length\" does not use it",
+            ),
+            (
+                "rule = \"contains\"\nfield = \"a\"\ntarget = 4",
+                "reward.target is set but rule \"contains\"",
+            ),
+            (
+                "rule = \"exact\"\nfield = \"a\"\npenalty = -2.0",
+                "reward.penalty is set but rule \"exact\"",
+            ),
+            (
+                "function = \"tinystories_sentiment\"\nretries = 2",
+                "reward.retries is set but a function reward",
+            ),
+            (
+                "url = \"http://x\"\nbatch_size = 4",
+                "reward.batch_size is set but a url reward",
+            ),
+            (
+                "model = \"rm\"\npenalty = 1.0",
+                "reward.penalty is set but a model reward",
+            ),
+            (
+                "url = \"localhost:8000/score\"",
+                "reward.url = \"localhost:8000/score\" has no scheme",
+            ),
+        ] {
+            let e = check(&format!("[reward]\n{text}\n"));
+            assert!(e.contains(says), "{text}: {e}");
+        }
         let unknown = toml::from_str::<Doc>("[reward]\nrule = \"stop\"\nwieght = 1\n").unwrap_err();
         assert!(unknown.to_string().contains("wieght"), "{unknown}");
     }

@@ -241,6 +241,13 @@ pub fn train(
     }
     run.start_with_steps(config, &["judge"])?;
     let start = load_model(&config.model, device)?;
+    aligner_core::train::check_new_tokens(
+        &[
+            ("cai.max_new_tokens", section.max_new_tokens),
+            ("cai.critique_max_new_tokens", section.critique_max_new_tokens),
+        ],
+        &start.config,
+    )?;
     let frontier = config.frontier.for_start_model(&start, device)?;
     let prompts: Vec<EncodedPrompt> = {
         let context = start.config.max_position_embeddings;
