@@ -711,20 +711,28 @@ fn a_resume_passes_over_a_damaged_checkpoint_and_one_that_cannot_resume_changes_
         files(&run, &mut out);
         out
     };
+    // `sft --resume` with a recorded change; VK_LOADER_DEBUG makes a started Vulkan loader say so.
     let resume = || {
-        aligner(&[
-            "sft",
-            "--resume",
-            run_arg,
-            "--set",
-            "train.lr=0.002",
-            "--allow-change",
-        ])
+        let output = Command::new(aligner_tests::aligner_exe())
+            .args([
+                "sft",
+                "--resume",
+                run_arg,
+                "--set",
+                "train.lr=0.002",
+                "--allow-change",
+            ])
+            .env("VK_LOADER_DEBUG", "all")
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        (output.status.success(), stderr)
     };
     damage(4);
     let step_2 = damage(2);
     let before = snapshot();
-    let (ok, _, stderr) = resume();
+    let (ok, stderr) = resume();
     assert!(
         !ok && stderr.contains("no intact checkpoint")
             && stderr.contains("step-4: model.safetensors does not match its checksum")
@@ -737,21 +745,8 @@ fn a_resume_passes_over_a_damaged_checkpoint_and_one_that_cannot_resume_changes_
     // With step 2 intact again, the run resumes from it and finishes, each step logged once;
     // on the CPU it never starts the Vulkan loader (a wgpu build's default device).
     std::fs::write(weights(2), step_2).unwrap();
-    let output = Command::new(aligner_tests::aligner_exe())
-        .args([
-            "sft",
-            "--resume",
-            run_arg,
-            "--set",
-            "train.lr=0.002",
-            "--allow-change",
-        ])
-        .env("VK_LOADER_DEBUG", "all")
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
+    let (ok, stderr) = resume();
+    assert!(ok, "{stderr}");
     assert!(
         !stderr.contains("Vulkan Loader"),
         "a CPU resume loaded Vulkan: {stderr}"
@@ -791,7 +786,7 @@ fn outputs_never_overwrite_inputs_or_earlier_results() {
         "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"loss\": 1.5}\n",
     )
     .unwrap();
-    let files_before = |paths: &[std::path::PathBuf]| -> Vec<Option<Vec<u8>>> {
+    let contents = |paths: &[std::path::PathBuf]| -> Vec<Option<Vec<u8>>> {
         paths.iter().map(|f| std::fs::read(f).ok()).collect()
     };
     let watched = [
@@ -804,11 +799,11 @@ fn outputs_never_overwrite_inputs_or_earlier_results() {
         p("runs.svg"),
     ];
     let refused = |args: &[String], says: &str| {
-        let before = files_before(&watched);
+        let before = contents(&watched);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (ok, stdout, stderr) = aligner(&args);
         assert!(!ok && stderr.contains(says), "{args:?}: {stdout}{stderr}");
-        assert!(files_before(&watched) == before, "{args:?} changed a file");
+        assert!(contents(&watched) == before, "{args:?} changed a file");
         assert!(!model.join("gen.jsonl").exists() && !run.join("gen.jsonl").exists());
     };
     let works = |args: &[String]| {
@@ -817,18 +812,15 @@ fn outputs_never_overwrite_inputs_or_earlier_results() {
         assert!(ok, "{args:?}: {stderr}");
     };
     let owned = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
-    let generate = |out: &std::path::Path, extra: &[&str]| {
-        let mut args = owned(&[
-            "generate",
-            "--prompts",
-            &s(&p("prompts.jsonl")),
-            "--max-new-tokens",
-            "4",
-        ]);
+    // `COMMAND --prompts prompts.jsonl --max-new-tokens 4 --out OUT EXTRA...`.
+    let with_prompts = |command: &str, out: &std::path::Path, extra: &[&str]| {
+        let prompts = s(&p("prompts.jsonl"));
+        let mut args = owned(&[command, "--prompts", &prompts, "--max-new-tokens", "4"]);
         args.extend(owned(&["--out", &s(out)]));
         args.extend(owned(extra));
         args
     };
+    let generate = |out: &std::path::Path, extra: &[&str]| with_prompts("generate", out, extra);
 
     // generate: its prompts file, a file of the model folder it reads, a run folder.
     refused(&generate(&p("prompts.jsonl"), &["--overwrite"]), "an input");
@@ -859,18 +851,7 @@ fn outputs_never_overwrite_inputs_or_earlier_results() {
     works(&score(&p("scores.jsonl"), &["--overwrite"]));
 
     // eval: a folder holding an earlier evaluation, a run folder, its own prompts' folder.
-    let eval = |out: &std::path::Path, extra: &[&str]| {
-        let mut args = owned(&[
-            "eval",
-            "--prompts",
-            &s(&p("prompts.jsonl")),
-            "--max-new-tokens",
-            "4",
-        ]);
-        args.extend(owned(&["--out", &s(out)]));
-        args.extend(owned(extra));
-        args
-    };
+    let eval = |out: &std::path::Path, extra: &[&str]| with_prompts("eval", out, extra);
     works(&eval(&p("eval"), &[]));
     refused(&eval(&p("eval"), &[]), "pass --overwrite");
     refused(&eval(&run, &[]), "is a run folder");

@@ -170,8 +170,10 @@ impl RunDir {
         if self.resume {
             // A resume whose checkpoints are all damaged changes nothing in the folder. (A run
             // that resumes by stage, SPIN's iterations or SteerLM's steps, has none of its own.)
-            if !self.checkpoint_dirs(None).is_empty() && self.intact_checkpoints(None).is_empty() {
-                return Err(self.nothing_to_resume(None));
+            if let (None, damaged) = self.newest_intact(None)
+                && !damaged.is_empty()
+            {
+                return Err(self.nothing_to_resume(&damaged));
             }
         } else {
             self.claim(steps)?;
@@ -308,15 +310,9 @@ impl RunDir {
     /// The newest complete checkpoint: the `checkpoints/step-N` with the highest `N` that holds
     /// `marker` (the file a checkpoint writes last).
     pub fn latest_checkpoint(&self, marker: &str) -> Option<(usize, PathBuf)> {
-        let entries = std::fs::read_dir(self.checkpoints()).ok()?;
-        entries
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let name = e.file_name().into_string().ok()?;
-                let step = name.strip_prefix("step-")?.parse::<usize>().ok()?;
-                e.path().join(marker).exists().then(|| (step, e.path()))
-            })
-            .max_by_key(|(s, _)| *s)
+        self.checkpoint_dirs(Some(marker))
+            .into_iter()
+            .max_by_key(|(step, _)| *step)
     }
 
     /// Where a run starts: `None` for a new run, the newest intact checkpoint for a resumed
@@ -327,37 +323,35 @@ impl RunDir {
         if !self.resume {
             return Ok(None);
         }
-        let chosen = match self.is_writer() {
-            true => self
-                .intact_checkpoints(Some(marker))
-                .first()
-                .map(|(step, _)| *step),
-            false => None,
+        let (chosen, damaged) = match self.is_writer() {
+            true => self.newest_intact(Some(marker)),
+            false => (None, Vec::new()),
         };
-        let step = self.agree(&chosen)?;
+        let step = self.agree(&chosen.map(|(step, _)| step))?;
         match step.map(|s| (s, self.checkpoints().join(format!("step-{s}")))) {
-            Some(point) => Ok(Some(point)),
-            None => Err(self.nothing_to_resume(Some(marker))),
+            Some(point) => {
+                for why in &damaged {
+                    tracing::warn!("passed over checkpoint {why}");
+                }
+                Ok(Some(point))
+            }
+            None => Err(self.nothing_to_resume(&damaged)),
         }
     }
 
-    /// The checkpoints whose files match their manifests (and that hold `marker`, when
-    /// given), newest first; each damaged one newer than the newest intact one is warned
-    /// about.
-    fn intact_checkpoints(&self, marker: Option<&str>) -> Vec<(usize, PathBuf)> {
+    /// The newest checkpoint whose files match its manifest (holding `marker`, when given),
+    /// and what is damaged in each newer one (`step-N: why`). Older checkpoints are not read.
+    fn newest_intact(&self, marker: Option<&str>) -> (Option<(usize, PathBuf)>, Vec<String>) {
         let mut found = self.checkpoint_dirs(marker);
         found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
-        let mut intact = Vec::new();
+        let mut damaged = Vec::new();
         for (step, dir) in found {
             match verify_manifest(&dir) {
-                Ok(()) => intact.push((step, dir)),
-                Err(why) if intact.is_empty() => {
-                    tracing::warn!(checkpoint = %dir.display(), "passed over: {why}")
-                }
-                Err(_) => {}
+                Ok(()) => return (Some((step, dir)), damaged),
+                Err(why) => damaged.push(format!("step-{step}: {why}")),
             }
         }
-        intact
+        (None, damaged)
     }
 
     /// Every `checkpoints/step-N` folder (holding `marker`, when given), in no order.
@@ -377,17 +371,7 @@ impl RunDir {
     }
 
     /// Why `--resume` cannot continue the run: no checkpoint, or each one's damage.
-    fn nothing_to_resume(&self, marker: Option<&str>) -> CoreError {
-        let mut found = self.checkpoint_dirs(marker);
-        found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
-        let damaged: Vec<String> = found
-            .iter()
-            .filter_map(|(step, dir)| {
-                verify_manifest(dir)
-                    .err()
-                    .map(|why| format!("step-{step}: {why}"))
-            })
-            .collect();
+    fn nothing_to_resume(&self, damaged: &[String]) -> CoreError {
         CoreError::Invalid(match damaged.is_empty() {
             true => format!("--resume: no checkpoint in {}", self.checkpoints().display()),
             false => format!(

@@ -183,13 +183,10 @@ pub fn train(
             "online DPO runs in one process (launch it without mpirun)".into(),
         ));
     }
-    if let (Some(path), false) = (&config.reward_model.path, config.reward.is_empty()) {
-        return Err(DpoError::Invalid(format!(
-            "reward_model.path = {} is set beside [reward], which judges the pairs and leaves it \
-             unused: leave reward_model.path out, or give the model as a [[reward]] table (model = ...)",
-            path.display()
-        )));
-    }
+    config.reward.check_unused_model(
+        config.reward_model.path.as_deref(),
+        "online DPO has no other use for it",
+    )?;
     run.start_with_steps(config, &["reward_model"])?;
     let rewards = if config.reward.is_empty() {
         let dir = match &config.reward_model.path {

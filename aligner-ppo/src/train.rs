@@ -75,23 +75,6 @@ pub fn run_rewards(
     })
 }
 
-/// Refuses `reward_model.path` where nothing reads it: `[reward]` scores the samples, and
-/// `why_unused` (the method's words for it) says the method has no other use for it.
-pub fn check_reward_model_used(
-    section: &RewardModelSection,
-    rewards: &RewardSpecs,
-    why_unused: &str,
-) -> Result<()> {
-    match (&section.path, rewards.is_empty()) {
-        (Some(path), false) => Err(crate::PpoError::Invalid(format!(
-            "reward_model.path = {} is set beside [reward], which scores the samples; {why_unused}: \
-             leave reward_model.path out, or give the model as a [[reward]] table (model = ...)",
-            path.display()
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// The reward model folder: the configured one, or one trained now with `aligner rm`'s
 /// defaults (the shipped preference pairs) into `<run>/reward_model`, kept for resumes.
 pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Device) -> Result<PathBuf> {
@@ -111,9 +94,8 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     config.reward.check()?;
     let needs_critic = config.ppo.advantage.needs_critic();
     if !needs_critic {
-        check_reward_model_used(
-            &config.reward_model,
-            &config.reward,
+        config.reward.check_unused_model(
+            config.reward_model.path.as_deref(),
             "this advantage has no critic to start from it",
         )?;
     }
@@ -216,9 +198,8 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         ("rs.max_new_tokens", config.rs.max_new_tokens),
     ])?;
     config.reward.check()?;
-    check_reward_model_used(
-        &config.reward_model,
-        &config.reward,
+    config.reward.check_unused_model(
+        config.reward_model.path.as_deref(),
         "rejection sampling has no other use for it",
     )?;
     // A finished `reward_model` step in the folder is this run's input.

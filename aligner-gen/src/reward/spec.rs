@@ -329,6 +329,27 @@ fn rule_name(rule: Rule) -> &'static str {
 pub struct RewardSpecs(pub Vec<RewardSpec>);
 
 impl RewardSpecs {
+    /// Refuses a reward model folder given beside these rewards (`reward_model.path`) when
+    /// they score the samples and the method has no other use for it (`why_unused`, in the
+    /// method's words), instead of ignoring it.
+    pub fn check_unused_model(
+        &self,
+        model: Option<&std::path::Path>,
+        why_unused: &str,
+    ) -> Result<(), RewardError> {
+        match model.filter(|_| !self.is_empty()) {
+            Some(path) => Err(RewardError::new(
+                "reward_model.path",
+                format!(
+                    "{} is set beside [reward], which scores the samples; {why_unused}: leave \
+                     reward_model.path out, or give the model as a [[reward]] table (model = ...)",
+                    path.display()
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
