@@ -1,5 +1,5 @@
-//! The binary's command list. (The end-to-end tests of every command live in the workspace's
-//! `tests/` package; this test also makes `cargo test --workspace` build the binary they run.)
+//! The binary's command list. (The end-to-end tests of every command are the other files in
+//! this folder.)
 
 use std::process::Command;
 

@@ -5,12 +5,14 @@
 //! rejection sampling and SteerLM run across ranks.
 //!
 //! Needs OpenMPI (`mpirun`) and the binary built with the `mpi` feature:
-//! `cargo test --release --workspace --features aligner-cli/mpi,aligner-tests/mpi`.
+//! `cargo test --release --workspace --features aligner-cli/mpi`.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use aligner_tests::{aligner, aligner_exe, head, metrics, repo, weights_diff};
+use common::{aligner, aligner_exe, head, metrics, repo, weights_diff};
 use serde_json::Value;
 
 /// `mpirun -np N` around a program, one thread per rank (the CI machine has two cores).
@@ -570,7 +572,7 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
         assert!(sr.join(file).exists(), "{file}");
     }
     // Written once, by rank 0: iteration 0 and 1.
-    assert_eq!(aligner_tests::jsonl(&sr.join("self_reward.jsonl")).len(), 2);
+    assert_eq!(common::jsonl(&sr.join("self_reward.jsonl")).len(), 2);
     // Interrupted in iteration 1: resumed, the IFT + EFT model is kept and iteration 1 redone.
     let sft_model = sr.join("sft/final/model.safetensors");
     let before = modified(sft_model.clone());
@@ -588,7 +590,7 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
         "the finished IFT + EFT step was trained again"
     );
     assert!(sr.join("iter-1/dpo/final/adapter").exists());
-    let iterations: Vec<u64> = aligner_tests::jsonl(&sr.join("self_reward.jsonl"))
+    let iterations: Vec<u64> = common::jsonl(&sr.join("self_reward.jsonl"))
         .iter()
         .map(|r| r["iteration"].as_u64().unwrap())
         .collect();
@@ -621,8 +623,8 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
     ] {
         assert!(cai.join(file).exists(), "{file}");
     }
-    assert_eq!(aligner_tests::jsonl(&cai.join("rl/labels.jsonl")).len(), 32);
-    assert_eq!(aligner_tests::jsonl(&cai.join("cai.jsonl")).len(), 3);
+    assert_eq!(common::jsonl(&cai.join("rl/labels.jsonl")).len(), 32);
+    assert_eq!(common::jsonl(&cai.join("cai.jsonl")).len(), 3);
     // The ranks' engines shared the answering, critiques and revisions: each request draws from
     // its own seed, so one process writes the same texts.
     ranks(
@@ -651,8 +653,8 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
     );
     for file in ["sl/answers.jsonl", "sl/critiques.jsonl", "sl/revisions.jsonl"] {
         assert_eq!(
-            aligner_tests::jsonl(&cai.join(file)),
-            aligner_tests::jsonl(&dir.path().join("cai-one").join(file)),
+            common::jsonl(&cai.join(file)),
+            common::jsonl(&dir.path().join("cai-one").join(file)),
             "{file}"
         );
     }
@@ -671,7 +673,7 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
     let after: Vec<_> = kept.iter().map(|p| modified(p.clone())).collect();
     assert_eq!(before, after, "a finished stage was trained again");
     assert!(cai.join("rl/dpo/final/adapter").exists());
-    let reports = aligner_tests::jsonl(&cai.join("cai.jsonl"));
+    let reports = common::jsonl(&cai.join("cai.jsonl"));
     let stages: Vec<&str> = reports.iter().map(|r| r["stage"].as_str().unwrap()).collect();
     assert_eq!(stages, ["start", "sl", "rl"]);
 }

@@ -1,9 +1,7 @@
-//! # aligner-tests
-//!
-//! The end-to-end tests of aligner: each test file runs the real `aligner` binary (built by
-//! `cargo test --release --workspace` from aligner-cli) on the shipped model and data. This
-//! library holds what they share: where the binary and the repository are, running it, and
-//! reading what it wrote.
+//! What the end-to-end tests share (`mod common;` in each test file): where the binary and the
+//! repository are, running the binary, and reading what it wrote. Each test file uses part of
+//! it, hence `dead_code` allowed.
+#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,22 +14,11 @@ pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The `aligner` binary of this build: `target/<profile>/aligner`, beside the `deps/` folder
-/// that holds the running test. `cargo test --workspace` builds it (aligner-cli has a test of
-/// its own); run alone, this package needs `cargo build -p aligner-cli` with the same profile.
+/// The `aligner` binary cargo built for these tests (integration tests of aligner-cli, so cargo
+/// builds it, with this build's profile and features, before any of them runs: an edit is
+/// never tested against an older binary).
 pub fn aligner_exe() -> PathBuf {
-    let test = std::env::current_exe().expect("the running test's path");
-    let profile_dir = test
-        .parent()
-        .and_then(Path::parent)
-        .expect("tests run from target/<profile>/deps");
-    let exe = profile_dir.join(format!("aligner{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        exe.exists(),
-        "{} is missing: run `cargo test --workspace` (or `cargo build -p aligner-cli` with this profile) first",
-        exe.display()
-    );
-    exe
+    PathBuf::from(env!("CARGO_BIN_EXE_aligner"))
 }
 
 /// Runs the `aligner` binary from the repository root: (success, stderr).

@@ -1,9 +1,11 @@
 //! End-to-end tests of the `aligner` binary on the shipped model.
 
+mod common;
+
 use std::process::Command;
 
-use aligner_tests::aligner_output as aligner;
-use aligner_tests::{jsonl, repo};
+use common::aligner_output as aligner;
+use common::{jsonl, repo};
 use serde_json::Value;
 
 #[test]
@@ -532,7 +534,7 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         ),
     ];
     for (args, culprit) in cases {
-        let output = Command::new(aligner_tests::aligner_exe())
+        let output = Command::new(common::aligner_exe())
             .args(&args)
             .current_dir(repo())
             .output()
@@ -653,7 +655,7 @@ fn a_run_folder_is_overwritten_only_when_asked_and_then_whole() {
         checkpoints.iter().all(|c| c == "step-1" || c == "step-2"),
         "the old run's checkpoints survived: {checkpoints:?}"
     );
-    let steps: Vec<u64> = aligner_tests::metrics(&run)
+    let steps: Vec<u64> = common::metrics(&run)
         .iter()
         .filter_map(|row| row["step"].as_u64())
         .collect();
@@ -713,7 +715,7 @@ fn a_resume_passes_over_a_damaged_checkpoint_and_one_that_cannot_resume_changes_
     };
     // `sft --resume` with a recorded change; VK_LOADER_DEBUG makes a started Vulkan loader say so.
     let resume = || {
-        let output = Command::new(aligner_tests::aligner_exe())
+        let output = Command::new(common::aligner_exe())
             .args([
                 "sft",
                 "--resume",
@@ -755,7 +757,7 @@ fn a_resume_passes_over_a_damaged_checkpoint_and_one_that_cannot_resume_changes_
         stderr.contains("passed over") && stderr.contains("step-4"),
         "{stderr}"
     );
-    let steps: Vec<u64> = aligner_tests::metrics(&run)
+    let steps: Vec<u64> = common::metrics(&run)
         .iter()
         .filter(|r| r.get("loss").is_some())
         .filter_map(|r| r["step"].as_u64())

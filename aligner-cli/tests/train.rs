@@ -1,9 +1,11 @@
 //! Training commands end to end on the shipped model and data: real runs that must improve a
 //! held-out metric, exact resume, and the failure paths.
 
+mod common;
+
 use std::path::Path;
 
-use aligner_tests::{
+use common::{
     aligner, aligner_output, assert_tensorboard_matches_metrics, first_and_last, jsonl, lexicon_score,
     metrics, repo, sample_sentiment,
 };
@@ -390,10 +392,7 @@ fn example_configs_parse_and_run() {
     }
     // The RL and self-play configs, cut to one tiny step, scored by the shared quick reward
     // model.
-    let rm = format!(
-        "reward_model.path={}",
-        aligner_tests::quick_reward_model().display()
-    );
+    let rm = format!("reward_model.path={}", common::quick_reward_model().display());
     let runs: [(&[&str], &str, &[&str]); 8] = [
         (
             &["ppo"],
@@ -826,7 +825,7 @@ fn activation_checkpointing_trains_to_the_same_weights() {
         out.join("final")
     };
     let (plain, recomputed) = (run("plain", false), run("recomputed", true));
-    let diff = aligner_tests::weights_diff(&plain, &recomputed);
+    let diff = common::weights_diff(&plain, &recomputed);
     assert!(
         diff <= 1e-6,
         "recomputing activations moved the weights by {diff}"
@@ -1043,7 +1042,7 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
             serde_json::from_str(&std::fs::read_to_string(sft.join("final/config.json")).unwrap()).unwrap();
         assert_eq!(config["architectures"][0], format!("{family}ForCausalLM"));
         assert_eq!(config["sliding_window"], window);
-        let saved = aligner_tests::tensors(&sft.join("final"));
+        let saved = common::tensors(&sft.join("final"));
         let has = |key: &str| saved.contains_key(&format!("model.layers.0.{key}.weight"));
         // Phi-3 keeps its fused projections, and its adapter names them as PEFT expects.
         let phi3 = family == "Phi3";
@@ -1171,7 +1170,7 @@ fn bench_measures_a_model_folder() {
     ] {
         let mut args = vec!["bench", "--model", model];
         args.extend_from_slice(what);
-        let (ok, stdout, stderr) = aligner_tests::aligner_output(&args);
+        let (ok, stdout, stderr) = common::aligner_output(&args);
         assert!(ok, "{what:?}: {stderr}");
         let rows: Vec<&str> = stdout
             .lines()
@@ -1189,6 +1188,6 @@ fn bench_measures_a_model_folder() {
             rows[0]
         );
     }
-    let (ok, _, stderr) = aligner_tests::aligner_output(&["bench", "--model", "assets", "forward"]);
+    let (ok, _, stderr) = common::aligner_output(&["bench", "--model", "assets", "forward"]);
     assert!(!ok && stderr.contains("assets"), "{stderr}");
 }

@@ -3,12 +3,14 @@
 //! overlap with the actor; losing the critic must stop the run cleanly and `--resume` must
 //! finish it.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use aligner_tests::{
+use common::{
     aligner, assert_tensorboard_matches_metrics, metrics, quick_reward_model, repo, sample_sentiment,
 };
 use serde_json::Value;
@@ -29,7 +31,7 @@ struct CriticServer {
 
 impl CriticServer {
     fn start(model: &Path, port: u16) -> Self {
-        let mut child = Command::new(aligner_tests::aligner_exe())
+        let mut child = Command::new(common::aligner_exe())
             .args(["serve", "critic", "--model"])
             .arg(model)
             .arg("--reward-model")
@@ -164,7 +166,7 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
         "ppo.eval_prompts=8".into(),
         "ppo.critic_retry_seconds=3".into(),
     ];
-    let mut command = Command::new(aligner_tests::aligner_exe());
+    let mut command = Command::new(common::aligner_exe());
     command.args(["ppo", "--out"]).arg(&run).current_dir(repo());
     for s in &sets {
         command.args(["--set", s]);
@@ -200,7 +202,7 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
     assert!(!run.join("final").exists());
 
     let _restarted = CriticServer::start(&rm, port);
-    let (ok, stdout, err) = aligner_tests::aligner_output(&["ppo", "--resume", run.to_str().unwrap()]);
+    let (ok, stdout, err) = common::aligner_output(&["ppo", "--resume", run.to_str().unwrap()]);
     assert!(ok, "{err}");
     assert!(run.join("final/model.safetensors").exists());
     let rows = metrics(&run);
@@ -221,7 +223,7 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
     let mut sorted = steps.clone();
     sorted.dedup();
     assert_eq!(sorted, steps);
-    let repeated = aligner_tests::tensorboard_repeats(&run);
+    let repeated = common::tensorboard_repeats(&run);
     assert!(repeated.is_empty(), "logged twice in TensorBoard: {repeated:?}");
     assert_tensorboard_matches_metrics(&run);
 }
@@ -304,7 +306,7 @@ fn ppo_activation_checkpointing_trains_to_the_same_weights() {
         short_ppo(dir.path(), &reward, name, &[set]).1
     };
     let (plain, recomputed) = (run("plain", false), run("recomputed", true));
-    let diff = aligner_tests::weights_diff(&plain, &recomputed);
+    let diff = common::weights_diff(&plain, &recomputed);
     assert!(
         diff <= 1e-5,
         "recomputing the actor's activations moved its weights by {diff}"
@@ -332,7 +334,7 @@ fn an_offloaded_reference_scores_like_the_one_in_place() {
     for (a, b) in kl_in_place.iter().zip(&kl_offloaded) {
         assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "kl {a} against {b}");
     }
-    let diff = aligner_tests::weights_diff(&in_place, &offloaded);
+    let diff = common::weights_diff(&in_place, &offloaded);
     assert!(
         diff <= 1e-5,
         "offloading the reference moved the weights by {diff}"
@@ -492,7 +494,7 @@ fn a_broken_reward_stops_the_run_naming_it() {
 fn online_dpo_and_rejection_sampling_take_reward_functions() {
     let dir = tempfile::tempdir().unwrap();
     let online = dir.path().join("online");
-    let (ok, stdout, err) = aligner_tests::aligner_output(&[
+    let (ok, stdout, err) = common::aligner_output(&[
         "online-dpo",
         "--out",
         online.to_str().unwrap(),
@@ -540,7 +542,7 @@ fn online_dpo_and_rejection_sampling_take_reward_functions() {
         rs.to_str().unwrap(),
     ]);
     assert!(ok, "{err}");
-    let rounds = aligner_tests::jsonl(&rs.join("rs.jsonl"));
+    let rounds = common::jsonl(&rs.join("rs.jsonl"));
     let before = rounds[0]["eval_reward_before"].as_f64().unwrap();
     let after = rounds[1]["eval_reward_after"].as_f64().unwrap();
     assert!(after > before + 0.1, "{before} -> {after}");

@@ -1,16 +1,16 @@
 //! SteerLM, SPIN and rejection sampling end to end on the shipped model and data.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use aligner_tests::{
+use common::{
     aligner, jsonl, mean_lexicon, metrics, sample_sentiment, sample_sentiment_seeded, sample_sentiment_with,
 };
 use serde_json::Value;
 
 fn data(name: &str) -> PathBuf {
-    aligner_tests::repo()
-        .join("assets/tinystories_sentiment")
-        .join(name)
+    common::repo().join("assets/tinystories_sentiment").join(name)
 }
 
 /// SteerLM's four steps end to end. The attribute model and the conditioned SFT are the
@@ -128,7 +128,7 @@ fn steerlm_attribute_model_annotation_and_conditioned_sft() {
     // come out alike), and the whole scale rises in order. No config: the run takes the
     // finished `sft` and `attributes` runs in its folder as its model and labeller. It samples
     // for the first 150 training prompts (2,250 samples) and trains on those alone.
-    let prompts = aligner_tests::head("train.prompts.jsonl", 150, &dir.path().join("prompts.jsonl"));
+    let prompts = common::head("train.prompts.jsonl", 150, &dir.path().join("prompts.jsonl"));
     let (ok, err) = aligner(&[
         "steerlm",
         "bootstrap",
@@ -269,7 +269,7 @@ fn spin_moves_the_policy_toward_the_data_and_refreshes_the_reference_per_iterati
     // The policy keeps what it gained: the second iteration does not swing the held-out
     // samples back toward the base model's sentiment.
     let sampled = |model: &Path, name: &str| sample_sentiment(model, &dir.path().join(name));
-    let base = sampled(&aligner_tests::repo().join("assets/stories260K"), "base.jsonl");
+    let base = sampled(&common::repo().join("assets/stories260K"), "base.jsonl");
     let (after_one, after_two) = (
         sampled(&run.join("iter-1/final"), "iter1.jsonl"),
         sampled(&run.join("final"), "iter2.jsonl"),
@@ -418,12 +418,18 @@ fn rejection_sampling_raises_the_reward_round_over_round() {
 fn self_rewarding_iterations_raise_the_reward_and_keep_the_judge() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("self-reward");
-    let (ok, stdout, err) = aligner_tests::aligner_output(&[
+    let (ok, stdout, err) = common::aligner_output(&[
         "self-reward",
         "--out",
         run.to_str().unwrap(),
         "--set",
         "self_reward.iterations=2",
+        // The IFT + EFT step validated and saved once, at its end (every 25 steps was 20 s of
+        // this test; the weights are the same).
+        "--set",
+        "sft.eval_every=0",
+        "--set",
+        "sft.save_every=0",
         // 208 samples per evaluation (standard error about 0.07 lexicon).
         "--set",
         "frontier.max_prompts=104",
@@ -442,10 +448,10 @@ fn self_rewarding_iterations_raise_the_reward_and_keep_the_judge() {
     ] {
         assert!(run.join(file).exists(), "{file}");
     }
-    let candidates = aligner_tests::jsonl(&run.join("iter-1/candidates.jsonl"));
+    let candidates = common::jsonl(&run.join("iter-1/candidates.jsonl"));
     assert_eq!(candidates.len(), 256);
     assert_eq!(candidates[0]["responses"].as_array().unwrap().len(), 4);
-    for pair in aligner_tests::jsonl(&run.join("iter-1/pairs.jsonl")) {
+    for pair in common::jsonl(&run.join("iter-1/pairs.jsonl")) {
         let (c, r) = (
             pair["chosen_reward"].as_f64().unwrap(),
             pair["rejected_reward"].as_f64().unwrap(),
@@ -455,7 +461,7 @@ fn self_rewarding_iterations_raise_the_reward_and_keep_the_judge() {
             "{pair}"
         );
     }
-    let reports = aligner_tests::jsonl(&run.join("self_reward.jsonl"));
+    let reports = common::jsonl(&run.join("self_reward.jsonl"));
     assert_eq!(reports.len(), 3);
     let figure = |i: usize, key: &str| reports[i][key].as_f64().unwrap();
     let agreement: Vec<f64> = (0..3).map(|i| figure(i, "judge_agreement")).collect();
@@ -488,7 +494,7 @@ fn self_rewarding_iterations_raise_the_reward_and_keep_the_judge() {
 fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("cai");
-    let (ok, stdout, err) = aligner_tests::aligner_output(&[
+    let (ok, stdout, err) = common::aligner_output(&[
         "cai",
         "--out",
         run.to_str().unwrap(),
@@ -520,10 +526,8 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
         assert!(run.join(file).exists(), "{file}");
     }
     let constitution: toml::Table = toml::from_str(
-        &std::fs::read_to_string(
-            aligner_tests::repo().join("aligner-selfreward/src/cai/stories_constitution.toml"),
-        )
-        .unwrap(),
+        &std::fs::read_to_string(common::repo().join("aligner-selfreward/src/cai/stories_constitution.toml"))
+            .unwrap(),
     )
     .unwrap();
     let text = |v: &toml::Value| v.as_str().unwrap().to_string();
@@ -536,9 +540,9 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
             .unwrap()
             .clone()
     };
-    let answers = aligner_tests::jsonl(&run.join("sl/answers.jsonl"));
-    let critiques = aligner_tests::jsonl(&run.join("sl/critiques.jsonl"));
-    let revisions = aligner_tests::jsonl(&run.join("sl/revisions.jsonl"));
+    let answers = common::jsonl(&run.join("sl/answers.jsonl"));
+    let critiques = common::jsonl(&run.join("sl/critiques.jsonl"));
+    let revisions = common::jsonl(&run.join("sl/revisions.jsonl"));
     assert_eq!(answers.len(), 256);
     assert_eq!((critiques.len(), revisions.len()), (256, 256));
     for ((a, c), r) in answers.iter().zip(&critiques).zip(&revisions).take(50) {
@@ -559,17 +563,17 @@ fn constitutional_ai_keeps_its_files_and_its_ai_labels_raise_the_reward() {
             .replace("{response}", &s(&a["response"]));
         assert!(s(&r["revision_prompt"]).ends_with(&revision_tail), "{r}");
     }
-    let labels = aligner_tests::jsonl(&run.join("rl/labels.jsonl"));
+    let labels = common::jsonl(&run.join("rl/labels.jsonl"));
     assert_eq!(labels.len(), 256);
     assert!(
         labels
             .iter()
             .all(|l| (0.0..=1.0).contains(&l["p_a"].as_f64().unwrap()))
     );
-    for p in aligner_tests::jsonl(&run.join("rl/preferences.jsonl")) {
+    for p in common::jsonl(&run.join("rl/preferences.jsonl")) {
         assert!(p["chosen_probability"].as_f64().unwrap() >= 0.55, "{p}");
     }
-    let reports = aligner_tests::jsonl(&run.join("cai.jsonl"));
+    let reports = common::jsonl(&run.join("cai.jsonl"));
     let stages: Vec<&str> = reports.iter().map(|r| r["stage"].as_str().unwrap()).collect();
     assert_eq!(stages, ["start", "sl", "rl"]);
     let reward = |i: usize| {

@@ -1,11 +1,13 @@
 //! The `aligner` binary on Burn's wgpu backend (`--device wgpu`), checked against the CPU and
 //! transformers. Without a GPU this runs on Mesa's software Vulkan (lavapipe); CI installs
 //! `mesa-vulkan-drivers`. Needs a binary built with `--features aligner-cli/wgpu` (run with
-//! `--features aligner-cli/wgpu,aligner-tests/wgpu`).
+//! `--features aligner-cli/wgpu`).
+
+mod common;
 
 use std::path::Path;
 
-use aligner_tests::{aligner, metrics, repo};
+use common::{aligner, metrics, repo};
 use serde_json::Value;
 
 /// What `aligner --device wgpu generate` prints, greedy, with `extra` flags.
@@ -22,7 +24,7 @@ fn greedy_on_wgpu(prompt: &str, new_tokens: u64, extra: &[&str]) -> String {
     ];
     args.extend(["--max-new-tokens", &new_tokens]);
     args.extend(extra);
-    let (ok, stdout, stderr) = aligner_tests::aligner_output(&args);
+    let (ok, stdout, stderr) = common::aligner_output(&args);
     assert!(ok, "{stderr}");
     stdout.trim_end().to_owned()
 }
@@ -162,7 +164,7 @@ fn train(command: &str, device: &str, run: &Path) {
     // takes the first 32 held-out rows.
     if command == "dpo" {
         set("frontier.prompts=''".into());
-        let pairs = aligner_tests::head("train.pref.jsonl", 160, &run.with_extension("pairs.jsonl"));
+        let pairs = common::head("train.pref.jsonl", 160, &run.with_extension("pairs.jsonl"));
         set(format!("data.train={}", pairs.display()));
     }
     let held_out_file = if command == "dpo" {
@@ -170,7 +172,7 @@ fn train(command: &str, device: &str, run: &Path) {
     } else {
         "test.sft.jsonl"
     };
-    let held_out = aligner_tests::head(held_out_file, 32, &run.with_extension("held-out.jsonl"));
+    let held_out = common::head(held_out_file, 32, &run.with_extension("held-out.jsonl"));
     set(format!("data.validation={}", held_out.display()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = aligner(&args);
@@ -223,7 +225,7 @@ fn ten_dpo_steps_on_wgpu_match_the_cpu() {
 #[test]
 fn ppo_with_the_reference_offloaded_to_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let reward = aligner_tests::quick_reward_model();
+    let reward = common::quick_reward_model();
     let reward = format!("reward_model.path={}", reward.display());
     let run = dir.path().join("ppo");
     let (ok, err) = ppo_on_wgpu(
@@ -237,7 +239,7 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
         ],
     );
     assert!(ok, "{err}");
-    let kl: Vec<f64> = aligner_tests::metrics(&run)
+    let kl: Vec<f64> = common::metrics(&run)
         .iter()
         .filter_map(|row| row["kl"].as_f64())
         .collect();
@@ -249,7 +251,7 @@ fn ppo_with_the_reference_offloaded_to_the_cpu() {
     );
     // The reward model beside the critic (combined roles, the default) scored on the CPU
     // while the critic trained on the GPU.
-    let rewards: Vec<f64> = aligner_tests::metrics(&run)
+    let rewards: Vec<f64> = common::metrics(&run)
         .iter()
         .filter_map(|row| row["reward"].as_f64())
         .collect();
@@ -307,8 +309,8 @@ fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
         assert!((a - b).abs() < 0.05, "step {}: f16 loss {a} vs f32 {b}", step + 1);
     }
     // Held-out NLL at the start and the end: f16 lowers it as f32 does (1.794 -> 1.770 there).
-    let (first16, last16) = aligner_tests::first_and_last(&metrics(&half), "eval_nll");
-    let (first32, last32) = aligner_tests::first_and_last(&metrics(&cpu), "eval_nll");
+    let (first16, last16) = common::first_and_last(&metrics(&half), "eval_nll");
+    let (first32, last32) = common::first_and_last(&metrics(&cpu), "eval_nll");
     eprintln!("eval_nll f16 {first16:.4} -> {last16:.4}, f32 {first32:.4} -> {last32:.4}");
     assert!(
         last16 < first16 - 0.01,
@@ -319,9 +321,9 @@ fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(half.join("final/config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "float16");
-    assert_eq!(aligner_tests::saved_dtypes(&half.join("final")), ["F16"]);
-    let f16_weights = aligner_tests::tensors(&half.join("final"));
-    let f32_weights = aligner_tests::tensors(&cpu.join("final"));
+    assert_eq!(common::saved_dtypes(&half.join("final")), ["F16"]);
+    let f16_weights = common::tensors(&half.join("final"));
+    let f32_weights = common::tensors(&cpu.join("final"));
     let worst = f16_weights
         .iter()
         .flat_map(|(name, w)| w.iter().zip(&f32_weights[name]).map(|(a, b)| (a - b).abs()))
@@ -350,7 +352,7 @@ fn sft_in_f16_on_wgpu_trains_on_f32_master_weights_and_resumes_exactly() {
             "resumed {resumed:?} vs uninterrupted {full:?}"
         );
     }
-    let resumed_weights = aligner_tests::tensors(&cut.join("final"));
+    let resumed_weights = common::tensors(&cut.join("final"));
     assert_eq!(
         resumed_weights, f16_weights,
         "the resumed run ends on the same f16 weights"
@@ -374,13 +376,13 @@ fn greedy_generation_in_f16_on_wgpu_follows_transformers() {
         expected.trim_end()
     );
     // The CPU computes in f32 and says so.
-    let (ok, _, stderr) = aligner_tests::aligner_output(&["generate", "--dtype", "bf16", "--prompt", "x"]);
+    let (ok, _, stderr) = common::aligner_output(&["generate", "--dtype", "bf16", "--prompt", "x"]);
     assert!(
         !ok && stderr.contains("--dtype") && stderr.contains("f32"),
         "{stderr}"
     );
     // So does the bench, before it prints a table.
-    let (ok, stdout, stderr) = aligner_tests::aligner_output(&["bench", "--dtype", "bf16", "forward"]);
+    let (ok, stdout, stderr) = common::aligner_output(&["bench", "--dtype", "bf16", "forward"]);
     assert!(
         !ok && stdout.is_empty() && stderr.contains("--dtype"),
         "{stdout}{stderr}"
@@ -410,7 +412,7 @@ fn filtered_sampling_on_wgpu_takes_the_cpu_tokens() {
             "--max-new-tokens",
             "40",
         ];
-        let (ok, stdout, stderr) = aligner_tests::aligner_output(&args);
+        let (ok, stdout, stderr) = common::aligner_output(&args);
         assert!(ok, "{stderr}");
         stdout
     };
@@ -426,7 +428,7 @@ fn filtered_sampling_on_wgpu_takes_the_cpu_tokens() {
 #[test]
 fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let reward = aligner_tests::quick_reward_model();
+    let reward = common::quick_reward_model();
     let reward = format!("reward_model.path={}", reward.display());
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
     let ppo = |out: &Path, extra: &[&str]| {
@@ -451,8 +453,8 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let step = full.join("checkpoints/step-1");
     assert!(step.join("actor/master.safetensors").exists());
     assert!(step.join("critic/master.safetensors").exists());
-    assert_eq!(aligner_tests::saved_dtypes(&step.join("critic")), ["F16"]);
-    assert_eq!(aligner_tests::saved_dtypes(&full.join("final")), ["F16"]);
+    assert_eq!(common::saved_dtypes(&step.join("critic")), ["F16"]);
+    assert_eq!(common::saved_dtypes(&full.join("final")), ["F16"]);
 
     ppo(&cut, &["--stop-after", "1"]);
     assert!(!cut.join("final").exists());
@@ -470,8 +472,8 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
         }
     }
     assert_eq!(
-        aligner_tests::tensors(&cut.join("final")),
-        aligner_tests::tensors(&full.join("final")),
+        common::tensors(&cut.join("final")),
+        common::tensors(&full.join("final")),
         "the resumed run ends on the uninterrupted run's weights"
     );
 }
