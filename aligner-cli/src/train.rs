@@ -38,6 +38,10 @@ pub struct TrainArgs {
     /// Stop after this many optimizer steps as if interrupted (checkpoints stay resumable).
     #[arg(long, hide = true)]
     pub(crate) stop_after: Option<usize>,
+    /// Abort (as if killed: no checkpoint, no cleanup) after this many optimizer steps, on the
+    /// last rank; for tests of resume after a crash.
+    #[arg(long, hide = true)]
+    pub(crate) abort_after: Option<usize>,
 }
 
 /// The resolved configuration and run folder of a command whose defaults are `T::default()`.
@@ -64,7 +68,10 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
         let config: T = load_config(defaults, args.config.as_deref(), &args.sets)?;
         aligner_core::parallel::check_same_config(aligner_parallel::world().as_ref(), &config)?;
         let run = RunDir::new(out).overwrite(args.overwrite);
-        return Ok((config, run.stop_after(args.stop_after)));
+        return Ok((
+            config,
+            run.stop_after(args.stop_after).abort_after(args.abort_after),
+        ));
     };
     let recorded_file = dir.join("config.toml");
     if !recorded_file.exists() {
@@ -89,7 +96,9 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
         }
         tracing::warn!(changes = %listed.join("; "), "--allow-change: the resumed run continues with changed settings");
     }
-    let mut run = RunDir::resuming(dir).stop_after(args.stop_after);
+    let mut run = RunDir::resuming(dir)
+        .stop_after(args.stop_after)
+        .abort_after(args.abort_after);
     if !changes.is_empty() {
         run = run.recording_changes(changes_row(&changes));
     }

@@ -8,7 +8,6 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::{
     aligner, assert_tensorboard_matches_metrics, metrics, quick_reward_model, repo, sample_sentiment,
@@ -166,26 +165,20 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
         "ppo.eval_prompts=8".into(),
         "ppo.critic_retry_seconds=3".into(),
     ];
-    let mut command = Command::new(common::aligner_exe());
-    command.args(["ppo", "--out"]).arg(&run).current_dir(repo());
+    // Stopped after step 3 by the run's own hook (its last checkpoint at 2, step 3 logged
+    // after it), then the critic goes away: the resumed actor cannot reach it, and stops
+    // saying what to do.
+    let mut args = vec!["ppo", "--out", run.to_str().unwrap(), "--stop-after", "3"];
     for s in &sets {
-        command.args(["--set", s]);
+        args.extend(["--set", s.as_str()]);
     }
-    let actor = command
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let (ok, err) = aligner(&args);
+    assert!(ok, "{err}");
     let checkpoint = run.join("checkpoints/step-2");
-    let started = Instant::now();
-    while !checkpoint.join("ppo_state.json").exists() {
-        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(checkpoint.join("ppo_state.json").exists());
     drop(server);
-    let out = actor.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, err) = aligner(&["ppo", "--resume", run.to_str().unwrap()]);
+    assert!(!ok);
     assert!(
         err.contains("did not answer") && err.contains("--resume"),
         "{err}"
@@ -451,7 +444,6 @@ fn a_broken_reward_stops_the_run_naming_it() {
         std::fs::write(&path, script).unwrap();
         let out = dir.path().join(name);
         let command = format!("reward.command=[\"python3\", \"{}\"]", path.display());
-        let started = Instant::now();
         let (ok, err) = aligner(&[
             "ppo",
             "--config",
@@ -469,7 +461,6 @@ fn a_broken_reward_stops_the_run_naming_it() {
             "{name}: {err}"
         );
         assert!(!err.contains("panicked"), "{name}: {err}");
-        assert!(started.elapsed() < Duration::from_secs(120), "{name}");
         assert!(!out.join("final").exists(), "{name}");
     }
     let (ok, err) = aligner(&[

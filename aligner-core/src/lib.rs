@@ -40,50 +40,15 @@ pub use error::{CoreError, Result};
 pub use model::CausalLm;
 pub use tokenizer::{ChatMessage, TextTokenizer};
 
-/// Files of the shipped default model (stories260K), embedded in every binary.
-const EMBEDDED_MODEL: &[(&str, &[u8])] = &[
-    (
-        "config.json",
-        include_bytes!("../../assets/stories260K/config.json"),
-    ),
-    (
-        "generation_config.json",
-        include_bytes!("../../assets/stories260K/generation_config.json"),
-    ),
-    (
-        "model.safetensors",
-        include_bytes!("../../assets/stories260K/model.safetensors"),
-    ),
-    (
-        "special_tokens_map.json",
-        include_bytes!("../../assets/stories260K/special_tokens_map.json"),
-    ),
-    (
-        "tokenizer.json",
-        include_bytes!("../../assets/stories260K/tokenizer.json"),
-    ),
-    (
-        "tokenizer_config.json",
-        include_bytes!("../../assets/stories260K/tokenizer_config.json"),
-    ),
-];
-
-/// The folder of the shipped default model: the repository's `assets/stories260K` when it is
-/// there, else the embedded copy written once to a folder under the system's temp dir.
+/// The folder of the shipped default model ([`aligner_assets`]): that package's folder when
+/// its files are on disk, else the embedded copy written once to a folder under the system's
+/// temp dir.
 pub fn default_model_dir() -> Result<PathBuf> {
-    let in_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/stories260K");
-    if in_repo.join("model.safetensors").exists() {
-        return Ok(in_repo);
+    if let Some(dir) = aligner_assets::model_dir() {
+        return Ok(dir);
     }
     let dir = std::env::temp_dir().join(concat!("aligner-stories260K-", env!("CARGO_PKG_VERSION")));
-    std::fs::create_dir_all(&dir).map_err(|e| CoreError::cannot_write(&dir, e))?;
-    for (name, bytes) in EMBEDDED_MODEL {
-        let path = dir.join(name);
-        let fresh = std::fs::read(&path).map(|b| b == *bytes).unwrap_or(false);
-        if !fresh {
-            checkpoint::write_atomic(&path, bytes)?;
-        }
-    }
+    write_files(&dir, aligner_assets::MODEL)?;
     Ok(dir)
 }
 
@@ -95,62 +60,13 @@ pub fn model_dir_or_default(dir: Option<&Path>) -> Result<PathBuf> {
     }
 }
 
-/// Files of the shipped tinystories_sentiment task the embedded defaults train on, embedded
-/// in every binary (the raw scored samples are left out: no default reads them).
-const EMBEDDED_DATA: &[(&str, &[u8])] = &[
-    (
-        "SOURCE.txt",
-        include_bytes!("../../assets/tinystories_sentiment/SOURCE.txt"),
-    ),
-    (
-        "train.sft.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/train.sft.jsonl"),
-    ),
-    (
-        "train.pref.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/train.pref.jsonl"),
-    ),
-    (
-        "train.kto.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/train.kto.jsonl"),
-    ),
-    (
-        "train.prompts.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/train.prompts.jsonl"),
-    ),
-    (
-        "train.steer.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/train.steer.jsonl"),
-    ),
-    (
-        "test.sft.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/test.sft.jsonl"),
-    ),
-    (
-        "test.pref.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/test.pref.jsonl"),
-    ),
-    (
-        "test.kto.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/test.kto.jsonl"),
-    ),
-    (
-        "test.prompts.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/test.prompts.jsonl"),
-    ),
-    (
-        "test.steer.jsonl",
-        include_bytes!("../../assets/tinystories_sentiment/test.steer.jsonl"),
-    ),
-];
-
-/// The shipped sample data (`assets/tinystories_sentiment`) of the embedded defaults: the
-/// repository's folder when it is there, else the embedded copy written once to a folder under
-/// the system's temp dir — so an installed binary trains on its defaults from any folder.
+/// The shipped sample data of the embedded defaults (tinystories_sentiment, in
+/// [`aligner_assets`]): that package's folder when its files are on disk, else the embedded
+/// copy written once to a folder under the system's temp dir — so an installed binary trains
+/// on its defaults from any folder.
 pub fn default_data_dir() -> PathBuf {
-    let in_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment");
-    if in_repo.join("train.sft.jsonl").exists() {
-        return in_repo;
+    if let Some(dir) = aligner_assets::sentiment_dir() {
+        return dir;
     }
     let dir = std::env::temp_dir().join(concat!(
         "aligner-tinystories_sentiment-",
@@ -166,8 +82,13 @@ pub fn default_data_dir() -> PathBuf {
 /// Writes the embedded default data into `dir` (files already there with the same bytes are
 /// left alone).
 pub fn write_embedded_data(dir: &Path) -> Result<()> {
+    write_files(dir, aligner_assets::SENTIMENT)
+}
+
+/// Writes `files` into `dir`, leaving alone those already there with the same bytes.
+fn write_files(dir: &Path, files: aligner_assets::Files) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
-    for (name, bytes) in EMBEDDED_DATA {
+    for (name, bytes) in files {
         let path = dir.join(name);
         let fresh = std::fs::read(&path).map(|b| b == *bytes).unwrap_or(false);
         if !fresh {
@@ -242,7 +163,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_embedded_data(dir.path()).unwrap();
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tinystories_sentiment");
-        for (name, _) in EMBEDDED_DATA {
+        for (name, _) in aligner_assets::SENTIMENT {
             let written = std::fs::read(dir.path().join(name)).unwrap();
             assert_eq!(written, std::fs::read(shipped.join(name)).unwrap(), "{name}");
         }

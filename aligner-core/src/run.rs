@@ -34,6 +34,8 @@ pub struct RunDir {
     /// A new run may clear a folder that already holds a run (`--overwrite`).
     overwrite: bool,
     stop_after: Option<usize>,
+    /// Test hook: the last rank aborts (no cleanup, as if killed) at this step.
+    abort_after: Option<usize>,
     /// A resumed run's `config_changes.jsonl` row (`--allow-change`), appended only once a
     /// checkpoint to resume from is known intact.
     changes: Option<serde_json::Value>,
@@ -71,6 +73,7 @@ impl RunDir {
             resume: false,
             overwrite: false,
             stop_after: None,
+            abort_after: None,
             changes: None,
             comm: aligner_parallel::world(),
         }
@@ -139,8 +142,23 @@ impl RunDir {
         self.resume
     }
 
-    pub fn stops_after(&self) -> Option<usize> {
-        self.stop_after
+    /// Aborts at `steps` optimiser steps as if killed (`kill -9`: no checkpoint, no cleanup, no
+    /// final save), on the last rank only, so that with several ranks the launcher takes the
+    /// others down; for tests of resume after a crash at a known step, instead of racing a
+    /// running job with a signal.
+    pub fn abort_after(mut self, steps: Option<usize>) -> Self {
+        self.abort_after = steps;
+        self
+    }
+
+    /// Whether the loop stops before step `step` (from 0) for [`RunDir::stop_after`]; aborts
+    /// the process there for [`RunDir::abort_after`]. Every training loop asks before each step.
+    pub fn stops_at(&self, step: usize) -> bool {
+        if self.abort_after.is_some_and(|s| step >= s) && self.comm.rank() + 1 == self.comm.world_size() {
+            tracing::error!(step, "aborting as asked (--abort-after)");
+            std::process::abort();
+        }
+        self.stop_after.is_some_and(|s| step >= s)
     }
 
     /// A run inside this one in `path/name` (PPO's reward model, SteerLM bootstrap's earlier

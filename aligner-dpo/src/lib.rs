@@ -1,8 +1,10 @@
 //! # aligner-dpo
 //!
-//! Direct preference optimisation and its family as pure functions on per-sequence
-//! log-probabilities, behind one trait ([`PreferenceLoss`]) and a registry by name
-//! ([`LossRegistry`]).
+//! Direct preference optimisation: the DPO objective on the shared trainer and
+//! [`train()`], and online DPO on the engine and any reward ([`online::train`]). The losses —
+//! one trait ([`PreferenceLoss`]), a registry by name ([`LossRegistry`]) and the DPO family as
+//! pure functions on per-sequence log-probabilities — live in `aligner-loss` and are
+//! re-exported here; a new variant is a crate of its own on `aligner-loss` (see its docs).
 //!
 //! Every loss sees a [`PreferenceBatch`]: the policy's and the reference's summed response
 //! log-probs for the chosen and rejected sides, the response lengths (so length-normalised
@@ -20,123 +22,31 @@
 //! the shipped model and data with:
 //!
 //! ```no_run
-//! use aligner_core::{Device, run::RunDir};
-//! use aligner_dpo::{LossRegistry, objective::DpoConfig};
+//! use aligner_dpo::{Device, LossRegistry, RunDir, objective::DpoConfig};
 //!
 //! let config = DpoConfig::default(); // or aligner_core::train::load_config(...) from TOML
 //! let summary = aligner_dpo::train(&config, &LossRegistry::with_builtin(), &RunDir::new("runs/dpo"), &Device::flex())?;
 //! println!("{} steps; validation {:?}", summary.steps, summary.final_eval);
 //! # Ok::<(), aligner_dpo::DpoError>(())
 //! ```
-//!
-//! ## Adding a variant as a new crate
-//! A variant lives in its own top-level crate (like `aligner-simpo/`); nothing inside
-//! `aligner-dpo` changes. The files it touches:
-//!
-//! 1. `aligner-mine/Cargo.toml`: depend on `aligner-dpo`, `burn` and `serde`, all
-//!    `.workspace = true`.
-//! 2. `aligner-mine/src/lib.rs`: a loss struct implementing [`PreferenceLoss`] (`loss` returns the
-//!    per-pair loss of a [`PreferenceBatch`]; `beta` the β it was built with; `uses_reference`
-//!    `false` for reference-free losses, so no reference pass runs), a typed params struct with
-//!    `#[serde(deny_unknown_fields, default)]` for its `dpo.params` keys ([`NoParams`] if it takes
-//!    none), and `pub fn register(registry: &mut LossRegistry)`:
-//!
-//!    ```
-//!    use aligner_dpo::{DpoError, LossRegistry, LossSpec, PreferenceBatch, PreferenceLoss};
-//!    use burn::tensor::Tensor;
-//!    use burn::tensor::activation::log_sigmoid;
-//!    use serde::Deserialize;
-//!
-//!    /// `dpo.params` of `margin_dpo`.
-//!    #[derive(Deserialize)]
-//!    #[serde(deny_unknown_fields, default)]
-//!    pub struct MarginParams {
-//!        /// Target margin subtracted from βΔ.
-//!        pub margin: f64,
-//!    }
-//!
-//!    impl Default for MarginParams {
-//!        fn default() -> Self {
-//!            Self { margin: 0.0 }
-//!        }
-//!    }
-//!
-//!    /// DPO with a target margin: `−log σ(βΔ − m)`.
-//!    pub struct MarginDpo {
-//!        pub beta: f64,
-//!        pub margin: f64,
-//!    }
-//!
-//!    impl PreferenceLoss for MarginDpo {
-//!        fn name(&self) -> &str {
-//!            "margin_dpo"
-//!        }
-//!        fn beta(&self) -> f64 {
-//!            self.beta
-//!        }
-//!        fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
-//!            let z = b.logratio_margin(false).mul_scalar(self.beta).sub_scalar(self.margin);
-//!            Ok(log_sigmoid(z).neg())
-//!        }
-//!    }
-//!
-//!    /// Adds `margin_dpo` to a registry.
-//!    pub fn register(registry: &mut LossRegistry) {
-//!        registry.register("margin_dpo", |spec| {
-//!            let params: MarginParams = spec.params("margin_dpo")?;
-//!            Ok(Box::new(MarginDpo { beta: spec.beta, margin: params.margin }))
-//!        });
-//!    }
-//!    # let mut registry = LossRegistry::with_builtin();
-//!    # register(&mut registry);
-//!    # let params: toml::Table = "margin = 1.0".parse().unwrap();
-//!    # let spec = LossSpec { params: &params, ..LossSpec::with_beta(0.2) };
-//!    # assert_eq!(registry.build("margin_dpo", &spec).unwrap().beta(), 0.2);
-//!    # let typo: toml::Table = "margn = 1.0".parse().unwrap();
-//!    # let spec = LossSpec { params: &typo, ..LossSpec::default() };
-//!    # let err = registry.build("margin_dpo", &spec).err().unwrap().to_string();
-//!    # assert!(err.contains("dpo.params.margn"), "{err}");
-//!    ```
-//! 3. The workspace root `Cargo.toml`: add `"aligner-mine"` to `members` and
-//!    `aligner-mine = { path = "aligner-mine", version = "0.1.0" }` to `[workspace.dependencies]`.
-//! 4. `aligner-cli/Cargo.toml`: `aligner-mine = { workspace = true, optional = true }` under
-//!    `[dependencies]` and a feature `mine = ["dep:aligner-mine"]` (in `default` if it ships on).
-//! 5. `aligner-cli/src/registry.rs`: one line, `#[cfg(feature = "mine")]
-//!    aligner_mine::register(&mut registry);`, in the function that builds the registry every
-//!    command uses.
-//!
-//! Then `dpo.loss = "margin_dpo"` with `dpo.params.margin = 1.0` trains with it.
 
-mod losses;
 pub mod objective;
 pub mod online;
-mod registry;
 pub mod train;
 
-pub use losses::{
+pub use aligner_core::{Device, run::RunDir};
+pub use aligner_loss::{
+    LossConstructor, LossError, LossRegistry, LossSpec, NoParams, PreferenceBatch, PreferenceLoss,
     hinge_loss, implicit_rewards, ipo_loss, robust_loss, rpo_bwd_kl_loss, rpo_fwd_kl_loss, rpo_sq_loss,
     sigmoid_loss,
 };
-pub use registry::{LossConstructor, LossRegistry, LossSpec, NoParams};
 pub use train::train;
 
-use burn::tensor::Tensor;
-
-/// What went wrong choosing or applying a loss.
+/// What went wrong in a DPO run: its loss, its data, its model or its rewards.
 #[derive(Debug, thiserror::Error)]
 pub enum DpoError {
-    #[error("unknown preference loss {name:?}; known: {known}")]
-    UnknownLoss { name: String, known: String },
-    #[error("loss {0:?} needs chosen_reward and rejected_reward in the data")]
-    NeedsRewards(String),
-    /// `dpo.params` the loss does not take or of the wrong type; `field` is `dpo.params.<key>`
-    /// (or `dpo.params` when no one key is to blame).
-    #[error("{field} for loss {loss:?}: {message}")]
-    BadParams {
-        loss: String,
-        field: String,
-        message: String,
-    },
+    #[error(transparent)]
+    Loss(#[from] LossError),
     #[error(transparent)]
     Core(#[from] aligner_core::CoreError),
     #[error(transparent)]
@@ -145,62 +55,4 @@ pub enum DpoError {
     Reward(#[from] aligner_gen::RewardError),
     #[error("{0}")]
     Invalid(String),
-}
-
-/// Per-pair inputs of a preference loss, each `[pairs]`.
-#[derive(Debug, Clone)]
-pub struct PreferenceBatch {
-    /// Σ log π(chosen | prompt) over response tokens.
-    pub policy_chosen: Tensor<1>,
-    pub policy_rejected: Tensor<1>,
-    /// The same under the frozen reference (no gradient).
-    pub reference_chosen: Tensor<1>,
-    pub reference_rejected: Tensor<1>,
-    /// Response token counts (as floats), for length-normalised losses.
-    pub chosen_tokens: Tensor<1>,
-    pub rejected_tokens: Tensor<1>,
-    /// Ground-truth rewards when the data carries them.
-    pub chosen_reward: Option<Tensor<1>>,
-    pub rejected_reward: Option<Tensor<1>>,
-}
-
-impl PreferenceBatch {
-    /// `Δ = (π_c − r_c) − (π_r − r_r)`, on summed or per-token-averaged log-probs.
-    pub fn logratio_margin(&self, averaged: bool) -> Tensor<1> {
-        let (c, r) = self.logratios(averaged);
-        c - r
-    }
-
-    /// `(π_c − r_c, π_r − r_r)`, summed or per-token-averaged.
-    pub fn logratios(&self, averaged: bool) -> (Tensor<1>, Tensor<1>) {
-        let c = self.policy_chosen.clone() - self.reference_chosen.clone();
-        let r = self.policy_rejected.clone() - self.reference_rejected.clone();
-        if averaged {
-            (c / self.chosen_tokens.clone(), r / self.rejected_tokens.clone())
-        } else {
-            (c, r)
-        }
-    }
-
-    /// `gt_scale · (reward_c − reward_r)`, for the reward-aware losses.
-    pub fn reward_margin(&self, gt_scale: f64, loss: &str) -> Result<Tensor<1>, DpoError> {
-        match (&self.chosen_reward, &self.rejected_reward) {
-            (Some(c), Some(r)) => Ok((c.clone() - r.clone()).mul_scalar(gt_scale)),
-            _ => Err(DpoError::NeedsRewards(loss.to_string())),
-        }
-    }
-}
-
-/// A preference loss: per-pair loss values from a batch.
-pub trait PreferenceLoss: Send + Sync {
-    /// The registry name.
-    fn name(&self) -> &str;
-    /// The β it was built with; the objective's implicit rewards `β·(π − r)` read it from here.
-    fn beta(&self) -> f64;
-    /// Whether reference log-probs are needed (false for reference-free losses such as SimPO).
-    fn uses_reference(&self) -> bool {
-        true
-    }
-    /// Loss per pair, `[pairs]`; the trainer averages it.
-    fn loss(&self, batch: &PreferenceBatch) -> Result<Tensor<1>, DpoError>;
 }

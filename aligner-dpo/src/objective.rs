@@ -80,10 +80,17 @@ impl DpoSection {
         }
     }
 
+    /// Sets `dpo.params.<key>` from Rust: numbers, booleans and strings convert, so a caller
+    /// needs no `toml` of its own (`config.dpo.set_param("gamma", 0.5)` for SimPO's γ).
+    pub fn set_param(&mut self, key: &str, value: impl Into<toml::Value>) -> &mut Self {
+        self.params.insert(key.to_string(), value.into());
+        self
+    }
+
     /// The loss `loss` names, from `registry`; an error for an unknown name or bad `params`.
     pub fn build_loss(&self, registry: &LossRegistry) -> Result<Box<dyn PreferenceLoss>, DpoError> {
         self.check()?;
-        registry.build(&self.loss, &self.spec())
+        Ok(registry.build(&self.loss, &self.spec())?)
     }
 
     /// Refuses knobs no loss can train with, naming the key.
@@ -305,5 +312,59 @@ impl Objective<CausalLm> for DpoObjective {
 
     fn plot_keys(&self) -> Vec<String> {
         vec!["rewards/margin".into(), "eval_rewards/accuracy".into()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Tensor;
+
+    /// A variant with one parameter, as a crate of its own would register it.
+    struct Shifted {
+        shift: f64,
+    }
+
+    impl PreferenceLoss for Shifted {
+        fn name(&self) -> &str {
+            "shifted"
+        }
+        fn beta(&self) -> f64 {
+            self.shift
+        }
+        fn loss(&self, b: &crate::PreferenceBatch) -> Result<Tensor<1>, crate::LossError> {
+            Ok(b.logratio_margin(false).add_scalar(self.shift))
+        }
+    }
+
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct ShiftParams {
+        shift: f64,
+    }
+
+    #[test]
+    fn params_set_from_rust_reach_the_variant_and_a_misspelt_one_is_named() {
+        let mut registry = LossRegistry::with_builtin();
+        registry.register("shifted", |spec| {
+            let p: ShiftParams = spec.params("shifted")?;
+            Ok(Box::new(Shifted { shift: p.shift }))
+        });
+        let mut dpo = DpoSection {
+            loss: "shifted".into(),
+            ..DpoSection::default()
+        };
+        dpo.set_param("shift", 0.25);
+        assert_eq!(dpo.build_loss(&registry).unwrap().beta(), 0.25);
+
+        dpo.params.clear();
+        dpo.set_param("shfit", 0.25);
+        let err = dpo.build_loss(&registry).err().unwrap().to_string();
+        assert!(err.contains("dpo.params.shfit"), "{err}");
+        // A built-in takes no params: one set from Rust is refused, not ignored.
+        let mut plain = DpoSection::default();
+        plain.set_param("gamma", 0.5);
+        let err = plain.build_loss(&registry).err().unwrap().to_string();
+        assert!(err.contains("dpo.params.gamma"), "{err}");
     }
 }

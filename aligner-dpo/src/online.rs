@@ -275,7 +275,7 @@ pub fn train(
     );
     bar.set_position(start as u64);
     for step in start..on.steps {
-        if run.stops_after().is_some_and(|s| step >= s) {
+        if run.stops_at(step) {
             bar.abandon();
             return Ok(OnlineDpoSummary {
                 steps: step,

@@ -226,7 +226,7 @@ impl PpoRunner<'_> {
         let stopped = std::thread::scope(|scope| {
             let mut ahead: Option<Ahead<'_>> = None;
             for step in start..cfg.steps {
-                if self.run.stops_after().is_some_and(|s| step >= s) {
+                if self.run.stops_at(step) {
                     bar.abandon();
                     return Ok(Some(self.summary(
                         step,

@@ -11,6 +11,7 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
+use aligner_core::train::ModelSection;
 use aligner_core::{CoreError, Device};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{RewardSpecs, Rewards};
@@ -75,6 +76,14 @@ pub fn run_rewards(
     })
 }
 
+/// The start model's `config.json` alone (no weights): what settings that depend on the model
+/// are checked against before any earlier step trains.
+fn start_model_config(model: &ModelSection) -> Result<aligner_core::LlamaConfig> {
+    Ok(aligner_core::LlamaConfig::from_file(
+        &aligner_core::start::model_dir(model)?.join("config.json"),
+    )?)
+}
+
 /// The reward model folder: the configured one, or one trained now with `aligner rm`'s
 /// defaults (the shipped preference pairs) into `<run>/reward_model`, kept for resumes.
 pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Device) -> Result<PathBuf> {
@@ -99,16 +108,12 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
             "this advantage has no critic to start from it",
         )?;
     }
+    aligner_core::train::check_new_tokens(
+        &[("ppo.max_new_tokens", config.ppo.max_new_tokens)],
+        &start_model_config(&config.model)?,
+    )?;
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
-    // A reward model is needed to score (no `[[reward]]`) or to start the critic (GAE).
-    let rm_dir = (config.reward.is_empty() || needs_critic)
-        .then(|| reward_model_dir(&config.reward_model, run, device))
-        .transpose()?;
-    let lm = load_model(&config.model, device)?;
-    aligner_core::train::check_new_tokens(&[("ppo.max_new_tokens", config.ppo.max_new_tokens)], &lm.config)?;
-    let frontier = config.frontier.for_start_model(&lm, device)?;
-    let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     // The critic's process scores with the reward model when the roles are combined and no
     // reward functions are configured; otherwise the actor scores.
     let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty();
@@ -120,14 +125,25 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         true => Precision::F32,
         false => precision,
     };
-    let rewards = run_rewards(
-        &config.reward,
-        rm_dir
-            .as_deref()
-            .filter(|_| !combined && config.reward.is_empty()),
-        &reward_device,
-        reward_precision,
-    )?;
+    // `[[reward]]` tables are built (their models loaded and checked) before a reward model
+    // is trained, so a bad one is refused in a second, not after the training.
+    let spec_rewards = run_rewards(&config.reward, None, &reward_device, reward_precision)?;
+    // A reward model is needed to score (no `[[reward]]`) or to start the critic (GAE).
+    let rm_dir = (config.reward.is_empty() || needs_critic)
+        .then(|| reward_model_dir(&config.reward_model, run, device))
+        .transpose()?;
+    let lm = load_model(&config.model, device)?;
+    let frontier = config.frontier.for_start_model(&lm, device)?;
+    let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
+    let rewards = match spec_rewards {
+        Some(rewards) => Some(rewards),
+        None => run_rewards(
+            &config.reward,
+            rm_dir.as_deref().filter(|_| !combined),
+            &reward_device,
+            reward_precision,
+        )?,
+    };
     // Data parallel: rank 0 alone talks to the critic (server or in process) and shares its
     // replies with the other ranks.
     let critic: Option<Box<dyn CriticClient>> = match (&config.ppo.critic_url, &rm_dir) {
@@ -202,6 +218,15 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         config.reward_model.path.as_deref(),
         "rejection sampling has no other use for it",
     )?;
+    aligner_core::train::check_value(
+        "rs.kl_coef",
+        config.rs.kl_coef,
+        aligner_core::train::Range::NonNegative,
+    )?;
+    // Checked before a reward model is trained or a round's samples are drawn.
+    let start = start_model_config(&config.model)?;
+    config.data.max_len(&start)?;
+    aligner_core::train::check_new_tokens(&[("rs.max_new_tokens", config.rs.max_new_tokens)], &start)?;
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
     let rm_dir = config
@@ -212,14 +237,6 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     let reward = run_rewards(&config.reward, rm_dir.as_deref(), device, config.model.dtype)?
         .ok_or_else(|| crate::PpoError::Invalid("rejection sampling needs a reward".into()))?;
     let lm = load_model(&config.model, device)?;
-    // Checked before the first round's samples are drawn.
-    config.data.max_len(&lm.config)?;
-    aligner_core::train::check_new_tokens(&[("rs.max_new_tokens", config.rs.max_new_tokens)], &lm.config)?;
-    aligner_core::train::check_value(
-        "rs.kl_coef",
-        config.rs.kl_coef,
-        aligner_core::train::Range::NonNegative,
-    )?;
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.

@@ -1,8 +1,7 @@
 //! SimPO through aligner-dpo's run with this crate's losses registered, through the library
 //! alone: `cargo run --release -p aligner-simpo --example simpo [RUN_DIR]`.
 
-use aligner_core::{Device, run::RunDir};
-use aligner_dpo::{LossRegistry, objective::DpoConfig};
+use aligner_dpo::{Device, LossRegistry, RunDir, objective::DpoConfig};
 
 fn main() -> Result<(), aligner_dpo::DpoError> {
     let out = std::env::args()
@@ -13,7 +12,7 @@ fn main() -> Result<(), aligner_dpo::DpoError> {
     let mut config = DpoConfig::default();
     config.dpo.loss = "simpo".into();
     config.dpo.beta = 2.0;
-    config.dpo.params.insert("gamma".into(), toml::Value::Float(0.5));
+    config.dpo.set_param("gamma", 0.5);
     config.train.max_steps = 20; // a short run; the default is one epoch
     let summary = aligner_dpo::train(&config, &registry, &RunDir::new(&out), &Device::flex())?;
     println!(

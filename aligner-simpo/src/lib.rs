@@ -1,9 +1,10 @@
 //! # aligner-simpo
 //!
-//! Three reference-free preference losses as a variant crate: each implements aligner-dpo's
+//! Three reference-free preference losses as a variant crate: each implements aligner-loss's
 //! [`PreferenceLoss`], parses its own `dpo.params` into a typed struct, and [`register`] adds it
-//! to a [`LossRegistry`] by name; nothing inside aligner-dpo changes. None needs a reference
-//! model, so no reference pass runs.
+//! to a [`LossRegistry`] by name; nothing inside aligner-loss or aligner-dpo changes, and this
+//! crate compiles no model or engine (aligner-dpo trains with it: see `examples/simpo.rs`).
+//! None needs a reference model, so no reference pass runs.
 //!
 //! - `simpo` ([`SimPo`], Meng et al., 2024): `−log σ(β(π̄_c − π̄_r) − γ)` on per-token averaged
 //!   policy log-probs. Knobs: `dpo.beta` (SimPO's paper uses 2.0–2.5) and `dpo.params.gamma`
@@ -16,7 +17,7 @@
 //!
 //! A misspelt key (`dpo.params.gama`) or a key given to `cpo`/`orpo` is an error naming it.
 
-use aligner_dpo::{DpoError, LossRegistry, LossSpec, NoParams, PreferenceBatch, PreferenceLoss};
+use aligner_loss::{LossError, LossRegistry, LossSpec, NoParams, PreferenceBatch, PreferenceLoss};
 use burn::tensor::Tensor;
 use burn::tensor::activation::log_sigmoid;
 use serde::Deserialize;
@@ -49,7 +50,7 @@ pub struct SimPo {
 
 impl SimPo {
     /// From `[dpo]`: β from `dpo.beta`, γ from `dpo.params.gamma`.
-    pub fn from_spec(spec: &LossSpec<'_>) -> Result<Self, DpoError> {
+    pub fn from_spec(spec: &LossSpec<'_>) -> Result<Self, LossError> {
         let params: SimPoParams = spec.params("simpo")?;
         Ok(Self {
             beta: spec.beta,
@@ -71,7 +72,7 @@ impl PreferenceLoss for SimPo {
         false
     }
 
-    fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
+    fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, LossError> {
         let chosen = b.policy_chosen.clone() / b.chosen_tokens.clone();
         let rejected = b.policy_rejected.clone() / b.rejected_tokens.clone();
         Ok(simpo_loss(chosen, rejected, self.beta, self.gamma))
@@ -85,7 +86,7 @@ pub struct Cpo {
 
 impl Cpo {
     /// From `[dpo]`: β from `dpo.beta`; it takes no `dpo.params`.
-    pub fn from_spec(spec: &LossSpec<'_>) -> Result<Self, DpoError> {
+    pub fn from_spec(spec: &LossSpec<'_>) -> Result<Self, LossError> {
         spec.params::<NoParams>("cpo")?;
         Ok(Self { beta: spec.beta })
     }
@@ -104,7 +105,7 @@ impl PreferenceLoss for Cpo {
         false
     }
 
-    fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
+    fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, LossError> {
         let z = b.policy_chosen.clone() - b.policy_rejected.clone();
         Ok(log_sigmoid(z.mul_scalar(self.beta)).neg())
     }
@@ -122,7 +123,7 @@ pub struct Orpo {
 
 impl Orpo {
     /// From `[dpo]`: λ from `dpo.beta`; it takes no `dpo.params`.
-    pub fn from_spec(spec: &LossSpec<'_>) -> Result<Self, DpoError> {
+    pub fn from_spec(spec: &LossSpec<'_>) -> Result<Self, LossError> {
         spec.params::<NoParams>("orpo")?;
         Ok(Self { beta: spec.beta })
     }
@@ -141,7 +142,7 @@ impl PreferenceLoss for Orpo {
         false
     }
 
-    fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
+    fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, LossError> {
         let avg = |lp: &Tensor<1>, n: &Tensor<1>| log_odds(lp.clone() / n.clone());
         let z = avg(&b.policy_chosen, &b.chosen_tokens) - avg(&b.policy_rejected, &b.rejected_tokens);
         Ok(log_sigmoid(z).neg().mul_scalar(self.beta))

@@ -32,6 +32,8 @@ pub enum SpinError {
     Gen(#[from] aligner_gen::GenError),
     #[error(transparent)]
     Dpo(#[from] aligner_dpo::DpoError),
+    #[error(transparent)]
+    Loss(#[from] aligner_dpo::LossError),
 }
 
 pub type Result<T, E = SpinError> = std::result::Result<T, E>;

@@ -395,7 +395,7 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         let mut order = EpochOrder::new(self.train.len(), cfg.shuffle, cfg.seed);
         let global_batch = self.global_batch();
         for step in start..total {
-            if self.run.stops_after().is_some_and(|s| step >= s) {
+            if self.run.stops_at(step) {
                 bar.abandon();
                 return Ok((model, self.summary(step, initial_eval, Map::new())));
             }

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use crate::losses::{
     hinge_loss, ipo_loss, robust_loss, rpo_bwd_kl_loss, rpo_fwd_kl_loss, rpo_sq_loss, sigmoid_loss,
 };
-use crate::{DpoError, PreferenceBatch, PreferenceLoss};
+use crate::{LossError, PreferenceBatch, PreferenceLoss};
 
 /// What a loss is built from: `[dpo]`'s shared knobs and the variant's own `dpo.params` table.
 #[derive(Debug, Clone, Copy)]
@@ -57,7 +57,7 @@ impl LossSpec<'_> {
 
     /// The variant's parameters as its typed struct `T` (a `#[serde(deny_unknown_fields, default)]`
     /// struct); an unknown or mistyped key is an error naming `dpo.params.<key>` and the loss.
-    pub fn params<T: DeserializeOwned>(&self, loss: &str) -> Result<T, DpoError> {
+    pub fn params<T: DeserializeOwned>(&self, loss: &str) -> Result<T, LossError> {
         self.params.clone().try_into().map_err(|whole: toml::de::Error| {
             // Serde's message does not always name the key (type errors don't), so blame the first
             // key that fails on its own; with `default` structs that is the offending one.
@@ -69,7 +69,7 @@ impl LossSpec<'_> {
                     .map(|e| (format!("dpo.params.{key}"), e))
             });
             let (field, error) = culprit.unwrap_or_else(|| ("dpo.params".into(), whole));
-            DpoError::BadParams {
+            LossError::BadParams {
                 loss: loss.to_string(),
                 field,
                 message: error.message().to_string(),
@@ -79,7 +79,7 @@ impl LossSpec<'_> {
 }
 
 /// Builds a loss from the spec; an error for params it does not take or knobs out of range.
-pub type LossConstructor = fn(&LossSpec<'_>) -> Result<Box<dyn PreferenceLoss>, DpoError>;
+pub type LossConstructor = fn(&LossSpec<'_>) -> Result<Box<dyn PreferenceLoss>, LossError>;
 
 /// Loss constructors by name.
 pub struct LossRegistry {
@@ -93,7 +93,7 @@ struct Builtin {
     label_smoothing: f64,
     gt_reward_scale: f64,
     average_log_probs: bool,
-    compute: fn(&Builtin, &PreferenceBatch) -> Result<Tensor<1>, DpoError>,
+    compute: fn(&Builtin, &PreferenceBatch) -> Result<Tensor<1>, LossError>,
 }
 
 impl Builtin {
@@ -102,9 +102,9 @@ impl Builtin {
     fn build(
         name: &'static str,
         spec: &LossSpec<'_>,
-        check: fn(&LossSpec<'_>) -> Result<(), DpoError>,
-        compute: fn(&Builtin, &PreferenceBatch) -> Result<Tensor<1>, DpoError>,
-    ) -> Result<Box<dyn PreferenceLoss>, DpoError> {
+        check: fn(&LossSpec<'_>) -> Result<(), LossError>,
+        compute: fn(&Builtin, &PreferenceBatch) -> Result<Tensor<1>, LossError>,
+    ) -> Result<Box<dyn PreferenceLoss>, LossError> {
         spec.params::<NoParams>(name)?;
         check(spec)?;
         Ok(Box::new(Builtin {
@@ -123,7 +123,7 @@ impl Builtin {
     }
 
     /// The scaled ground-truth reward margin (an error when the data has no rewards).
-    fn reward_margin(&self, b: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
+    fn reward_margin(&self, b: &PreferenceBatch) -> Result<Tensor<1>, LossError> {
         b.reward_margin(self.gt_reward_scale, self.name)
     }
 }
@@ -137,22 +137,22 @@ impl PreferenceLoss for Builtin {
         self.beta
     }
 
-    fn loss(&self, batch: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
+    fn loss(&self, batch: &PreferenceBatch) -> Result<Tensor<1>, LossError> {
         (self.compute)(self, batch)
     }
 }
 
 /// Any knobs will do.
-fn any_knobs(_: &LossSpec<'_>) -> Result<(), DpoError> {
+fn any_knobs(_: &LossSpec<'_>) -> Result<(), LossError> {
     Ok(())
 }
 
 /// Robust DPO divides by `1 − 2ε`, so ε must stay below one half.
-fn robust_knobs(spec: &LossSpec<'_>) -> Result<(), DpoError> {
+fn robust_knobs(spec: &LossSpec<'_>) -> Result<(), LossError> {
     if (0.0..0.5).contains(&spec.label_smoothing) {
         Ok(())
     } else {
-        Err(DpoError::Invalid(
+        Err(LossError::Invalid(
             "robust needs 0 <= dpo.label_smoothing < 0.5".into(),
         ))
     }
@@ -233,8 +233,8 @@ impl LossRegistry {
     }
 
     /// The loss called `name`, built from `spec` (which it checks: unknown params are errors).
-    pub fn build(&self, name: &str, spec: &LossSpec<'_>) -> Result<Box<dyn PreferenceLoss>, DpoError> {
-        let constructor = self.entries.get(name).ok_or_else(|| DpoError::UnknownLoss {
+    pub fn build(&self, name: &str, spec: &LossSpec<'_>) -> Result<Box<dyn PreferenceLoss>, LossError> {
+        let constructor = self.entries.get(name).ok_or_else(|| LossError::UnknownLoss {
             name: name.to_string(),
             known: self.names().join(", "),
         })?;
@@ -381,7 +381,7 @@ mod tests {
         };
         for name in registry.names() {
             let err = registry.build(name, &spec).err().unwrap();
-            assert!(matches!(err, DpoError::BadParams { .. }), "{name}: {err}");
+            assert!(matches!(err, LossError::BadParams { .. }), "{name}: {err}");
             let err = err.to_string();
             assert!(
                 err.contains("dpo.params.gama") && err.contains(&format!("{name:?}")),
@@ -439,7 +439,7 @@ mod tests {
             fn uses_reference(&self) -> bool {
                 false
             }
-            fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, DpoError> {
+            fn loss(&self, b: &PreferenceBatch) -> Result<Tensor<1>, LossError> {
                 Ok((b.policy_rejected.clone() - b.policy_chosen.clone()).exp())
             }
         }
