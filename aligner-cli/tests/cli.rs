@@ -546,6 +546,13 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             stderr.contains(culprit),
             "{args:?}: the error does not name {culprit}: {stderr}"
         );
+        // Refused before any earlier step trains (PPO and rs train a default reward model).
+        if let Some(out) = args.iter().position(|a| a == "--out").map(|i| &args[i + 1]) {
+            assert!(
+                !std::path::Path::new(out).join("reward_model").exists(),
+                "{args:?} trained a reward model before refusing"
+            );
+        }
     }
     assert!(
         other_files.join("notes.txt").exists(),
