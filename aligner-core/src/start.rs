@@ -20,6 +20,12 @@ pub fn model_dir(section: &ModelSection) -> Result<PathBuf> {
     crate::model_dir_or_default(section.path.as_deref())
 }
 
+/// `[model]`'s `config.json` alone, without the weights: what settings that depend on the
+/// model are checked against before a run trains anything (an earlier step included).
+pub fn model_config(section: &ModelSection) -> Result<LlamaConfig> {
+    LlamaConfig::from_file(&model_dir(section)?.join("config.json"))
+}
+
 /// The model a run starts from: `[model]`'s folder loaded (configuration, weights, tokenizer),
 /// computing in `model.dtype`.
 pub fn load_model(section: &ModelSection, device: &Device) -> Result<LoadedModel> {

@@ -11,7 +11,6 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
-use aligner_core::train::ModelSection;
 use aligner_core::{CoreError, Device};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{RewardSpecs, Rewards};
@@ -76,14 +75,6 @@ pub fn run_rewards(
     })
 }
 
-/// The start model's `config.json` alone (no weights): what settings that depend on the model
-/// are checked against before any earlier step trains.
-fn start_model_config(model: &ModelSection) -> Result<aligner_core::LlamaConfig> {
-    Ok(aligner_core::LlamaConfig::from_file(
-        &aligner_core::start::model_dir(model)?.join("config.json"),
-    )?)
-}
-
 /// The reward model folder: the configured one, or one trained now with `aligner rm`'s
 /// defaults (the shipped preference pairs) into `<run>/reward_model`, kept for resumes.
 pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Device) -> Result<PathBuf> {
@@ -110,7 +101,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     }
     aligner_core::train::check_new_tokens(
         &[("ppo.max_new_tokens", config.ppo.max_new_tokens)],
-        &start_model_config(&config.model)?,
+        &aligner_core::start::model_config(&config.model)?,
     )?;
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
@@ -224,7 +215,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         aligner_core::train::Range::NonNegative,
     )?;
     // Checked before a reward model is trained or a round's samples are drawn.
-    let start = start_model_config(&config.model)?;
+    let start = aligner_core::start::model_config(&config.model)?;
     config.data.max_len(&start)?;
     aligner_core::train::check_new_tokens(&[("rs.max_new_tokens", config.rs.max_new_tokens)], &start)?;
     // A finished `reward_model` step in the folder is this run's input.
