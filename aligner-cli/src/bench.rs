@@ -295,13 +295,15 @@ fn generate(
     Ok(())
 }
 
-/// Seconds per optimiser step (forward, backward, AdamW) of `objective` on `batch`, after one
-/// warm-up step, for `model` moved to an autodiff device.
+/// Seconds per optimiser step of `objective` on `batch` (every rank's examples: each rank
+/// takes its shard), after one warm-up step, for `model` moved to an autodiff device: the
+/// step the trainers run ([`aligner_core::train::ObjectiveStep`]: forward, backward, the
+/// data-parallel gradient sum, clipping, AdamW).
 fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
     model: CausalLm,
     device: &Device,
     objective: &O,
-    batch: &[&O::Example],
+    batch: &[O::Example],
     steps: usize,
 ) -> Result<f64> {
     seconds_per_step_on(model, &device.clone().autodiff(), objective, batch, steps)
@@ -312,29 +314,29 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     model: CausalLm,
     train_device: &Device,
     objective: &O,
-    batch: &[&O::Example],
+    batch: &[O::Example],
     steps: usize,
 ) -> Result<f64> {
-    use burn::module::Module;
-    use burn::optim::{AdamWConfig, GradientsParams};
+    use aligner_core::train::{Method, ObjectiveStep, Optimizer, TrainSection};
 
-    let comm = aligner_parallel::world();
-    let mut model = model.fork(train_device).train();
-    let mut optim = AdamWConfig::new().init();
-    let mut step = |model: CausalLm| -> Result<CausalLm> {
-        let out = objective.step(&model, batch)?;
-        let mut grads = GradientsParams::from_grads(out.loss.backward(), &model);
-        // Data parallel: the step's one synchronisation (a no-op in one process).
-        let share = 1.0 / comm.world_size() as f32;
-        aligner_core::train::grads::all_reduce_gradients(&model, &mut grads, share, comm.as_ref())?;
-        Ok(optim.step(1e-4, model, grads))
+    // The step reads the run folder only to name a checkpoint on a non-finite loss.
+    let run = aligner_core::run::RunDir::new(std::env::temp_dir().join("aligner-bench"));
+    let ranks = run.comm().world_size();
+    let config = TrainSection {
+        batch_size: batch.len().div_ceil(ranks),
+        shuffle: false,
+        ..TrainSection::default()
     };
-    model = step(model)?;
+    let total = steps.max(1) + 1;
+    let mut step = ObjectiveStep::new(&config, objective, batch, &run, total, train_device);
+    let mut optim = Optimizer::new(config.weight_decay, config.max_grad_norm, false, run.comm());
+    let mut model = aligner_core::train::config::to_train_device(model, train_device);
+    model = step.step(0, model, &mut optim)?.model;
     let start = Instant::now();
-    for _ in 0..steps.max(1) {
-        model = step(model)?;
+    for k in 1..total {
+        model = step.step(k, model, &mut optim)?.model;
     }
-    Ok(start.elapsed().as_secs_f64() / steps.max(1) as f64)
+    Ok(start.elapsed().as_secs_f64() / (total - 1) as f64)
 }
 
 /// `len` token ids of a fixed pseudo-random pattern for `salt`.
@@ -375,7 +377,6 @@ fn train(
     if !batch.is_multiple_of(ranks) {
         anyhow::bail!("--batch {batch} does not split evenly over {ranks} ranks");
     }
-    let per_rank = batch / ranks;
     if comm.is_root() {
         println!(
             "| model | params | ranks × threads | batch × seq | activation checkpointing | ms / step | steps/s | tokens/s | MFU | all-reduce ms / step | all-reduce MB / step | peak RSS MB |"
@@ -383,8 +384,8 @@ fn train(
         println!("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     }
     for (name, config, model) in models(device, only)? {
-        // This rank's rows of the global batch.
-        let examples: Vec<SftExample> = (comm.rank() * per_rank..(comm.rank() + 1) * per_rank)
+        // The global batch (each rank trains on its shard of it).
+        let examples: Vec<SftExample> = (0..batch)
             .map(|b| SftExample {
                 ids: synthetic_ids(b, seq, config.vocab_size),
                 trained: (0..seq).map(|t| t > 0).collect(),
@@ -392,7 +393,6 @@ fn train(
                 end: Vec::new(),
             })
             .collect();
-        let refs: Vec<&SftExample> = examples.iter().collect();
         let params = parameter_count(&model);
         let before = comm.traffic();
         let train_device = aligner_core::train::TrainSection {
@@ -400,7 +400,7 @@ fn train(
             ..Default::default()
         }
         .autodiff_device(device);
-        let per = seconds_per_step_on(model, &train_device, &SftObjective, &refs, steps)?;
+        let per = seconds_per_step_on(model, &train_device, &SftObjective, &examples, steps)?;
         let after = comm.traffic();
         let tokens_per_s = (batch * seq) as f64 / per;
         let mfu = peak_tflops
@@ -452,13 +452,12 @@ fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize
                 rewards: None,
             })
             .collect();
-        let refs: Vec<&DpoExample> = examples.iter().collect();
         let objective = DpoObjective {
             loss: crate::registry::registry().build("dpo", &LossSpec::default())?,
             sft_weight: 0.0,
         };
         let params = parameter_count(&model);
-        let per = seconds_per_step(model, device, &objective, &refs, steps)?;
+        let per = seconds_per_step(model, device, &objective, &examples, steps)?;
         let rss = peak_rss_mb()
             .map(|mb| format!("{mb:.0}"))
             .unwrap_or_else(|| "–".into());

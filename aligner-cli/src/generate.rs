@@ -7,9 +7,8 @@ use std::collections::BTreeMap;
 
 use aligner_core::data::{Prompt, read_jsonl_numbered};
 use aligner_core::{Device, LoadedModel};
-use aligner_gen::{Engine, EngineOptions, GenerationRequest, Guidance, SamplingParams, WorkerPool};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
 use aligner_steerlm::Conditioning;
-use aligner_steerlm::conditioning::negative_values;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
@@ -176,56 +175,53 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     };
     let given = parse(&args.attributes, "--attributes")?;
     let given_negative = parse(&args.negative_attributes, "--negative-attributes")?;
-    // Each prompt as steered and, when guided, its negative form (`negative_values`; against
-    // the prompt without attributes the samples garble: token log-prob -1.73 against -1.10).
-    let steer = |text: &str, values: Option<&BTreeMap<String, f64>>| -> Result<String> {
-        Ok(match (&conditioning, values) {
-            (Some(c), Some(values)) => c.apply(text, values)?,
-            _ => text.to_string(),
-        })
-    };
-    let mut texts: Vec<String> = Vec::with_capacity(rows.len());
-    let mut negatives: Vec<Option<String>> = Vec::with_capacity(rows.len());
+    // Each prompt as steered and, when guided, against its negative form (`negative_values`;
+    // against the prompt without attributes the samples garble: token log-prob -1.73 against
+    // -1.10). `texts` are the prompts as the model sees them.
     let source = args.prompts.clone().unwrap_or_else(|| "--prompt".into());
-    for (row, &line) in rows.iter().zip(&lines) {
+    let mut texts: Vec<String> = Vec::with_capacity(rows.len());
+    let mut requests: Vec<GenerationRequest> = Vec::with_capacity(rows.len());
+    for (i, (row, &line)) in rows.iter().zip(&lines).enumerate() {
         let text = row.prompt.render(&lm.tokenizer)?;
         let values = row.attributes.as_ref().or(given.as_ref());
-        texts.push(steer(&text, values)?);
-        negatives.push(match guided {
-            false => None,
-            true => {
-                let Some(values) = values else {
-                    bail!("{}:{line}: --guidance-scale needs the prompt's attributes", source.display());
+        let params = sampling_params(&args, i);
+        let request = match (&conditioning, values) {
+            (Some(c), Some(values)) => {
+                let guidance = match guided {
+                    false => None,
+                    true => {
+                        let Some(negative) = row.negative_attributes.as_ref().or(given_negative.as_ref())
+                        else {
+                            bail!(
+                                "{}:{line}: --guidance-scale needs --negative-attributes (or \"negative_attributes\" on the line)",
+                                source.display()
+                            );
+                        };
+                        Some((negative, args.guidance_scale))
+                    }
                 };
-                let Some(negative) = row.negative_attributes.as_ref().or(given_negative.as_ref()) else {
-                    bail!("{}:{line}: --guidance-scale needs --negative-attributes (or \"negative_attributes\" on the line)", source.display());
-                };
-                Some(steer(&text, Some(&negative_values(values, negative)))?)
+                texts.push(c.apply(&text, values)?);
+                c.request(&lm.tokenizer, &text, values, guidance, params)?
             }
-        });
+            _ if guided => bail!(
+                "{}:{line}: --guidance-scale needs the prompt's attributes",
+                source.display()
+            ),
+            _ => {
+                let prompt_ids = lm.tokenizer.encode(&text, true)?;
+                texts.push(text);
+                GenerationRequest {
+                    prompt_ids,
+                    params,
+                    guidance: None,
+                }
+            }
+        };
+        let context = lm.config.max_position_embeddings;
+        aligner_core::data::check_fits(&source, line, "prompt", request.prompt_ids.len(), context, 1)?;
+        requests.push(request);
     }
     let prompts: Vec<&Prompt> = rows.iter().map(|r| &r.prompt).collect();
-    let requests: Vec<GenerationRequest> = texts
-        .iter()
-        .zip(&negatives)
-        .enumerate()
-        .map(|(i, (text, negative))| {
-            let prompt_ids = lm.tokenizer.encode(text, true)?;
-            let context = lm.config.max_position_embeddings;
-            aligner_core::data::check_fits(&source, lines[i], "prompt", prompt_ids.len(), context, 1)?;
-            Ok(GenerationRequest {
-                prompt_ids,
-                params: sampling_params(&args, i),
-                guidance: match negative {
-                    Some(negative) => Some(Guidance {
-                        negative_prompt_ids: lm.tokenizer.encode(negative, true)?,
-                        scale: args.guidance_scale,
-                    }),
-                    None => None,
-                },
-            })
-        })
-        .collect::<Result<_>>()?;
 
     let engine = Engine::for_model(
         &lm,

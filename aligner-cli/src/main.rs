@@ -14,9 +14,9 @@ mod bench;
 mod convert;
 mod eval;
 mod generate;
+mod online;
 mod output;
 mod plot;
-mod ppo;
 mod registry;
 mod score;
 mod serve;
@@ -235,13 +235,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Dpo(args) => train::dpo(args, &device),
         #[cfg(feature = "kto")]
         Command::Kto(args) => train::kto(args, &device),
-        Command::Ppo(args) => ppo::ppo(args, &device),
-        Command::OnlineDpo(args) => ppo::online_dpo(args, &device),
+        Command::Ppo(args) => online::ppo(args, &device),
+        Command::OnlineDpo(args) => online::online_dpo(args, &device),
         Command::Serve(cmd) => serve::run(cmd, &device),
-        Command::Spin(args) => ppo::spin(args, &device),
-        Command::SelfReward(args) => ppo::self_reward(args, &device),
-        Command::Cai(args) => ppo::cai(args, &device),
-        Command::Rs(args) => ppo::rs(args, &device),
+        Command::Spin(args) => online::spin(args, &device),
+        Command::SelfReward(args) => online::self_reward(args, &device),
+        Command::Cai(args) => online::cai(args, &device),
+        Command::Rs(args) => online::rs(args, &device),
         Command::Steerlm(cmd) => steerlm::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),

@@ -509,6 +509,28 @@ fn verify_manifest(dir: &Path) -> std::result::Result<(), String> {
 }
 
 /// A progress bar on stderr drawn with `template` (indicatif's syntax); hidden on every rank
+/// The model a run started from, for a model folder that is a run's `final/` (or any folder
+/// inside a run): the `model.path` its `config.toml` records; `None` when the folder is not
+/// in a run or the run started from the shipped model.
+pub fn start_model_of(model_dir: &Path) -> Result<Option<PathBuf>> {
+    let Some(config) = model_dir.parent().map(|run| run.join("config.toml")) else {
+        return Ok(None);
+    };
+    if !config.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&config).map_err(|e| CoreError::io(&config, e))?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| CoreError::Config {
+        path: config.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(table
+        .get("model")
+        .and_then(|m| m.get("path"))
+        .and_then(|p| p.as_str())
+        .map(PathBuf::from))
+}
+
 /// but rank 0 of a data-parallel run.
 pub fn progress_bar(len: u64, template: &str) -> indicatif::ProgressBar {
     if !aligner_parallel::world().is_root() {

@@ -9,16 +9,14 @@
 
 use std::path::PathBuf;
 
-use aligner_core::checkpoint::write_json;
 use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
-use aligner_core::run::{RunDir, data_files, progress_bar};
+use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
-use aligner_core::train::grads::clip_grad_norm;
 use aligner_core::train::{
-    DataSection, EpochOrder, MetricsLog, ModelEval, ModelSection, Objective, adamw, load_optimizer,
-    save_optimizer,
+    CheckpointLayout, DataSection, EpochOrder, LoopSettings, Method, ModelEval, ModelSection, Objective,
+    Optimizer, Stepped, non_finite, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, Device};
 use aligner_gen::reward::ModelReward;
@@ -117,12 +115,6 @@ impl Default for OnlineDpoConfig {
     }
 }
 
-/// Where a run stands; stored with each checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct OnlineState {
-    step: usize,
-}
-
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OnlineDpoSummary {
@@ -217,85 +209,129 @@ pub fn train(
         loss,
         sft_weight: config.dpo.sft_weight,
     };
-    let train_device = device.clone().autodiff();
-    let mut policy = model.fork(&train_device).train();
-    let mut optim = adamw(0.0);
-    let mut start = 0;
-    run.prepare_checkpoints()?;
-    if let Some((step, dir)) = run.resume_point(ONLINE_STATE)? {
-        policy = store.load(&dir.join("policy"), &train_device)?.train();
-        optim = load_optimizer(optim, &dir.join("optimizer.bin"))?;
-        tracing::info!(step, dir = %dir.display(), "resuming");
-        start = step;
-    }
-    let mut engine = Engine::new(
-        policy.valid(),
-        lm.config.clone(),
-        Some(lm.tokenizer.clone()),
-        EngineOptions {
-            slots: on.slots,
-            ..EngineOptions::default()
-        },
-    );
-    let sampler = Sampler {
-        config: on,
-        tokenizer: &lm.tokenizer,
-        rewards: &rewards,
-    };
-    let log = MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), on.tensorboard)?;
     let eval_limit = match on.eval_prompts {
         0 => eval_prompts.len(),
         n => n.min(eval_prompts.len()),
     };
-    let eval_set: Vec<&EncodedPrompt> = eval_prompts[..eval_limit].iter().collect();
-    let evaluate = |engine: &mut Engine, policy: &CausalLm| -> Result<Map<String, Value>, DpoError> {
-        let mut out = Map::new();
-        if !eval_set.is_empty() {
-            engine.refit(policy)?;
-            let (_, scores) = sampler.sample(engine, &eval_set, 1, 0xe7a1)?;
-            out.insert("eval_reward".into(), mean(&scores).into());
-        }
-        if let Some(frontier) = &frontier {
-            out.extend(ModelEval::evaluate(frontier, &policy.valid())?);
-        }
-        Ok(out)
+    let mut step = OnlineStep {
+        config: on,
+        sampler: Sampler {
+            config: on,
+            tokenizer: &lm.tokenizer,
+            rewards: &rewards,
+        },
+        llama: &lm.config,
+        objective,
+        reference,
+        train_prompts: &train_prompts,
+        eval_set: eval_prompts[..eval_limit].iter().collect(),
+        frontier: frontier.as_ref(),
+        run,
+        engine: None,
+        last: None,
     };
-    // A resumed run reads its step-0 evaluation back from the log it kept.
-    let mut initial = log.logged(0, "eval_reward")?;
-    if start == 0 {
-        let mut first = evaluate(&mut engine, &policy)?;
-        initial = first.get("eval_reward").and_then(Value::as_f64);
-        first.insert("step".into(), 0.into());
-        log.write(&first)?;
+    let settings = LoopSettings {
+        steps: on.steps,
+        seed: on.seed,
+        weight_decay: 0.0,
+        max_grad_norm: on.max_grad_norm,
+        shard_optimizer: false,
+        log_every: 1,
+        eval_every: on.eval_every,
+        save_every: on.save_every,
+        sync_check_every: 0,
+        tensorboard: on.tensorboard,
+        keep_best: None,
+        keep_best_mode: Default::default(),
+        layout: CheckpointLayout {
+            state: ONLINE_STATE,
+            model: "policy",
+            optimizer: "optimizer.bin",
+        },
+        label: "online-dpo step",
+    };
+    let train_device = device.clone().autodiff();
+    let (_, summary) = run_loop(
+        &mut step,
+        model,
+        store.as_ref(),
+        &settings,
+        run,
+        &train_device,
+        device,
+    )?;
+    Ok(OnlineDpoSummary {
+        steps: summary.steps,
+        final_dir: summary.final_dir,
+        initial_eval_reward: summary
+            .initial_eval
+            .and_then(|eval| eval.get("eval_reward").and_then(Value::as_f64)),
+        final_eval_reward: step.last,
+    })
+}
+
+/// Online DPO's step in the shared loop: sample two answers per prompt from the current
+/// policy, let the reward pick, one DPO step on the pairs.
+struct OnlineStep<'a> {
+    config: &'a OnlineSection,
+    sampler: Sampler<'a>,
+    llama: &'a aligner_core::LlamaConfig,
+    objective: DpoObjective,
+    /// The start model (with LoRA: the base, which the adapters start from).
+    reference: CausalLm,
+    train_prompts: &'a [EncodedPrompt],
+    eval_set: Vec<&'a EncodedPrompt>,
+    frontier: Option<&'a aligner_gen::Frontier>,
+    run: &'a RunDir,
+    /// The generation engine (made from the trained weights once they are in place).
+    engine: Option<Engine>,
+    /// The last evaluation's reward in this process.
+    last: Option<f64>,
+}
+
+/// The engine, once [`Method::begin`] has made it.
+fn made(engine: &mut Option<Engine>) -> Result<&mut Engine, DpoError> {
+    engine
+        .as_mut()
+        .ok_or_else(|| DpoError::Invalid("the generation engine was not made".into()))
+}
+
+impl Method<CausalLm> for OnlineStep<'_> {
+    type Error = DpoError;
+
+    fn begin(&mut self, policy: &CausalLm, _resumed: Option<&std::path::Path>) -> Result<(), DpoError> {
+        self.engine = Some(Engine::new(
+            policy.valid(),
+            self.llama.clone(),
+            Some(self.sampler.tokenizer.clone()),
+            EngineOptions {
+                slots: self.config.slots,
+                ..EngineOptions::default()
+            },
+        ));
+        Ok(())
     }
-    let mut last = None;
-    let bar = progress_bar(
-        on.steps as u64,
-        "online-dpo step {pos}/{len} {bar:30} {msg} [{elapsed} < {eta}]",
-    );
-    bar.set_position(start as u64);
-    for step in start..on.steps {
-        if run.stops_at(step) {
-            bar.abandon();
-            return Ok(OnlineDpoSummary {
-                steps: step,
-                final_dir: run.final_dir(),
-                initial_eval_reward: initial,
-                final_eval_reward: last,
-            });
-        }
-        engine.refit(&policy)?;
-        let prompts: Vec<&EncodedPrompt> = EpochOrder::new(train_prompts.len(), true, on.seed)
+
+    fn step(
+        &mut self,
+        step: usize,
+        policy: CausalLm,
+        optim: &mut Optimizer<'_>,
+    ) -> Result<Stepped<CausalLm>, DpoError> {
+        let on = self.config;
+        made(&mut self.engine)?.refit(&policy)?;
+        let prompts: Vec<&EncodedPrompt> = EpochOrder::new(self.train_prompts.len(), true, on.seed)
             .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
             .items(step * on.prompts_per_step, on.prompts_per_step)
             .into_iter()
-            .map(|i| &train_prompts[i])
+            .map(|i| &self.train_prompts[i])
             .collect();
         let seed = on
             .seed
             .wrapping_mul(1_000_003)
             .wrapping_add(step as u64 * 100_000);
-        let (sampled, scores) = sampler.sample(&mut engine, &prompts, 2, seed)?;
+        let engine = made(&mut self.engine)?;
+        let (sampled, scores) = self.sampler.sample(engine, &prompts, 2, seed)?;
         let mut examples = Vec::new();
         for (pair, s) in sampled.chunks(2).zip(scores.chunks(2)) {
             if let Some(p) = prefer(s[0], s[1]) {
@@ -309,65 +345,65 @@ pub fn train(
             }
         }
         let mut row = Map::new();
-        row.insert("step".into(), (step + 1).into());
         row.insert("reward".into(), mean(&scores).into());
         row.insert("pairs".into(), examples.len().into());
         row.insert("lr".into(), on.lr.into());
+        let mut policy = policy;
         if !examples.is_empty() {
-            if objective.loss.uses_reference() {
+            if self.objective.loss.uses_reference() {
                 let seqs: Vec<ScoredSequence> = examples
                     .iter()
                     .flat_map(|e| [e.chosen.clone(), e.rejected.clone()])
                     .collect();
-                let lp = response_logprobs(&reference, &seqs, 32)?;
+                let lp = response_logprobs(&self.reference, &seqs, 32)?;
                 for (e, pair) in examples.iter_mut().zip(lp.chunks(2)) {
                     e.reference = Some((pair[0].total() as f32, pair[1].total() as f32));
                 }
             }
             let batch: Vec<&DpoExample> = examples.iter().collect();
-            let out = objective.step(&policy, &batch)?;
+            let out = self.objective.step(&policy, &batch)?;
             let value = out.loss.clone().into_scalar::<f32>() as f64;
             if !value.is_finite() {
-                return Err(DpoError::Invalid(format!(
-                    "online DPO loss is {value} at step {}; the last good checkpoint is kept in {}",
-                    step + 1,
-                    run.checkpoints().display()
-                )));
+                return Err(non_finite(self.run, "online DPO loss", value, step, ONLINE_STATE).into());
             }
-            let mut grads = GradientsParams::from_grads(out.loss.backward(), &policy);
-            let norm = clip_grad_norm(&policy, &mut grads, on.max_grad_norm);
-            policy = optim.step(on.lr, policy, grads);
+            let grads = GradientsParams::from_grads(out.loss.backward(), &policy);
+            let (updated, norm) = optim.step(on.lr, policy, grads)?;
+            policy = updated;
             row.insert("loss".into(), value.into());
             row.insert("grad_norm".into(), norm.into());
             for (k, v) in out.metrics {
                 row.insert(k, v.into());
             }
         }
-        let done = step + 1;
-        if done == on.steps || (on.eval_every > 0 && done.is_multiple_of(on.eval_every)) {
-            let eval = evaluate(&mut engine, &policy)?;
-            last = eval.get("eval_reward").and_then(Value::as_f64).or(last);
-            row.extend(eval);
-        }
-        bar.set_position(done as u64);
-        bar.set_message(format!("reward {:.3}", mean(&scores)));
-        log.write(&row)?;
-        if on.save_every > 0 && done.is_multiple_of(on.save_every) && done < on.steps {
-            run.save_checkpoint(done, |tmp| {
-                store.save(&policy.valid(), &tmp.join("policy"))?;
-                save_optimizer(&optim, &tmp.join("optimizer.bin"))?;
-                write_json(&tmp.join(ONLINE_STATE), &OnlineState { step: done })
-            })?;
-        }
+        Ok(Stepped {
+            model: policy,
+            row,
+            message: format!("reward {:.3}", mean(&scores)),
+        })
     }
-    bar.finish_and_clear();
-    run.write_shared(|| store.save(&policy.valid(), &run.final_dir()))?;
-    Ok(OnlineDpoSummary {
-        steps: on.steps,
-        final_dir: run.final_dir(),
-        initial_eval_reward: initial,
-        final_eval_reward: last,
-    })
+
+    fn validates(&self) -> bool {
+        true
+    }
+
+    fn evaluate(&mut self, policy: &CausalLm) -> Result<Map<String, Value>, DpoError> {
+        let mut out = Map::new();
+        if !self.eval_set.is_empty() {
+            let engine = made(&mut self.engine)?;
+            engine.refit(policy)?;
+            let (_, scores) = self.sampler.sample(engine, &self.eval_set, 1, 0xe7a1)?;
+            out.insert("eval_reward".into(), mean(&scores).into());
+            self.last = Some(mean(&scores));
+        }
+        if let Some(frontier) = self.frontier {
+            out.extend(ModelEval::evaluate(frontier, &policy.valid())?);
+        }
+        Ok(out)
+    }
+
+    fn plot_keys(&self) -> Vec<String> {
+        ["reward", "eval_reward", "loss"].map(String::from).to_vec()
+    }
 }
 
 /// Draws answers from the engine and scores them.

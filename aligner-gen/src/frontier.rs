@@ -12,14 +12,13 @@
 use std::path::{Path, PathBuf};
 
 use aligner_core::data::{EncodedPrompt, load_prompts};
-use aligner_core::reward::RewardModel;
 use aligner_core::score::{ScoredSequence, response_logprobs};
-use aligner_core::start::LoadedRewardModel;
 use aligner_core::train::{ModelEval, Range, check_value};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::reward::{FunctionReward, ModelReward, Reward, RewardInput};
 use crate::{Engine, EngineOptions, GenerationRequest, SamplingParams, StopReason};
 
 /// `[frontier]`: the reward–KL evaluation a policy method runs at every validation.
@@ -136,10 +135,10 @@ impl FrontierSection {
         }
         let mut rewards = Vec::new();
         if let Some(dir) = &self.reward_model {
-            rewards.push(SampleReward::model_dir(dir, device)?);
+            rewards.push(ModelReward::from_dir("reward", dir, device)?.boxed());
         }
         if let Some(function) = self.reward_function {
-            rewards.push(SampleReward::Function(function));
+            rewards.push(FunctionReward(function).boxed());
         }
         Ok(Some(Frontier {
             reference,
@@ -253,39 +252,6 @@ pub fn sentiment_lexicon(text: &str) -> i64 {
         .sum()
 }
 
-/// What scores a sample.
-pub enum SampleReward {
-    /// A reward model's first output on the prompt + response ids.
-    Model(Box<RewardModel>),
-    Function(RewardFunction),
-}
-
-impl SampleReward {
-    /// The reward model in `dir`.
-    pub fn model_dir(dir: &Path, device: &Device) -> crate::Result<Self> {
-        let loaded = LoadedRewardModel::from_dir(dir, device)?;
-        Ok(Self::Model(Box::new(loaded.model)))
-    }
-
-    /// The name its figures are logged under (`reward` for a model, the function's name).
-    pub fn name(&self) -> &str {
-        match self {
-            SampleReward::Model(_) => "reward",
-            SampleReward::Function(f) => f.name(),
-        }
-    }
-
-    fn score(&self, sequences: &[ScoredSequence], responses: &[String]) -> crate::Result<Vec<f64>> {
-        match self {
-            SampleReward::Model(model) => {
-                let rows: Vec<&[u32]> = sequences.iter().map(|s| s.ids.as_slice()).collect();
-                Ok(model.score_rows(&rows, 16)?.iter().map(|r| r[0] as f64).collect())
-            }
-            SampleReward::Function(f) => Ok(responses.iter().map(|r| f.score(r)).collect()),
-        }
-    }
-}
-
 /// The model the KL and the NLL are measured against, with its tokenizer.
 pub struct Reference {
     pub model: CausalLm,
@@ -354,7 +320,9 @@ impl Summary {
 pub struct Frontier {
     pub reference: Reference,
     pub prompts: Vec<EncodedPrompt>,
-    pub rewards: Vec<SampleReward>,
+    /// What scores the samples (a reward model is logged as `reward`, a function by its
+    /// name).
+    pub rewards: Vec<Box<dyn Reward>>,
     pub options: FrontierOptions,
 }
 
@@ -397,11 +365,28 @@ impl Frontier {
                     .decode_continuation(&r.prompt_ids, &g.token_ids)
             })
             .collect::<aligner_core::Result<Vec<String>>>()?;
+        let inputs: Vec<RewardInput<'_>> = requests
+            .iter()
+            .zip(&generations)
+            .zip(&responses)
+            .enumerate()
+            .map(|(i, ((r, g), response))| {
+                let prompt = &self.prompts[i / n];
+                RewardInput {
+                    prompt: &prompt.text,
+                    response,
+                    prompt_ids: &r.prompt_ids,
+                    response_ids: &g.token_ids,
+                    stop_reason: g.stop_reason,
+                    fields: &prompt.fields,
+                }
+            })
+            .collect();
         let scores = self
             .rewards
             .iter()
-            .map(|r| r.score(&sequences, &responses))
-            .collect::<crate::Result<Vec<Vec<f64>>>>()?;
+            .map(|r| r.score(&inputs))
+            .collect::<Result<Vec<Vec<f64>>, _>>()?;
         let samples: Vec<Sample> = generations
             .iter()
             .zip(&reference_lp)
@@ -422,7 +407,7 @@ impl Frontier {
                     .collect(),
             })
             .collect();
-        let names: Vec<&str> = self.rewards.iter().map(SampleReward::name).collect();
+        let names: Vec<&str> = self.rewards.iter().map(|r| r.name()).collect();
         Ok((summarize(&samples, &names), samples))
     }
 }
@@ -453,6 +438,97 @@ impl ModelEval<CausalLm> for Frontier {
         );
         Ok(metrics)
     }
+}
+
+/// A labelled path on the reward–KL plane: one point for an evaluation, one per validation
+/// for a training run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrontierSeries {
+    pub label: String,
+    /// `(KL per response, reward)`.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// The `eval_frontier/...` figures that are not rewards.
+const FIGURES: [&str; 6] = ["kl", "kl_per_token", "nll", "distinct_2", "tokens", "eos"];
+
+/// A point when both coordinates are finite numbers.
+fn frontier_point(kl: Option<f64>, reward: Option<f64>) -> Option<(f64, f64)> {
+    Some((kl?, reward?)).filter(|(k, r)| k.is_finite() && r.is_finite())
+}
+
+/// What `path` holds on the reward–KL plane, labelled by its name: an evaluation
+/// (`aligner eval`'s `summary.json`, or the folder of one) or a training run's path (a folder
+/// whose `metrics.jsonl` has `eval_frontier/...` figures). Anything else is an error naming
+/// the file and what it lacks.
+pub fn frontier_series(path: &Path) -> crate::Result<FrontierSeries> {
+    let label = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string());
+    let bad = |message: String| CoreError::Invalid(message).into();
+    let summary = match path.is_dir() {
+        true => path.join("summary.json"),
+        false => path.to_path_buf(),
+    };
+    if summary.is_file() {
+        let text = std::fs::read_to_string(&summary).map_err(|e| CoreError::io(&summary, e))?;
+        let value: Value = serde_json::from_str(text.trim())
+            .map_err(|e| CoreError::Invalid(format!("{}: {e}", summary.display())))?;
+        let point =
+            frontier_point(value["kl_per_response"].as_f64(), value["reward"].as_f64()).ok_or_else(|| {
+                bad(format!(
+                    "{}: no reward and kl_per_response (evaluate with --reward or --reward-fn)",
+                    summary.display()
+                ))
+            })?;
+        return Ok(FrontierSeries {
+            label,
+            points: vec![point],
+        });
+    }
+    let metrics = path.join("metrics.jsonl");
+    if !metrics.is_file() {
+        return Err(bad(format!(
+            "{}: neither an evaluation (summary.json) nor a run (metrics.jsonl)",
+            path.display()
+        )));
+    }
+    let rows: Vec<Map<String, Value>> = aligner_core::data::read_jsonl(&metrics)?;
+    let reward_key = rows
+        .iter()
+        .flat_map(|r| r.keys())
+        .find(|k| k.starts_with("eval_frontier/") && !FIGURES.contains(&&k["eval_frontier/".len()..]))
+        .cloned()
+        .ok_or_else(|| {
+            bad(format!(
+                "{}: no eval_frontier reward (was [frontier] set?)",
+                metrics.display()
+            ))
+        })?;
+    let points = rows
+        .iter()
+        .filter_map(|r| frontier_point(r.get("eval_frontier/kl")?.as_f64(), r.get(&reward_key)?.as_f64()))
+        .collect();
+    Ok(FrontierSeries { label, points })
+}
+
+/// Draws `series` on one reward-against-KL chart, an SVG at `path`.
+pub fn plot_frontier(series: &[FrontierSeries], path: &Path) -> crate::Result<()> {
+    let lines: Vec<(&str, &[(f64, f64)])> = series
+        .iter()
+        .map(|s| (s.label.as_str(), s.points.as_slice()))
+        .collect();
+    aligner_core::train::metrics::plot_points(
+        &lines,
+        (
+            "reward against KL to the reference",
+            "KL(π ‖ π_ref), nats per response",
+            "reward",
+        ),
+        path,
+    )?;
+    Ok(())
 }
 
 /// Distinct n-grams over all the samples' whitespace words divided by all n-grams (0 when

@@ -5,22 +5,20 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use aligner_core::checkpoint::write_json;
 use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::map_sharded;
-use aligner_core::run::{RunDir, progress_bar};
-use aligner_core::train::grads::{all_reduce_gradients, clip_grad_norm};
-use aligner_core::train::master::{load_with_masters, save_with_masters};
+use aligner_core::run::RunDir;
+use aligner_core::train::grads::all_reduce_gradients;
 use aligner_core::train::{
-    MetricsLog, ModelStore, adamw, load_optimizer, mini_batches, plot_metrics, save_optimizer,
+    CheckpointLayout, LoopSettings, Method, ModelStore, Optimizer, Stepped, mini_batches, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, LlamaConfig, TextTokenizer};
 use aligner_gen::{Engine, EngineOptions, Generation, Rewards, StopReason, WorkerPool};
 use burn::module::Module;
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::advantages::{
@@ -37,13 +35,6 @@ use aligner_parallel::{ReduceOp, shard_range};
 
 /// The file a PPO checkpoint writes last (its presence marks the checkpoint complete).
 pub const PPO_STATE: &str = "ppo_state.json";
-
-/// Where a run stands; stored with each checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PpoState {
-    pub step: usize,
-    pub seed: u64,
-}
 
 /// What a finished run reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,7 +132,9 @@ impl PpoRunner<'_> {
     }
 
     /// Trains `actor` (LoRA already attached when configured), or, when the run is resumed,
-    /// continues from its newest checkpoint.
+    /// continues from its newest checkpoint, in the shared training loop
+    /// ([`aligner_core::train::run_loop`]): this crate supplies the step (sample, score, update)
+    /// and the evaluation.
     ///
     /// Data parallel: every rank's engine takes rollout requests a batch at a time from one
     /// queue (a rank whose responses come out short takes more), the rollout is gathered on
@@ -153,9 +146,14 @@ impl PpoRunner<'_> {
         if self.train_prompts.is_empty() {
             return Err(PpoError::Invalid("no training prompts".into()));
         }
+        if cfg.one_step_off && self.run.comm().world_size() > 1 {
+            return Err(PpoError::Invalid(
+                "ppo.one_step_off samples on a second thread of one process; run it without mpirun".into(),
+            ));
+        }
         let train_device = self.config.ppo.actor_device(&self.device);
         let lora = self.config.model.lora_rank > 0;
-        let mut actor = actor.fork(&train_device).train();
+        let actor = aligner_core::train::config::to_train_device(actor, &train_device);
         // Without LoRA the reference is a frozen copy of the starting policy; with LoRA it is
         // the same weights with the adapters switched off (the base does not train), kept as
         // a copy only when it is offloaded to the CPU.
@@ -171,261 +169,66 @@ impl PpoRunner<'_> {
                 Some(frozen)
             }
         };
-        let mut optim = adamw(0.0);
-        let mut start = 0;
-        self.run.prepare_checkpoints()?;
-        if let Some((step, dir)) = self.run.resume_point(PPO_STATE)? {
-            actor = load_with_masters(self.store, &dir.join("actor"), &train_device)?.train();
-            optim = load_optimizer(optim, &dir.join("actor_optimizer.bin"))?;
-            if let Some(critic) = critic {
-                critic.load(dir.join("critic")).wait()?;
-            }
-            tracing::info!(step, dir = %dir.display(), "resuming");
-            start = step;
-        }
-        let engine = Engine::new(
-            actor.valid(),
-            self.llama.clone(),
-            Some(self.tokenizer.clone()),
-            EngineOptions {
-                slots: cfg.slots,
-                cache_len: None,
-                ..EngineOptions::default()
+        let settings = LoopSettings {
+            steps: cfg.steps,
+            seed: cfg.seed,
+            weight_decay: 0.0,
+            max_grad_norm: cfg.max_grad_norm,
+            shard_optimizer: false,
+            log_every: 1,
+            eval_every: cfg.eval_every,
+            save_every: cfg.save_every,
+            sync_check_every: 0,
+            tensorboard: cfg.tensorboard,
+            keep_best: None,
+            keep_best_mode: Default::default(),
+            layout: CheckpointLayout {
+                state: PPO_STATE,
+                model: "actor",
+                optimizer: "actor_optimizer.bin",
             },
-        );
-        if cfg.one_step_off && self.run.comm().world_size() > 1 {
-            return Err(PpoError::Invalid(
-                "ppo.one_step_off samples on a second thread of one process; run it without mpirun".into(),
-            ));
-        }
-        let mut pool = Some(WorkerPool::new(engine, cfg.workers));
-        let log = MetricsLog::for_run_with_tensorboard(
-            self.run,
-            self.run.is_resumed().then_some(start),
-            cfg.tensorboard,
-        )?;
-        // A resumed run reads its step-0 evaluation back from the log it kept.
-        let mut initial_eval = log.logged(0, "eval_reward")?;
-        if start == 0 && !self.eval_prompts.is_empty() {
-            let reward = self.evaluate(engines(&mut pool)?, &actor, critic)?;
-            initial_eval = Some(reward);
-            let mut first = row(&[("step", 0.0), ("eval_reward", reward)]);
-            first.extend(self.frontier_metrics(&actor)?);
-            log.write(&first)?;
-        }
-        let bar = progress_bar(
-            cfg.steps as u64,
-            "ppo step {pos}/{len} {bar:30} {msg} [{elapsed} < {eta}]",
-        );
-        bar.set_position(start as u64);
-        let mut totals = StepTimes::default();
-        let mut last_eval = None;
-        // Steps in a row whose samples carried no learning signal.
-        let mut flat_steps = 0;
-        // `Some` when the run stops early (`--stop-after`).
-        let stopped = std::thread::scope(|scope| {
-            let mut ahead: Option<Ahead<'_>> = None;
-            for step in start..cfg.steps {
-                if self.run.stops_at(step) {
-                    bar.abandon();
-                    return Ok(Some(self.summary(
-                        step,
-                        initial_eval,
-                        last_eval,
-                        &totals,
-                        step - start,
-                    )));
-                }
-                let began = Instant::now();
-                let mut times = StepTimes::default();
-
-                // This step's samples: drawn now from the current weights, or (one-step-off) drawn
-                // during the last step from the weights it started with, one update behind.
-                let t = Instant::now();
-                let (rollout, lag) = match ahead.take() {
-                    Some(drawing) => {
-                        let (rollout, seconds) = drawing.land(&mut pool)?;
-                        times.generation_overlapped = seconds;
-                        (rollout?, 1)
-                    }
-                    None => {
-                        let engines = engines(&mut pool)?;
-                        engines.refit(&actor)?;
-                        times.refit = t.elapsed().as_secs_f64();
-                        (self.sampler().rollout(engines, step)?, 0)
-                    }
-                };
-                // The time the actor waited for its samples.
-                times.generation = t.elapsed().as_secs_f64() - times.refit;
-                if lag == 0 {
-                    times.generation -= rollout.reward_seconds;
-                    times.reward = rollout.reward_seconds;
-                }
-                times.generation_per_rank = rollout.per_rank;
-                if cfg.one_step_off && step + 1 < cfg.steps {
-                    // The next step's samples come from the weights this step starts with.
-                    let t = Instant::now();
-                    let mut lent = pool.take().ok_or_else(|| {
-                        PpoError::Invalid("the generation engines were not handed back".into())
-                    })?;
-                    lent.refit(&actor)?;
-                    times.refit += t.elapsed().as_secs_f64();
-                    let sampler = self.sampler();
-                    ahead = Some(Ahead::Drawing(scope.spawn(move || {
-                        let t = Instant::now();
-                        let rollout = sampler.rollout(&mut lent, step + 1);
-                        (lent, rollout, t.elapsed().as_secs_f64())
-                    })));
-                }
-                let sequences = rollout.sequences;
-                let generations = rollout.generations;
-
-                // The critic scores while the actor computes the reference log-probs.
-                let needs_critic = cfg.advantage.needs_critic();
-                let pending = critic
-                    .filter(|_| needs_critic)
-                    .map(|c| c.infer(sequences.clone()));
-                let t = Instant::now();
-                let ref_logprobs = self.reference_logprobs(&actor, reference.as_ref(), &sequences)?;
-                times.logprobs = t.elapsed().as_secs_f64();
-                let t = Instant::now();
-                let critic_out: InferReply = if needs_critic {
-                    self.shared_by_root(pending.map(|p| p.wait()).transpose()?)?
-                } else {
-                    InferReply {
-                        values: sequences
-                            .iter()
-                            .map(|s| vec![0.0; s.response_ids.len()])
-                            .collect(),
-                        rewards: Vec::new(),
-                        seconds: 0.0,
-                    }
-                };
-                times.critic_wait = t.elapsed().as_secs_f64();
-                times.critic_compute = critic_out.seconds;
-
-                let mut metrics = rollout.metrics;
-                metrics.insert("behaviour_lag".into(), lag.into());
-                let scores = match rollout.scores {
-                    Some(scores) => scores,
-                    None => {
-                        metrics.insert("reward".into(), mean(&critic_out.rewards).into());
-                        self.sampler().shaped(&critic_out.rewards, &generations)
-                    }
-                };
-                let (scored, more, flat) =
-                    self.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
-                metrics.extend(more);
-                match flat {
-                    Some(why) => {
-                        flat_steps += 1;
-                        tracing::warn!(step = step + 1, "this step's samples teach nothing: {why}");
-                        if cfg.stop_after_flat_steps > 0 && flat_steps >= cfg.stop_after_flat_steps {
-                            return Err(PpoError::NoSignal {
-                                steps: flat_steps,
-                                why,
-                                checkpoints: self.run.checkpoints().display().to_string(),
-                            });
-                        }
-                    }
-                    None => flat_steps = 0,
-                }
-                let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
-                let value_ticket = critic.filter(|_| train_values).map(|critic| {
-                    critic.train(TrainRequest {
-                        sequences: scored.sequences.clone(),
-                        old_values: scored.old_values.clone(),
-                        returns: scored.returns.clone(),
-                        settings: CriticSettings {
-                            lr: cfg.critic_lr,
-                            clip_eps: cfg.value_clip_eps,
-                            epochs: cfg.epochs,
-                            mini_batch: cfg.mini_batch,
-                            max_grad_norm: cfg.max_grad_norm,
-                        },
-                    })
-                });
-                let t = Instant::now();
-                let stats = self.update_actor(&mut actor, &mut optim, &scored)?;
-                times.train = t.elapsed().as_secs_f64();
-                let mut value_loss = None;
-                if train_values {
-                    let t = Instant::now();
-                    let reply = value_ticket.map(|t| t.wait()).transpose()?;
-                    let (loss, seconds): (f64, f64) =
-                        self.shared_by_root(reply.map(|r| (r.value_loss, r.seconds)))?;
-                    times.critic_wait += t.elapsed().as_secs_f64();
-                    times.critic_compute += seconds;
-                    value_loss = Some(loss);
-                }
-                times.total = began.elapsed().as_secs_f64();
-                totals.add(&times);
-
-                let done = step + 1;
-                let mut out = metrics;
-                out.insert("step".into(), done.into());
-                for (k, v) in [
-                    ("policy_loss", stats.policy_loss),
-                    ("clip_fraction", stats.clip_fraction),
-                    ("approx_kl", stats.approx_kl),
-                ] {
-                    out.insert(k.into(), v.into());
-                }
-                if let Some(h) = stats.entropy {
-                    out.insert("entropy".into(), h.into());
-                }
-                if let Some(v) = value_loss {
-                    out.insert("value_loss".into(), v.into());
-                }
-                for (k, v) in serde_json::to_value(&times)
-                    .ok()
-                    .and_then(|v| v.as_object().cloned())
-                    .unwrap_or_default()
-                {
-                    out.insert(format!("time_{k}"), v);
-                }
-                if !self.eval_prompts.is_empty()
-                    && (done == cfg.steps || (cfg.eval_every > 0 && done.is_multiple_of(cfg.eval_every)))
-                {
-                    if let Some(drawing) = ahead.take() {
-                        let (rollout, seconds) = drawing.land(&mut pool)?;
-                        ahead = Some(Ahead::Drawn(rollout, seconds));
-                    }
-                    let reward = self.evaluate(engines(&mut pool)?, &actor, critic)?;
-                    last_eval = Some(reward);
-                    out.insert("eval_reward".into(), reward.into());
-                    out.extend(self.frontier_metrics(&actor)?);
-                }
-                let reward = out.get("reward").and_then(Value::as_f64).unwrap_or(f64::NAN);
-                bar.set_position(done as u64);
-                bar.set_message(format!("reward {reward:.3} · {:.1} s/step", times.total));
-                log.write(&out)?;
-                if cfg.save_every > 0 && done.is_multiple_of(cfg.save_every) && done < cfg.steps {
-                    self.save_checkpoint(done, &actor, &optim, critic)?;
-                }
+            label: "ppo step",
+        };
+        let (summary, step) = std::thread::scope(|scope| {
+            let mut step = PpoStep {
+                runner: self,
+                critic,
+                reference,
+                scope,
+                pool: None,
+                ahead: None,
+                totals: StepTimes::default(),
+                steps_run: 0,
+                flat_steps: 0,
+                last_eval: None,
+            };
+            let (_, summary) = run_loop(
+                &mut step,
+                actor,
+                self.store,
+                &settings,
+                self.run,
+                &train_device,
+                &self.device,
+            )?;
+            // Samples still being drawn when the run stopped early are waited for, and unused.
+            if let Some(drawing) = step.ahead.take() {
+                let _unused = drawing.land(&mut step.pool)?;
             }
-            Ok::<_, PpoError>(None)
-        });
-        if let Some(stopped) = stopped? {
-            return Ok(stopped);
-        }
-        bar.finish_and_clear();
-        self.run.write_shared(|| {
-            self.store.save(&actor.valid(), &self.run.final_dir())?;
-            if let Some(critic) = critic {
-                critic.save(self.run.join("critic")).wait()?;
-            }
-            let rows = log.rows()?;
-            Ok::<_, PpoError>(plot_metrics(
-                &rows,
-                &["reward", "eval_reward", "kl", "value_loss"],
-                &self.run.join("metrics.svg"),
-            )?)
+            Ok::<_, PpoError>((summary, (step.totals, step.steps_run, step.last_eval)))
         })?;
-        Ok(self.summary(cfg.steps, initial_eval, last_eval, &totals, cfg.steps - start))
+        let (totals, steps_run, last_eval) = step;
+        Ok(PpoSummary {
+            steps: summary.steps,
+            final_dir: summary.final_dir,
+            initial_eval_reward: summary
+                .initial_eval
+                .and_then(|eval| eval.get("eval_reward").and_then(Value::as_f64)),
+            final_eval_reward: last_eval,
+            mean_times: totals.mean(steps_run),
+        })
     }
 
-    /// `checkpoints/step-N/`: actor, its optimiser, the critic, the run position.
     /// The frontier figures of `actor` (rank 0 measures them; the others log nothing).
     fn frontier_metrics(&self, actor: &CausalLm) -> Result<Map<String, Value>> {
         match self.frontier.filter(|_| self.run.is_writer()) {
@@ -434,48 +237,6 @@ impl PpoRunner<'_> {
                 &actor.valid(),
             )?),
             None => Ok(Map::new()),
-        }
-    }
-
-    fn save_checkpoint(
-        &self,
-        step: usize,
-        actor: &CausalLm,
-        optim: &ModuleOptimizer,
-        critic: Option<&dyn CriticClient>,
-    ) -> Result<()> {
-        self.run.save_checkpoint(step, |tmp| {
-            // The critic saves while the actor writes its own part (only rank 0 writes, and
-            // only rank 0 holds the critic).
-            let critic_saved = critic.map(|c| c.save(tmp.join("critic")));
-            save_with_masters(self.store, &actor.valid(), &tmp.join("actor"))?;
-            save_optimizer(optim, &tmp.join("actor_optimizer.bin"))?;
-            if let Some(saved) = critic_saved {
-                saved.wait()?;
-            }
-            let state = PpoState {
-                step,
-                seed: self.config.ppo.seed,
-            };
-            Ok::<_, PpoError>(write_json(&tmp.join(PPO_STATE), &state)?)
-        })?;
-        Ok(())
-    }
-
-    fn summary(
-        &self,
-        steps: usize,
-        initial: Option<f64>,
-        last: Option<f64>,
-        totals: &StepTimes,
-        run_steps: usize,
-    ) -> PpoSummary {
-        PpoSummary {
-            steps,
-            final_dir: self.run.final_dir(),
-            initial_eval_reward: initial,
-            final_eval_reward: last,
-            mean_times: totals.mean(run_steps),
         }
     }
 
@@ -616,10 +377,10 @@ impl PpoRunner<'_> {
     /// before clipping, so the update is the one of the whole mini-batch.
     fn update_actor(
         &self,
-        actor: &mut CausalLm,
-        optim: &mut ModuleOptimizer,
+        mut actor: CausalLm,
+        optim: &mut Optimizer<'_>,
         scored: &Scored,
-    ) -> Result<ActorStats> {
+    ) -> Result<(CausalLm, ActorStats)> {
         let cfg = &self.config.ppo;
         // The device the actor's weights are on (with its activation checkpointing setting).
         let device = actor.model.embed_tokens.weight.device();
@@ -645,13 +406,13 @@ impl PpoRunner<'_> {
             let mut stats = [0.0f64; 4];
             let mut grads = GradientsParams::new();
             if !mine.is_empty() {
-                let (loss, values) = self.actor_loss(actor, scored, mine, &device)?;
+                let (loss, values) = self.actor_loss(&actor, scored, mine, &device)?;
                 stats = values;
                 let loss = if world > 1 { loss.mul_scalar(share) } else { loss };
-                grads = GradientsParams::from_grads(loss.backward(), actor);
+                grads = GradientsParams::from_grads(loss.backward(), &actor);
             }
             if world > 1 {
-                all_reduce_gradients(actor, &mut grads, 1.0, comm).map_err(CoreError::from)?;
+                all_reduce_gradients(&actor, &mut grads, 1.0, comm).map_err(CoreError::from)?;
                 stats.iter_mut().for_each(|s| *s *= share);
                 comm.all_reduce_f64(&mut stats, ReduceOp::Sum)
                     .map_err(CoreError::from)?;
@@ -668,16 +429,16 @@ impl PpoRunner<'_> {
             kl += approx_kl;
             entropy_sum += h;
             batches += 1;
-            clip_grad_norm(actor, &mut grads, cfg.max_grad_norm);
-            *actor = optim.step(cfg.actor_lr, actor.clone(), grads);
+            actor = optim.step(cfg.actor_lr, actor, grads)?.0;
         }
         let b = batches.max(1) as f64;
-        Ok(ActorStats {
+        let stats = ActorStats {
             clip_fraction: clip / b,
             approx_kl: kl / b,
             policy_loss: loss_sum / b,
             entropy: (cfg.entropy_coef > 0.0).then_some(entropy_sum / b),
-        })
+        };
+        Ok((actor, stats))
     }
 
     /// The clipped policy loss (minus the entropy bonus) of sequences `rows` of a rollout, and
@@ -749,6 +510,255 @@ impl PpoRunner<'_> {
             }
         };
         Ok(mean(&rewards))
+    }
+}
+
+/// PPO's step in the shared loop: its engines, the reference, the critic, and what carries
+/// from one step to the next (one-step-off samples, the step times, the flat-step count).
+struct PpoStep<'r, 'scope> {
+    runner: &'r PpoRunner<'r>,
+    critic: Option<&'r dyn CriticClient>,
+    reference: Option<CausalLm>,
+    scope: &'scope std::thread::Scope<'scope, 'r>,
+    /// The generation engines (made from the trained weights once they are in place).
+    pool: Option<WorkerPool>,
+    ahead: Option<Ahead<'scope>>,
+    totals: StepTimes,
+    /// Steps this process ran (the mean step times' count).
+    steps_run: usize,
+    /// Steps in a row whose samples carried no learning signal.
+    flat_steps: usize,
+    /// The last evaluation's reward in this process.
+    last_eval: Option<f64>,
+}
+
+impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
+    type Error = PpoError;
+
+    fn begin(&mut self, actor: &CausalLm, resumed: Option<&std::path::Path>) -> Result<()> {
+        if let (Some(dir), Some(critic)) = (resumed, self.critic) {
+            critic.load(dir.join("critic")).wait()?;
+        }
+        let engine = Engine::new(
+            actor.valid(),
+            self.runner.llama.clone(),
+            Some(self.runner.tokenizer.clone()),
+            EngineOptions {
+                slots: self.runner.config.ppo.slots,
+                cache_len: None,
+                ..EngineOptions::default()
+            },
+        );
+        self.pool = Some(WorkerPool::new(engine, self.runner.config.ppo.workers));
+        Ok(())
+    }
+
+    fn step(&mut self, step: usize, actor: CausalLm, optim: &mut Optimizer<'_>) -> Result<Stepped<CausalLm>> {
+        let runner = self.runner;
+        let cfg = &runner.config.ppo;
+        let critic = self.critic;
+        let began = Instant::now();
+        let mut times = StepTimes::default();
+
+        // This step's samples: drawn now from the current weights, or (one-step-off) drawn
+        // during the last step from the weights it started with, one update behind.
+        let t = Instant::now();
+        let (rollout, lag) = match self.ahead.take() {
+            Some(drawing) => {
+                let (rollout, seconds) = drawing.land(&mut self.pool)?;
+                times.generation_overlapped = seconds;
+                (rollout?, 1)
+            }
+            None => {
+                let engines = engines(&mut self.pool)?;
+                engines.refit(&actor)?;
+                times.refit = t.elapsed().as_secs_f64();
+                (runner.sampler().rollout(engines, step)?, 0)
+            }
+        };
+        // The time the actor waited for its samples.
+        times.generation = t.elapsed().as_secs_f64() - times.refit;
+        if lag == 0 {
+            times.generation -= rollout.reward_seconds;
+            times.reward = rollout.reward_seconds;
+        }
+        times.generation_per_rank = rollout.per_rank;
+        if cfg.one_step_off && step + 1 < cfg.steps {
+            // The next step's samples come from the weights this step starts with.
+            let t = Instant::now();
+            let mut lent = self
+                .pool
+                .take()
+                .ok_or_else(|| PpoError::Invalid("the generation engines were not handed back".into()))?;
+            lent.refit(&actor)?;
+            times.refit += t.elapsed().as_secs_f64();
+            let sampler = runner.sampler();
+            self.ahead = Some(Ahead::Drawing(self.scope.spawn(move || {
+                let t = Instant::now();
+                let rollout = sampler.rollout(&mut lent, step + 1);
+                (lent, rollout, t.elapsed().as_secs_f64())
+            })));
+        }
+        let sequences = rollout.sequences;
+        let generations = rollout.generations;
+
+        // The critic scores while the actor computes the reference log-probs.
+        let needs_critic = cfg.advantage.needs_critic();
+        let pending = critic
+            .filter(|_| needs_critic)
+            .map(|c| c.infer(sequences.clone()));
+        let t = Instant::now();
+        let ref_logprobs = runner.reference_logprobs(&actor, self.reference.as_ref(), &sequences)?;
+        times.logprobs = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let critic_out: InferReply = if needs_critic {
+            runner.shared_by_root(pending.map(|p| p.wait()).transpose()?)?
+        } else {
+            InferReply {
+                values: sequences
+                    .iter()
+                    .map(|s| vec![0.0; s.response_ids.len()])
+                    .collect(),
+                rewards: Vec::new(),
+                seconds: 0.0,
+            }
+        };
+        times.critic_wait = t.elapsed().as_secs_f64();
+        times.critic_compute = critic_out.seconds;
+
+        let mut metrics = rollout.metrics;
+        metrics.insert("behaviour_lag".into(), lag.into());
+        let scores = match rollout.scores {
+            Some(scores) => scores,
+            None => {
+                metrics.insert("reward".into(), mean(&critic_out.rewards).into());
+                runner.sampler().shaped(&critic_out.rewards, &generations)
+            }
+        };
+        let (scored, more, flat) =
+            runner.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
+        metrics.extend(more);
+        match flat {
+            Some(why) => {
+                self.flat_steps += 1;
+                tracing::warn!(step = step + 1, "this step's samples teach nothing: {why}");
+                if cfg.stop_after_flat_steps > 0 && self.flat_steps >= cfg.stop_after_flat_steps {
+                    return Err(PpoError::NoSignal {
+                        steps: self.flat_steps,
+                        why,
+                        checkpoints: runner.run.checkpoints().display().to_string(),
+                    });
+                }
+            }
+            None => self.flat_steps = 0,
+        }
+        let train_values = cfg.advantage == Advantage::Gae && !scored.sequences.is_empty();
+        let value_ticket = critic.filter(|_| train_values).map(|critic| {
+            critic.train(TrainRequest {
+                sequences: scored.sequences.clone(),
+                old_values: scored.old_values.clone(),
+                returns: scored.returns.clone(),
+                settings: CriticSettings {
+                    lr: cfg.critic_lr,
+                    clip_eps: cfg.value_clip_eps,
+                    epochs: cfg.epochs,
+                    mini_batch: cfg.mini_batch,
+                    max_grad_norm: cfg.max_grad_norm,
+                },
+            })
+        });
+        let t = Instant::now();
+        let (actor, stats) = runner.update_actor(actor, optim, &scored)?;
+        times.train = t.elapsed().as_secs_f64();
+        let mut value_loss = None;
+        if train_values {
+            let t = Instant::now();
+            let reply = value_ticket.map(|t| t.wait()).transpose()?;
+            let (loss, seconds): (f64, f64) =
+                runner.shared_by_root(reply.map(|r| (r.value_loss, r.seconds)))?;
+            times.critic_wait += t.elapsed().as_secs_f64();
+            times.critic_compute += seconds;
+            value_loss = Some(loss);
+        }
+        times.total = began.elapsed().as_secs_f64();
+        self.totals.add(&times);
+        self.steps_run += 1;
+
+        let mut out = metrics;
+        for (k, v) in [
+            ("policy_loss", stats.policy_loss),
+            ("clip_fraction", stats.clip_fraction),
+            ("approx_kl", stats.approx_kl),
+        ] {
+            out.insert(k.into(), v.into());
+        }
+        if let Some(h) = stats.entropy {
+            out.insert("entropy".into(), h.into());
+        }
+        if let Some(v) = value_loss {
+            out.insert("value_loss".into(), v.into());
+        }
+        for (k, v) in serde_json::to_value(&times)
+            .ok()
+            .and_then(|v| v.as_object().cloned())
+            .unwrap_or_default()
+        {
+            out.insert(format!("time_{k}"), v);
+        }
+        let reward = out.get("reward").and_then(Value::as_f64).unwrap_or(f64::NAN);
+        Ok(Stepped {
+            model: actor,
+            row: out,
+            message: format!("reward {reward:.3} · {:.1} s/step", times.total),
+        })
+    }
+
+    fn validates(&self) -> bool {
+        !self.runner.eval_prompts.is_empty()
+    }
+
+    fn evaluate(&mut self, actor: &CausalLm) -> Result<Map<String, Value>> {
+        // One-step-off: the next step's samples are waited for, to free the engines.
+        if let Some(drawing) = self.ahead.take() {
+            let (rollout, seconds) = drawing.land(&mut self.pool)?;
+            self.ahead = Some(Ahead::Drawn(rollout, seconds));
+        }
+        let reward = self
+            .runner
+            .evaluate(engines(&mut self.pool)?, actor, self.critic)?;
+        self.last_eval = Some(reward);
+        let mut out = Map::new();
+        out.insert("eval_reward".into(), reward.into());
+        out.extend(self.runner.frontier_metrics(actor)?);
+        Ok(out)
+    }
+
+    /// `checkpoints/step-N/`: the actor and its optimiser, and the critic, which saves while
+    /// the actor writes its own part (only rank 0 writes, and only rank 0 holds the critic).
+    fn checkpoint(
+        &self,
+        tmp: &std::path::Path,
+        write_model: &mut dyn FnMut() -> aligner_core::Result<()>,
+    ) -> Result<()> {
+        let critic_saved = self.critic.map(|c| c.save(tmp.join("critic")));
+        write_model()?;
+        if let Some(saved) = critic_saved {
+            saved.wait()?;
+        }
+        Ok(())
+    }
+
+    fn finish(&self, run: &RunDir) -> Result<()> {
+        if let Some(critic) = self.critic {
+            critic.save(run.join("critic")).wait()?;
+        }
+        Ok(())
+    }
+
+    fn plot_keys(&self) -> Vec<String> {
+        ["reward", "eval_reward", "kl", "value_loss"]
+            .map(String::from)
+            .to_vec()
     }
 }
 

@@ -270,13 +270,18 @@ pub fn train(
             "self_reward.score_max must be above self_reward.score_min".into(),
         ));
     }
-    for (key, template) in [("self_reward.judge_template", &section.judge_template)] {
-        if !template.contains("{prompt}") || !template.contains("{response}") {
-            return Err(SelfRewardError::Invalid(format!(
-                "{key} must contain {{prompt}} and {{response}}"
-            )));
-        }
-    }
+    let fields = ["prompt", "response"];
+    aligner_core::train::check_template(
+        "self_reward.judge_template",
+        &section.judge_template,
+        &fields,
+        &fields,
+    )?;
+    aligner_core::train::check_value(
+        "self_reward.min_gap",
+        section.min_gap,
+        aligner_core::train::Range::NonNegative,
+    )?;
     run.start_with_steps(config, &["sft"])?;
     let judge = section.judge();
     let range = (section.score_min, section.score_max);

@@ -12,11 +12,11 @@ use std::path::PathBuf;
 
 use aligner_core::TextTokenizer;
 use aligner_core::data::Prompt;
-use aligner_gen::{Engine, GenerationRequest, Guidance, SamplingParams};
+use aligner_gen::{Engine, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use crate::attribute_model::AttributeRow;
-use crate::conditioning::{Conditioning, MAX_VALUE, bucket, negative_values};
+use crate::conditioning::{Conditioning, MAX_VALUE, bucket};
 use crate::error::{Result, SteerError};
 
 /// `[bootstrap]`: what `aligner steerlm bootstrap` samples and how.
@@ -161,26 +161,14 @@ pub fn sample(
     for prompt in prompts {
         let text = prompt.render(tokenizer)?;
         for setting in settings {
-            let guidance = match &negative {
-                Some(negative) => {
-                    let away = negative_values(setting, negative);
-                    Some(Guidance {
-                        negative_prompt_ids: tokenizer.encode(&conditioning.apply(&text, &away)?, true)?,
-                        scale: section.guidance_scale,
-                    })
-                }
-                None => None,
+            let params = SamplingParams {
+                temperature: section.temperature,
+                seed: section.seed.wrapping_add(requests.len() as u64),
+                max_new_tokens: section.max_new_tokens,
+                ..SamplingParams::default()
             };
-            requests.push(GenerationRequest {
-                prompt_ids: tokenizer.encode(&conditioning.apply(&text, setting)?, true)?,
-                params: SamplingParams {
-                    temperature: section.temperature,
-                    seed: section.seed.wrapping_add(requests.len() as u64),
-                    max_new_tokens: section.max_new_tokens,
-                    ..SamplingParams::default()
-                },
-                guidance,
-            });
+            let guidance = negative.as_ref().map(|n| (n, section.guidance_scale));
+            requests.push(conditioning.request(tokenizer, &text, setting, guidance, params)?);
         }
     }
     // Data parallel: the ranks' engines take the requests a batch at a time.

@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use aligner_core::TextTokenizer;
+use aligner_gen::{GenerationRequest, Guidance, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, SteerError};
@@ -39,6 +41,40 @@ impl Default for Conditioning {
 }
 
 impl Conditioning {
+    /// The generation request of the rendered prompt `text` steered to `values`; with
+    /// `guidance = Some((negative, scale))`, guided (classifier-free) away from the same
+    /// prompt steered to [`negative_values`]`(values, negative)`: `aligner generate` and the
+    /// bootstrap step build their requests here.
+    pub fn request(
+        &self,
+        tokenizer: &TextTokenizer,
+        text: &str,
+        values: &BTreeMap<String, f64>,
+        guidance: Option<(&BTreeMap<String, f64>, f32)>,
+        params: SamplingParams,
+    ) -> Result<GenerationRequest> {
+        let guidance = match guidance {
+            Some((negative, scale)) => Some(Guidance {
+                negative_prompt_ids: tokenizer
+                    .encode(&self.apply(text, &negative_values(values, negative))?, true)?,
+                scale,
+            }),
+            None => None,
+        };
+        Ok(GenerationRequest {
+            prompt_ids: tokenizer.encode(&self.apply(text, values)?, true)?,
+            params,
+            guidance,
+        })
+    }
+
+    /// The template places both the prompt and the conditioning string, and nothing else.
+    pub fn check(&self) -> Result<()> {
+        let fields = ["prompt", "attributes"];
+        aligner_core::train::check_template("steerlm.template", &self.template, &fields, &fields)?;
+        Ok(())
+    }
+
     /// `name:value,...` for the configured names that `values` has (missing ones are left out),
     /// in the configured order. Values are rounded and clamped to 0..=4; a name outside the
     /// configured set is an error.

@@ -181,6 +181,7 @@ pub fn write_attribute_rows(path: &Path, rows: &[AttributeRow]) -> Result<()> {
 /// Step 3: attribute-conditioned SFT of `[model]` on `data.train` (rare values oversampled);
 /// the conditioning (`steerlm.json`) is saved with the final model.
 pub fn train_conditioned(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
+    config.steerlm.check()?;
     run.start(config)?;
     let files = data_files(&config.data)?;
     let rows = load_attribute_rows(&files.train, &config.steerlm.attributes)?;
@@ -246,6 +247,7 @@ fn conditioned_sft(
 /// defaults, into `<run>/sft` and `<run>/attributes`. The labelled samples are kept as
 /// `<run>/bootstrap.jsonl`; a resumed run trains on those, not on new ones.
 pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
+    config.steerlm.check()?;
     aligner_core::train::check_values(&[
         (
             "bootstrap.temperature",
@@ -258,6 +260,12 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
             aligner_core::train::Range::NonNegative,
         ),
     ])?;
+    // The conditioned model has the start model's shape (the `sft` step trains the default
+    // one): its context bounds the samples before anything trains.
+    aligner_core::train::check_new_tokens(
+        &[("bootstrap.max_new_tokens", config.bootstrap.max_new_tokens)],
+        &aligner_core::start::model_config(&config.model)?,
+    )?;
     // Finished `sft` and `attributes` steps in the folder are this run's inputs.
     run.start_with_steps(config, &["sft", "attributes"])?;
     let files = data_files(&config.data)?;

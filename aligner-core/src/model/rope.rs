@@ -142,7 +142,13 @@ impl Rope {
             _ => &self.inv_freq,
         };
         let pos = positions.clone().float().reshape([batch, 1, seq, 1]);
-        let freqs = pos * inv_freq.clone().reshape([1, 1, 1, half]);
+        // The frequencies are a constant of the module, which Burn's `train()` puts on
+        // autodiff without gradient checkpointing: in the positions' strategy they combine.
+        let inv_freq = match (pos.gradient_checkpointing_strategy(), inv_freq.is_autodiff()) {
+            (Some(strategy), true) => inv_freq.clone().with_gradient_checkpointing_strategy(strategy),
+            _ => inv_freq.clone(),
+        };
+        let freqs = pos * inv_freq.reshape([1, 1, 1, half]);
         let both = Tensor::cat(vec![freqs.clone(), freqs], 3);
         let (cos, sin) = (both.clone().cos(), both.sin());
         if self.attention_factor == 1.0 {

@@ -158,6 +158,70 @@ impl Default for TrainSection {
     }
 }
 
+/// Refuses a text template that lacks one of the `required` placeholders (`{name}`) or has
+/// one that is not `allowed` (a typo such as `{promt}` would otherwise reach the model as
+/// text), naming the key. Braces around anything but a bare name are text.
+pub fn check_template(key: &str, template: &str, required: &[&str], allowed: &[&str]) -> Result<()> {
+    if let Some(missing) = required.iter().find(|f| !template.contains(&format!("{{{f}}}"))) {
+        return Err(CoreError::Invalid(format!("{key} must contain {{{missing}}}")));
+    }
+    if let Some(unknown) = placeholders(template).into_iter().find(|p| !allowed.contains(p)) {
+        let known: Vec<String> = allowed.iter().map(|a| format!("{{{a}}}")).collect();
+        return Err(CoreError::Invalid(format!(
+            "{key} has {{{unknown}}}, which is not one of its placeholders ({})",
+            known.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// The `{name}` placeholders of a template, in order (names are letters, digits and `_`,
+/// starting with a letter or `_`).
+fn placeholders(template: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open + 1..];
+        let end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        let name = &rest[..end];
+        let starts_well = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+        if starts_well && rest[end..].starts_with('}') {
+            out.push(name);
+        }
+    }
+    out
+}
+
+/// `model` moved to the autodiff device `train_device` in training mode, its parameters
+/// carrying the device's gradient-checkpointing strategy. Burn's `Module::train` enables
+/// autodiff on each parameter with the default strategy (none) whatever the device's, and
+/// every activation inherits its inputs' strategy: without this step a checkpointing device
+/// (`activation_checkpointing`) would recompute nothing.
+pub fn to_train_device<M: burn::module::Module>(model: M, train_device: &burn::tensor::Device) -> M {
+    use burn::module::{ModuleMapper, Param};
+    use burn::tensor::{GradientCheckpointingStrategy, Tensor};
+
+    struct WithStrategy(GradientCheckpointingStrategy);
+    impl ModuleMapper for WithStrategy {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let strategy = self.0;
+            param.map(|tensor| tensor.with_gradient_checkpointing_strategy(strategy))
+        }
+    }
+    let model = model.fork(train_device).train();
+    match train_device.gradient_checkpointing_strategy() {
+        Some(strategy) if strategy != GradientCheckpointingStrategy::Disabled => {
+            model.map(&mut WithStrategy(strategy))
+        }
+        _ => model,
+    }
+}
+
 /// What a numeric setting must be (always finite).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Range {
@@ -243,6 +307,23 @@ impl TrainSection {
         } else {
             train
         }
+    }
+
+    /// `model` ready to train on `train_device` ([`TrainSection::autodiff_device`]): see
+    /// [`to_train_device`].
+    pub fn train_model<M: burn::module::Module>(&self, model: M, device: &burn::tensor::Device) -> M {
+        to_train_device(model, &self.autodiff_device(device))
+    }
+
+    /// Optimiser steps of a run over `examples` training examples on `ranks` ranks:
+    /// `max_steps`, or `epochs` over the data in global batches of `batch_size` per rank,
+    /// `grad_accum` micro-batches a step.
+    pub fn total_steps(&self, examples: usize, ranks: usize) -> usize {
+        if self.max_steps > 0 {
+            return self.max_steps;
+        }
+        let per_epoch = examples.div_ceil(self.batch_size.max(1) * ranks.max(1));
+        (per_epoch * self.epochs.max(1)).div_ceil(self.grad_accum.max(1))
     }
 
     /// Refuses settings the loop cannot run with, naming the key.
@@ -483,6 +564,22 @@ pub fn to_toml<T: Serialize>(config: &T) -> Result<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn templates_need_their_placeholders_and_no_others() {
+        let allowed = ["prompt", "response"];
+        assert!(check_template("t", "{prompt}{response} Score:", &allowed, &allowed).is_ok());
+        let missing = check_template("t", "{prompt} Score:", &allowed, &allowed).unwrap_err();
+        assert!(
+            missing.to_string().contains("t must contain {response}"),
+            "{missing}"
+        );
+        let typo = check_template("t", "{promt}{prompt}{response}", &allowed, &allowed).unwrap_err();
+        assert!(typo.to_string().contains("t has {promt}"), "{typo}");
+        // JSON and other braces are text.
+        assert!(check_template("t", r#"{prompt}{response} {"a": 1} {} {1}"#, &allowed, &allowed).is_ok());
+        assert_eq!(placeholders("a {x_1} {b c} {_y}{"), vec!["x_1", "_y"]);
+    }
+
     use super::*;
 
     #[test]

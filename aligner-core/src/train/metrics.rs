@@ -215,6 +215,64 @@ pub fn plot_runs(runs: &[(&str, &[Map<String, Value>])], keys: &[&str], path: &P
     Ok(())
 }
 
+/// Draws labelled `(x, y)` series on one chart (`(caption, x label, y label)`) into an SVG:
+/// a line through each series of more than one point, a dot at every point, a legend naming
+/// the series (`aligner eval --plot`'s reward–KL chart). The x axis starts at 0 or below.
+pub fn plot_points(series: &[(&str, &[(f64, f64)])], labels: (&str, &str, &str), path: &Path) -> Result<()> {
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
+    if all.is_empty() {
+        return Err(CoreError::Invalid(format!(
+            "plot {}: no points to draw",
+            path.display()
+        )));
+    }
+    let (caption, x_desc, y_desc) = labels;
+    let (x0, x1, y0, y1) = all
+        .iter()
+        .fold((0.0f64, f64::MIN, f64::MAX, f64::MIN), |(a, b, c, d), p| {
+            (a.min(p.0), b.max(p.0), c.min(p.1), d.max(p.1))
+        });
+    let pad = ((y1 - y0) * 0.1).max(0.1);
+    let err = |e: String| CoreError::Invalid(format!("plot {}: {e}", path.display()));
+    let root = SVGBackend::new(path, (800, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(x0..(x1 * 1.1).max(x0 + 1.0), (y0 - pad)..(y1 + pad))
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        if points.len() > 1 {
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?;
+        }
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?
+            .label(label.to_string())
+            .legend(move |(x, y)| Circle::new((x, y), 4, color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

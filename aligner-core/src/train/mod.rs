@@ -13,6 +13,7 @@
 //! gradients), schedule, validation (sharded, then summed) and metrics.
 
 pub mod config;
+pub mod driver;
 pub mod grads;
 pub mod master;
 pub mod metrics;
@@ -20,18 +21,21 @@ pub mod order;
 pub mod schedule;
 pub mod tensorboard;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device, Tensor};
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use config::{
     BestMode, ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_new_tokens,
-    check_value, check_values, config_changes, load_config, to_toml,
+    check_template, check_value, check_values, config_changes, load_config, to_toml,
+};
+pub use driver::{
+    BEST_DIR, CheckpointLayout, FINAL_STEP, FinalStep, LoopSettings, LoopState, Method, Optimizer,
+    RunSummary, Stepped, non_finite, optimizer_shard, run_loop,
 };
 pub use metrics::{MetricsLog, plot_metrics, plot_runs};
 pub use order::{EpochOrder, mini_batches};
@@ -40,7 +44,7 @@ pub use schedule::{Schedule, learning_rate};
 pub use crate::store::ModelStore;
 
 use crate::error::{CoreError, Result};
-use crate::run::{RunDir, progress_bar};
+use crate::run::RunDir;
 use aligner_parallel::shard_range;
 
 /// The file a trainer checkpoint writes last (its presence marks the checkpoint complete).
@@ -183,29 +187,8 @@ fn sum_elementwise(by_rank: Vec<Vec<f64>>) -> Vec<f64> {
     total
 }
 
-/// Position of a run, stored with each checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainerState {
-    /// Optimiser steps completed.
-    pub step: usize,
-    pub total_steps: usize,
-    /// The seed the data order and step randomness derive from.
-    pub seed: u64,
-    /// Ranks the optimiser state was sharded over (`optimizer-rank-R.bin`); 0 = one
-    /// `optimizer.bin`.
-    #[serde(default)]
-    pub optimizer_shards: usize,
-}
-
-/// The end of a run.
-#[derive(Debug, Clone)]
-pub struct RunSummary {
-    pub steps: usize,
-    pub final_dir: PathBuf,
-    /// Validation metrics before training (absent when resumed) and at the end.
-    pub initial_eval: Option<Map<String, Value>>,
-    pub final_eval: Map<String, Value>,
-}
+/// Position of an offline trainer's run, stored with each checkpoint.
+pub type TrainerState = LoopState;
 
 /// Runs an [`Objective`] over training examples.
 pub struct Trainer<'a, M: Module, O: Objective<M>> {
@@ -223,22 +206,98 @@ pub struct Trainer<'a, M: Module, O: Objective<M>> {
 }
 
 impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
-    /// Examples per micro-batch over all ranks.
-    fn global_batch(&self) -> usize {
-        self.config.batch_size.max(1) * self.run.comm().world_size()
-    }
-
     /// Optimiser steps of the whole run.
     pub fn total_steps(&self) -> usize {
-        if self.config.max_steps > 0 {
-            self.config.max_steps
-        } else {
-            let per_epoch = self.train.len().div_ceil(self.global_batch());
-            (per_epoch * self.config.epochs.max(1)).div_ceil(self.config.grad_accum.max(1))
+        self.config
+            .total_steps(self.train.len(), self.run.comm().world_size())
+    }
+
+    /// Trains `model` (or, when the run is resumed, continues from its newest checkpoint),
+    /// writing the run folder, and returns the summary. The trained model is saved in `final/`.
+    pub fn run(&self, model: M) -> Result<(M, RunSummary)> {
+        self.config.check()?;
+        let total = self.total_steps();
+        let train_device = self.config.autodiff_device(&self.device);
+        let mut step = ObjectiveStep::new(
+            self.config,
+            self.objective,
+            self.train,
+            self.run,
+            total,
+            &train_device,
+        )
+        .validated_on(self.validation, self.model_eval);
+        let settings = LoopSettings::from_train(self.config, total);
+        run_loop(
+            &mut step,
+            model,
+            self.store,
+            &settings,
+            self.run,
+            &train_device,
+            &self.device,
+        )
+    }
+}
+
+/// An offline objective's step, as [`Trainer`] runs it in the shared loop (and `aligner bench`
+/// times it): the step's micro-batches in the run's data order, each rank its shard of each,
+/// their gradients accumulated, summed over ranks, then one optimizer step at the
+/// schedule's learning rate.
+pub struct ObjectiveStep<'a, M: Module, O: Objective<M>> {
+    config: &'a TrainSection,
+    objective: &'a O,
+    train: &'a [O::Example],
+    validation: &'a [O::Example],
+    model_eval: Option<&'a dyn ModelEval<M>>,
+    run: &'a RunDir,
+    /// The autodiff device the model trains on.
+    device: Device,
+    order: EpochOrder,
+    /// Steps of the whole run (the schedule's length).
+    total: usize,
+    started: Instant,
+    tokens_seen: usize,
+}
+
+impl<'a, M: Module, O: Objective<M>> ObjectiveStep<'a, M, O> {
+    /// Steps over `train` with `config`'s batch, accumulation, order and schedule of `total`
+    /// steps, on `run`'s ranks, for a model on the autodiff device `device`.
+    pub fn new(
+        config: &'a TrainSection,
+        objective: &'a O,
+        train: &'a [O::Example],
+        run: &'a RunDir,
+        total: usize,
+        device: &Device,
+    ) -> Self {
+        Self {
+            config,
+            objective,
+            train,
+            validation: &[],
+            model_eval: None,
+            run,
+            device: device.clone(),
+            order: EpochOrder::new(train.len(), config.shuffle, config.seed),
+            total,
+            started: Instant::now(),
+            tokens_seen: 0,
         }
     }
 
-    fn evaluate(&self, model: &M) -> Result<Map<String, Value>> {
+    /// Evaluates on `validation` (and `model_eval`'s figures) at the loop's evaluations.
+    pub fn validated_on(
+        mut self,
+        validation: &'a [O::Example],
+        model_eval: Option<&'a dyn ModelEval<M>>,
+    ) -> Self {
+        self.validation = validation;
+        self.model_eval = model_eval;
+        self
+    }
+
+    fn evaluate_sums(&self, model: &M) -> Result<Map<String, Value>> {
         let model = model.valid();
         let limit = match self.config.eval_examples {
             0 => self.validation.len(),
@@ -275,390 +334,128 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
         }
         Ok(out)
     }
+}
 
-    /// Whether there is anything to validate.
+impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
+    type Error = CoreError;
+
+    fn step(&mut self, step: usize, model: M, optim: &mut Optimizer<'_>) -> Result<Stepped<M>> {
+        let cfg = self.config;
+        let comm = self.run.comm();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        // Step randomness (dropout) depends only on the seed and the step.
+        self.device.seed(cfg.seed.wrapping_add(step as u64));
+        let accum = cfg.grad_accum.max(1);
+        let global_batch = cfg.batch_size.max(1) * world;
+        let mut accumulator = GradientsAccumulator::<M>::new();
+        let mut loss_sum = 0.0;
+        let mut tokens = 0usize;
+        let mut metric_sums: Vec<(String, f64)> = Vec::new();
+        for micro in 0..accum {
+            let indices = self.order.batch(step * accum + micro, global_batch);
+            let shard = |r: usize| -> Vec<&O::Example> {
+                indices[shard_range(indices.len(), r, world)]
+                    .iter()
+                    .map(|&i| &self.train[i])
+                    .collect()
+            };
+            let batch = shard(rank);
+            // This rank's share of what the whole micro-batch's loss is a mean over.
+            let share = if world == 1 {
+                1.0
+            } else {
+                let total: f64 = (0..world).map(|r| self.objective.loss_weight(&shard(r))).sum();
+                self.objective.loss_weight(&batch) / total.max(1e-12)
+            };
+            // Every rank takes part, its shard empty or not, so the sum is never waited for
+            // in vain.
+            let totals = match world {
+                1 => Vec::new(),
+                _ => {
+                    let mine = self.objective.batch_sums(&model, &batch)?;
+                    match mine.is_empty() {
+                        true => mine,
+                        false => sum_elementwise(crate::parallel::gather(comm, &mine)?),
+                    }
+                }
+            };
+            if batch.is_empty() {
+                continue;
+            }
+            let out = match totals.is_empty() {
+                true => self.objective.step(&model, &batch)?,
+                false => self.objective.step_with_totals(&model, &batch, &totals)?,
+            };
+            let loss_value = out.loss.clone().into_scalar::<f32>() as f64;
+            if world == 1 && !loss_value.is_finite() {
+                return Err(non_finite(self.run, "loss", loss_value, step, TRAINER_STATE));
+            }
+            loss_sum += share * loss_value;
+            tokens += out.tokens;
+            for (name, v) in out.metrics {
+                match metric_sums.iter_mut().find(|m| m.0 == name) {
+                    Some(m) => m.1 += share * v,
+                    None => metric_sums.push((name, share * v)),
+                }
+            }
+            let mut loss = out.loss.div_scalar(accum as f64);
+            if world > 1 {
+                loss = loss.mul_scalar(share);
+            }
+            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let mut grads = accumulator.grads();
+        if world > 1 {
+            // The one synchronisation point of a step: gradients, then the step's loss and
+            // metrics (so every rank stops together on a non-finite loss).
+            grads::all_reduce_gradients(&model, &mut grads, 1.0, comm)?;
+            let all = crate::parallel::gather(comm, &(loss_sum, tokens, metric_sums))?;
+            loss_sum = all.iter().map(|s| s.0).sum();
+            tokens = all.iter().map(|s| s.1).sum();
+            let by_rank: Vec<Vec<(String, f64, f64)>> = all
+                .into_iter()
+                .map(|s| s.2.into_iter().map(|(name, v)| (name, v, 0.0)).collect())
+                .collect();
+            metric_sums = sum_by_name(by_rank)
+                .into_iter()
+                .map(|(name, v, _)| (name, v))
+                .collect();
+            if !loss_sum.is_finite() {
+                return Err(non_finite(self.run, "loss", loss_sum, step, TRAINER_STATE));
+            }
+        }
+        let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, self.total);
+        let (model, grad_norm) = optim.step(lr, model, grads)?;
+        self.tokens_seen += tokens;
+        let loss = loss_sum / accum as f64;
+        let tokens_per_s = self.tokens_seen as f64 / self.started.elapsed().as_secs_f64().max(1e-9);
+        let mut row = Map::new();
+        row.insert("loss".into(), loss.into());
+        row.insert("lr".into(), lr.into());
+        row.insert("grad_norm".into(), grad_norm.into());
+        for (name, v) in &metric_sums {
+            row.insert(name.clone(), (v / accum as f64).into());
+        }
+        Ok(Stepped {
+            model,
+            row,
+            message: format!("loss {loss:.4} · {tokens_per_s:.0} tok/s"),
+        })
+    }
+
     fn validates(&self) -> bool {
         !self.validation.is_empty() || self.model_eval.is_some()
     }
 
-    fn save_checkpoint(&self, model: &M, optim: &ModuleOptimizer, state: &TrainerState) -> Result<()> {
-        // A sharded optimiser's state comes to rank 0 from every rank.
-        let shards = if state.optimizer_shards > 0 {
-            let bytes = optim
-                .into_bytes()
-                .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
-            self.run.comm().all_gather(&bytes)?
-        } else {
-            Vec::new()
-        };
-        self.run.save_checkpoint(state.step, |tmp| {
-            // A half-precision model folder rounds the weights; training resumes from the
-            // master weights saved beside it.
-            master::save_with_masters(self.store, &model.valid(), tmp)?;
-            if shards.is_empty() {
-                save_optimizer(optim, &tmp.join("optimizer.bin"))?;
-            }
-            for (rank, bytes) in shards.iter().enumerate() {
-                crate::checkpoint::write_atomic(&tmp.join(optimizer_shard(rank)), bytes)?;
-            }
-            crate::checkpoint::write_json(&tmp.join(TRAINER_STATE), state)
-        })?;
-        Ok(())
+    fn evaluate(&mut self, model: &M) -> Result<Map<String, Value>> {
+        self.evaluate_sums(model)
     }
 
-    /// Every rank's weights checksum against rank 0's after `step`.
-    fn check_in_sync(&self, model: &M, step: usize) -> Result<()> {
-        let sums = crate::parallel::gather(self.run.comm(), &grads::weights_checksum(model))?;
-        if let Some(rank) = first_out_of_sync(&sums) {
-            return Err(CoreError::Invalid(format!(
-                "data parallel: rank {rank}'s weights differ from rank 0's after step {step} \
-                 (checksums {:?} and {:?}); the ranks no longer train one model",
-                sums[rank], sums[0]
-            )));
-        }
-        Ok(())
-    }
-
-    /// Trains `model` (or, when the run is resumed, continues from its newest checkpoint),
-    /// writing the run folder, and returns the summary. The trained model is saved in `final/`.
-    pub fn run(&self, model: M) -> Result<(M, RunSummary)> {
-        self.config.check()?;
-        let total = self.total_steps();
-        let cfg = self.config;
-        let comm = self.run.comm();
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let shards = if cfg.shard_optimizer && world > 1 {
-            world
-        } else {
-            0
-        };
-        let train_device = cfg.autodiff_device(&self.device);
-        let mut optim = adamw(cfg.weight_decay);
-        self.run.prepare_checkpoints()?;
-        let (mut model, start) = match self.run.resume_point(TRAINER_STATE)? {
-            Some((step, dir)) => {
-                let model = master::load_with_masters(self.store, &dir, &train_device)?.train();
-                let state: TrainerState = crate::checkpoint::read_json(&dir.join(TRAINER_STATE))?;
-                if state.optimizer_shards != shards {
-                    return Err(CoreError::Invalid(format!(
-                        "--resume: {} holds the optimizer sharded over {} ranks, this run has {} \
-                         (train.shard_optimizer = {}, {world} ranks): resume with the same setting and world size",
-                        dir.display(),
-                        state.optimizer_shards,
-                        shards,
-                        cfg.shard_optimizer
-                    )));
-                }
-                let file = if shards > 0 {
-                    optimizer_shard(rank)
-                } else {
-                    "optimizer.bin".into()
-                };
-                optim = load_optimizer(optim, &dir.join(file))?;
-                tracing::info!(step, dir = %dir.display(), "resuming");
-                (model, step)
-            }
-            None => (model.fork(&train_device).train(), 0),
-        };
-        let owners = (shards > 0).then(|| grads::optimizer_owners(&model, world));
-        let log = MetricsLog::for_run_with_tensorboard(
-            self.run,
-            self.run.is_resumed().then_some(start),
-            cfg.tensorboard,
-        )?;
-        let initial_eval = if start == 0 && self.validates() {
-            let eval = self.evaluate(&model)?;
-            let mut row = Map::new();
-            row.insert("step".into(), 0.into());
-            row.extend(eval.clone());
-            log.write(&row)?;
-            self.keep_if_best(&model, 0, &eval)?;
-            // As metrics.jsonl holds it (and `final_eval` is read from there): text summaries
-            // go to TensorBoard only.
-            Some(
-                eval.into_iter()
-                    .filter(|(k, _)| !k.starts_with(metrics::TEXT_PREFIX))
-                    .collect(),
-            )
-        } else {
-            None
-        };
-
-        let bar = progress_bar(
-            total as u64,
-            "step {pos}/{len} {bar:30} {msg} [{elapsed} < {eta}]",
-        );
-        bar.set_position(start as u64);
-        let started = Instant::now();
-        let mut tokens_seen = 0usize;
-        let accum = cfg.grad_accum.max(1);
-        let mut order = EpochOrder::new(self.train.len(), cfg.shuffle, cfg.seed);
-        let global_batch = self.global_batch();
-        for step in start..total {
-            if self.run.stops_at(step) {
-                bar.abandon();
-                return Ok((model, self.summary(step, initial_eval, Map::new())));
-            }
-            // Step randomness (dropout) depends only on the seed and the step.
-            train_device.seed(cfg.seed.wrapping_add(step as u64));
-            let mut accumulator = GradientsAccumulator::<M>::new();
-            let mut loss_sum = 0.0;
-            let mut metric_sums: Vec<(String, f64)> = Vec::new();
-            for micro in 0..accum {
-                let indices = order.batch(step * accum + micro, global_batch);
-                let shard = |r: usize| -> Vec<&O::Example> {
-                    indices[shard_range(indices.len(), r, world)]
-                        .iter()
-                        .map(|&i| &self.train[i])
-                        .collect()
-                };
-                let batch = shard(rank);
-                // This rank's share of what the whole micro-batch's loss is a mean over.
-                let share = if world == 1 {
-                    1.0
-                } else {
-                    let total: f64 = (0..world).map(|r| self.objective.loss_weight(&shard(r))).sum();
-                    self.objective.loss_weight(&batch) / total.max(1e-12)
-                };
-                // Every rank takes part, its shard empty or not, so the sum is never waited for
-                // in vain.
-                let totals = match world {
-                    1 => Vec::new(),
-                    _ => {
-                        let mine = self.objective.batch_sums(&model, &batch)?;
-                        match mine.is_empty() {
-                            true => mine,
-                            false => sum_elementwise(crate::parallel::gather(comm, &mine)?),
-                        }
-                    }
-                };
-                if batch.is_empty() {
-                    continue;
-                }
-                let out = match totals.is_empty() {
-                    true => self.objective.step(&model, &batch)?,
-                    false => self.objective.step_with_totals(&model, &batch, &totals)?,
-                };
-                let loss_value = out.loss.clone().into_scalar::<f32>() as f64;
-                if world == 1 && !loss_value.is_finite() {
-                    bar.abandon();
-                    return Err(self.non_finite(loss_value, step));
-                }
-                loss_sum += share * loss_value;
-                tokens_seen += out.tokens;
-                for (name, v) in out.metrics {
-                    match metric_sums.iter_mut().find(|m| m.0 == name) {
-                        Some(m) => m.1 += share * v,
-                        None => metric_sums.push((name, share * v)),
-                    }
-                }
-                let mut loss = out.loss.div_scalar(accum as f64);
-                if world > 1 {
-                    loss = loss.mul_scalar(share);
-                }
-                accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-            }
-            let mut grads = accumulator.grads();
-            if world > 1 {
-                // The one synchronisation point of a step: gradients, then the step's loss and
-                // metrics (so every rank stops together on a non-finite loss).
-                grads::all_reduce_gradients(&model, &mut grads, 1.0, comm)?;
-                let step_sums = (loss_sum, tokens_seen, metric_sums);
-                let all = crate::parallel::gather(comm, &step_sums)?;
-                loss_sum = all.iter().map(|s| s.0).sum();
-                tokens_seen = all.iter().map(|s| s.1).sum();
-                let by_rank: Vec<Vec<(String, f64, f64)>> = all
-                    .into_iter()
-                    .map(|s| s.2.into_iter().map(|(name, v)| (name, v, 0.0)).collect())
-                    .collect();
-                metric_sums = sum_by_name(by_rank)
-                    .into_iter()
-                    .map(|(name, v, _)| (name, v))
-                    .collect();
-                if !loss_sum.is_finite() {
-                    bar.abandon();
-                    return Err(self.non_finite(loss_sum, step));
-                }
-            }
-            let grad_norm = grads::clip_grad_norm(&model, &mut grads, cfg.max_grad_norm);
-            let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, total);
-            model = match &owners {
-                None => optim.step(lr, model, grads),
-                Some(owners) => {
-                    // ZeRO stage 1: each rank updates (and keeps moments for) its parameters.
-                    grads::keep_owned_gradients(&model, &mut grads, owners, rank);
-                    let updated = optim.step(lr, model, grads);
-                    grads::broadcast_owned_parameters(updated, owners, comm)?
-                }
-            };
-            if world > 1
-                && (step + 1 == total || (cfg.sync_check_every > 0 && (step + 1) % cfg.sync_check_every == 0))
-            {
-                self.check_in_sync(&model, step + 1)?;
-            }
-
-            let done = step + 1;
-            let loss = loss_sum / accum as f64;
-            let tokens_per_s = tokens_seen as f64 / started.elapsed().as_secs_f64().max(1e-9);
-            bar.set_position(done as u64);
-            bar.set_message(format!("loss {loss:.4} · {tokens_per_s:.0} tok/s"));
-            let eval_now =
-                self.validates() && (done == total || (cfg.eval_every > 0 && done % cfg.eval_every == 0));
-            if done % cfg.log_every.max(1) == 0 || eval_now || done == total {
-                let mut row = Map::new();
-                row.insert("step".into(), done.into());
-                row.insert("loss".into(), loss.into());
-                row.insert("lr".into(), lr.into());
-                row.insert("grad_norm".into(), grad_norm.into());
-                for (name, v) in &metric_sums {
-                    row.insert(name.clone(), (v / accum as f64).into());
-                }
-                if eval_now {
-                    let eval = self.evaluate(&model)?;
-                    self.keep_if_best(&model, done, &eval)?;
-                    row.extend(eval);
-                }
-                log.write(&row)?;
-            }
-            if cfg.save_every > 0 && done % cfg.save_every == 0 && done < total {
-                let state = TrainerState {
-                    step: done,
-                    total_steps: total,
-                    seed: cfg.seed,
-                    optimizer_shards: shards,
-                };
-                self.save_checkpoint(&model, &optim, &state)?;
-            }
-        }
-        bar.finish_and_clear();
+    fn plot_keys(&self) -> Vec<String> {
         let mut keys = vec!["loss".to_string()];
         keys.extend(self.objective.plot_keys());
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let mut final_eval = Map::new();
-        self.run.write_shared(|| {
-            let rows = log.rows()?;
-            final_eval = last_eval(&rows);
-            match self.best()? {
-                Some(best) => {
-                    // `final/` is the best validation's model, and says so.
-                    let kept = self.store.load(&self.run.join(BEST_DIR), &self.device)?;
-                    self.store.save(&kept, &self.run.final_dir())?;
-                    crate::checkpoint::write_json(&self.run.join(FINAL_STEP), &best)?;
-                    tracing::info!(step = best.step, metric = %best.metric, value = best.value, "final/ is the best validation's model");
-                    if let Some(row) = rows.iter().find(|r| r.get("step").and_then(Value::as_u64) == Some(best.step as u64)) {
-                        final_eval = last_eval(std::slice::from_ref(row));
-                    }
-                }
-                None => {
-                    self.store.save(&model.valid(), &self.run.final_dir())?;
-                    let last = serde_json::json!({ "step": total });
-                    crate::checkpoint::write_json(&self.run.join(FINAL_STEP), &last)?;
-                }
-            }
-            plot_metrics(&rows, &key_refs, &self.run.join("metrics.svg"))
-        })?;
-        let final_eval = self.run.agree(&final_eval)?;
-        Ok((model, self.summary(total, initial_eval, final_eval)))
+        keys
     }
-
-    /// The best validation kept so far (`best/best.json`), when `train.keep_best` is set.
-    fn best(&self) -> Result<Option<FinalStep>> {
-        if self.config.keep_best.is_none() {
-            return Ok(None);
-        }
-        let path = self.run.join(BEST_DIR).join(BEST_FILE);
-        match path.exists() {
-            true => Ok(Some(crate::checkpoint::read_json(&path)?)),
-            false => Ok(None),
-        }
-    }
-
-    /// Saves `model` as `best/` when its validation `eval` improves on the kept one by
-    /// `train.keep_best` (written to a temporary folder, then renamed over the old one).
-    fn keep_if_best(&self, model: &M, step: usize, eval: &Map<String, Value>) -> Result<()> {
-        let Some(key) = &self.config.keep_best else {
-            return Ok(());
-        };
-        self.run.write_shared(|| {
-            let value = eval.get(key).and_then(Value::as_f64).ok_or_else(|| {
-                let known: Vec<&str> = eval.keys().map(String::as_str).collect();
-                CoreError::Invalid(format!(
-                    "train.keep_best = {key:?}: the validation reports no such metric (it reports {})",
-                    known.join(", ")
-                ))
-            })?;
-            if !value.is_finite() {
-                return Ok(());
-            }
-            if let Some(best) = self.best()?
-                && !self.config.keep_best_mode.improves(value, best.value)
-            {
-                return Ok(());
-            }
-            let dir = self.run.join(BEST_DIR);
-            let tmp = self.run.join(".tmp-best");
-            let _ = std::fs::remove_dir_all(&tmp);
-            std::fs::create_dir_all(&tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
-            self.store.save(&model.valid(), &tmp)?;
-            let best = FinalStep {
-                step,
-                metric: key.clone(),
-                value,
-            };
-            crate::checkpoint::write_json(&tmp.join(BEST_FILE), &best)?;
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::rename(&tmp, &dir).map_err(|e| CoreError::cannot_write(&dir, e))?;
-            tracing::info!(step, metric = %key, value, "best validation so far");
-            Ok(())
-        })
-    }
-
-    fn non_finite(&self, loss: f64, step: usize) -> CoreError {
-        let kept = match self.run.latest_checkpoint(TRAINER_STATE) {
-            Some((at, dir)) => format!("the last checkpoint, from step {at}, is {}", dir.display()),
-            None => "no checkpoint was written yet".to_string(),
-        };
-        CoreError::Invalid(format!("loss is {loss} at step {}; stopping: {kept}", step + 1))
-    }
-
-    fn summary(
-        &self,
-        steps: usize,
-        initial_eval: Option<Map<String, Value>>,
-        final_eval: Map<String, Value>,
-    ) -> RunSummary {
-        RunSummary {
-            steps,
-            final_dir: self.run.final_dir(),
-            initial_eval,
-            final_eval,
-        }
-    }
-}
-
-/// The folder `train.keep_best` keeps the best model in, and the file naming its step.
-pub const BEST_DIR: &str = "best";
-const BEST_FILE: &str = "best.json";
-/// The run-folder file saying which step `final/` holds.
-pub const FINAL_STEP: &str = "final_step.json";
-
-/// The step of the model kept by `train.keep_best`, with its `metric` and `value`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct FinalStep {
-    pub step: usize,
-    pub metric: String,
-    pub value: f64,
-}
-
-/// The first rank whose weights checksum differs from rank 0's (ranks apply the same reduced
-/// gradients, so their weights are equal bit for bit unless something went wrong).
-fn first_out_of_sync(sums: &[[f64; 2]]) -> Option<usize> {
-    sums.iter().position(|s| s != &sums[0])
-}
-
-/// The file rank `rank`'s share of a sharded optimiser state is saved in.
-pub fn optimizer_shard(rank: usize) -> String {
-    format!("optimizer-rank-{rank}.bin")
 }
 
 /// `(name, sum, weight)` triples of several ranks added up by name, in order of first
@@ -677,31 +474,12 @@ fn sum_by_name(parts: Vec<Vec<(String, f64, f64)>>) -> Vec<(String, f64, f64)> {
     out
 }
 
-/// The validation metrics of the last row that has any.
-fn last_eval(rows: &[Map<String, Value>]) -> Map<String, Value> {
-    rows.iter()
-        .rev()
-        .find(|r| r.keys().any(|k| k.starts_with("eval_")))
-        .map(|r| {
-            r.iter()
-                .filter(|(k, _)| k.starts_with("eval_"))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn drifting_ranks_are_found_and_metrics_add_up_by_name() {
-        assert_eq!(first_out_of_sync(&[[1.0, 2.0], [1.0, 2.0]]), None);
-        assert_eq!(
-            first_out_of_sync(&[[1.0, 2.0], [1.0, 2.0], [1.0, 2.000001]]),
-            Some(2)
-        );
+    fn metrics_add_up_by_name() {
         let parts = vec![
             vec![("nll".to_string(), 3.0, 2.0)],
             vec![],

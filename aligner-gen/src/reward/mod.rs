@@ -67,6 +67,14 @@ pub trait Reward: Send + Sync {
     /// The name its figures are logged under (`reward/<name>`).
     fn name(&self) -> &str;
     fn score(&self, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, RewardError>;
+
+    /// This reward behind a pointer, as [`Rewards`] and the frontier hold them.
+    fn boxed(self) -> Box<dyn Reward>
+    where
+        Self: Sized + 'static,
+    {
+        Box::new(self)
+    }
 }
 
 /// Why a reward could not score a batch.
@@ -101,6 +109,17 @@ impl ModelReward {
             model,
             batch_size,
         }
+    }
+
+    /// The reward model in `dir` (`aligner rm`'s `final/`; a folder without a score head is
+    /// refused naming it), scoring 16 sequences a batch.
+    pub fn from_dir(
+        name: impl Into<String>,
+        dir: &std::path::Path,
+        device: &aligner_core::Device,
+    ) -> crate::Result<Self> {
+        let loaded = aligner_core::start::LoadedRewardModel::from_dir(dir, device)?;
+        Ok(Self::new(name, loaded.model, 16))
     }
 }
 

@@ -76,13 +76,13 @@ fn default_revision_template() -> String {
     "{prompt}{response}\n\nCritique request: {critique_request}\nCritique:{critique}\n\nRevision request: {revision_request}\nRevision:".into()
 }
 
-const CRITIQUE_FIELDS: [&str; 3] = ["{prompt}", "{response}", "{critique_request}"];
+const CRITIQUE_FIELDS: [&str; 3] = ["prompt", "response", "critique_request"];
 const REVISION_FIELDS: [&str; 5] = [
-    "{prompt}",
-    "{response}",
-    "{critique_request}",
-    "{critique}",
-    "{revision_request}",
+    "prompt",
+    "response",
+    "critique_request",
+    "critique",
+    "revision_request",
 ];
 
 impl Constitution {
@@ -117,9 +117,7 @@ impl Constitution {
             ("critique_template", &self.critique_template, &CRITIQUE_FIELDS[..]),
             ("revision_template", &self.revision_template, &REVISION_FIELDS[..]),
         ] {
-            if let Some(missing) = fields.iter().find(|f| !template.contains(*f)) {
-                return Err(format!("{key} must contain {missing}"));
-            }
+            aligner_core::train::check_template(key, template, fields, fields).map_err(|e| e.to_string())?;
         }
         if self.principles.is_empty() {
             return Err("no [[principles]]: a constitution needs at least one".into());

@@ -77,21 +77,26 @@ impl FeedbackSection {
     pub fn check(&self) -> Result<(), String> {
         match self.mode {
             FeedbackMode::Pointwise => {
-                for field in ["{prompt}", "{response}"] {
-                    if !self.template.contains(field) {
-                        return Err(format!("feedback.template must contain {field}"));
-                    }
-                }
+                aligner_core::train::check_template(
+                    "feedback.template",
+                    &self.template,
+                    &["prompt", "response"],
+                    &["prompt", "response", "principle"],
+                )
+                .map_err(|e| e.to_string())?;
                 if self.score_max <= self.score_min {
                     return Err("feedback.score_max must be above feedback.score_min".into());
                 }
             }
             FeedbackMode::Pairwise => {
-                for field in ["{prompt}", "{response_a}", "{response_b}", "{principle}"] {
-                    if !self.pairwise_template.contains(field) {
-                        return Err(format!("feedback.pairwise_template must contain {field}"));
-                    }
-                }
+                let fields = ["prompt", "response_a", "response_b", "principle"];
+                aligner_core::train::check_template(
+                    "feedback.pairwise_template",
+                    &self.pairwise_template,
+                    &fields,
+                    &fields,
+                )
+                .map_err(|e| e.to_string())?;
                 if self.options[0] == self.options[1] || self.options.iter().any(|o| o.is_empty()) {
                     return Err("feedback.options must be two different, non-empty strings".into());
                 }

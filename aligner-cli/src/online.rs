@@ -1,5 +1,6 @@
-//! `aligner ppo`, `aligner online-dpo`, `aligner rs` and `aligner spin`: the online methods, each one call into its
-//! crate, and what they print.
+//! The methods that sample from the policy as they train — `aligner ppo` (and the GRPO
+//! family), `online-dpo`, `rs`, `spin`, `self-reward` and `cai` — each one call into the crate
+//! that owns it, and what they print.
 
 use aligner_core::Device;
 use anyhow::Result;

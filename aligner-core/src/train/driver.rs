@@ -1,0 +1,600 @@
+//! The loop every method trains in.
+//!
+//! A method — an offline objective ([`super::Trainer`]), PPO's sample-score-update step,
+//! online DPO's sample-judge-update step — implements [`Method`]: what one step does to the
+//! model and what it measures. [`run_loop`] owns everything around it, once for all of them:
+//! resuming from the newest intact checkpoint (model, master weights, optimizer state), the
+//! AdamW optimizer with clipping and its sharded (ZeRO-1) state ([`Optimizer`]), the step-0
+//! and periodic evaluations, `train.keep_best`, `metrics.jsonl` and TensorBoard rows, the
+//! progress bar, `--stop-after`, the data-parallel weight check, checkpoints written
+//! atomically, the final save and the plot.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use aligner_parallel::Communicator;
+
+use super::{
+    BestMode, MetricsLog, TrainSection, adamw, grads, load_optimizer, master, metrics, plot_metrics,
+    save_optimizer,
+};
+use crate::error::{CoreError, Result};
+use crate::run::{RunDir, progress_bar};
+use crate::store::ModelStore;
+
+/// Where a method's checkpoint keeps its parts (`checkpoints/step-N/...`).
+#[derive(Debug, Clone, Copy)]
+pub struct CheckpointLayout {
+    /// The file written last, marking the checkpoint complete ([`LoopState`]).
+    pub state: &'static str,
+    /// The model's folder inside the checkpoint ("" = the checkpoint folder itself).
+    pub model: &'static str,
+    /// The optimizer state's file (one process or an unsharded state).
+    pub optimizer: &'static str,
+}
+
+impl CheckpointLayout {
+    /// An offline trainer's: the model folder is the checkpoint, `optimizer.bin`,
+    /// `trainer_state.json`.
+    pub const TRAINER: Self = Self {
+        state: super::TRAINER_STATE,
+        model: "",
+        optimizer: "optimizer.bin",
+    };
+}
+
+/// The loop's own settings (most from `[train]`).
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    /// Steps of the whole run.
+    pub steps: usize,
+    /// Stored with each checkpoint (the seed a method's randomness derives from).
+    pub seed: u64,
+    pub weight_decay: f64,
+    /// Global gradient-norm clipping (0 = none).
+    pub max_grad_norm: f64,
+    /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters.
+    pub shard_optimizer: bool,
+    /// A metrics row every this many steps (evaluation steps and the last step always).
+    pub log_every: usize,
+    /// Evaluate every this many steps (0 = at the start and the end only).
+    pub eval_every: usize,
+    /// A checkpoint every this many steps (0 = none).
+    pub save_every: usize,
+    /// Data parallel: compare every rank's weights every this many steps (and at the end).
+    pub sync_check_every: usize,
+    pub tensorboard: bool,
+    /// Keep the model of the best value of this evaluation metric as `best/` and `final/`.
+    pub keep_best: Option<String>,
+    pub keep_best_mode: BestMode,
+    pub layout: CheckpointLayout,
+    /// The progress bar's label ("step", "ppo step", ...).
+    pub label: &'static str,
+}
+
+impl LoopSettings {
+    /// An offline trainer's loop of `steps` steps with `config`'s settings.
+    pub fn from_train(config: &TrainSection, steps: usize) -> Self {
+        Self {
+            steps,
+            seed: config.seed,
+            weight_decay: config.weight_decay,
+            max_grad_norm: config.max_grad_norm,
+            shard_optimizer: config.shard_optimizer,
+            log_every: config.log_every,
+            eval_every: config.eval_every,
+            save_every: config.save_every,
+            sync_check_every: config.sync_check_every,
+            tensorboard: config.tensorboard,
+            keep_best: config.keep_best.clone(),
+            keep_best_mode: config.keep_best_mode,
+            layout: CheckpointLayout::TRAINER,
+            label: "step",
+        }
+    }
+}
+
+/// AdamW with decoupled weight decay, global-norm clipping and, in a data-parallel run with
+/// `train.shard_optimizer`, ZeRO stage 1: each rank keeps the moments of (and updates) its
+/// share of the parameters and broadcasts them.
+pub struct Optimizer<'a> {
+    adam: ModuleOptimizer,
+    max_grad_norm: f64,
+    /// Ranks the state is sharded over (0 = not sharded).
+    shards: usize,
+    /// Each parameter's owning rank, found at the first sharded step.
+    owners: Option<Vec<usize>>,
+    comm: &'a dyn Communicator,
+}
+
+impl<'a> Optimizer<'a> {
+    /// A fresh optimizer; `shard` takes effect over more than one rank.
+    pub fn new(weight_decay: f64, max_grad_norm: f64, shard: bool, comm: &'a dyn Communicator) -> Self {
+        let world = comm.world_size();
+        Self {
+            adam: adamw(weight_decay),
+            max_grad_norm,
+            shards: if shard && world > 1 { world } else { 0 },
+            owners: None,
+            comm,
+        }
+    }
+
+    /// Ranks the state is sharded over (0 = one whole state).
+    pub fn shards(&self) -> usize {
+        self.shards
+    }
+
+    /// Clips `grads` to the global norm (`max_grad_norm`, 0 = no clipping) and takes one step
+    /// at `lr`; the updated model and the norm before clipping out. Every rank calls it with
+    /// the same (reduced) gradients.
+    pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> Result<(M, f64)> {
+        let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
+        if self.shards == 0 {
+            return Ok((self.adam.step(lr, model, grads), norm));
+        }
+        let owners = self
+            .owners
+            .get_or_insert_with(|| grads::optimizer_owners(&model, self.shards));
+        grads::keep_owned_gradients(&model, &mut grads, owners, self.comm.rank());
+        let updated = self.adam.step(lr, model, grads);
+        Ok((
+            grads::broadcast_owned_parameters(updated, owners, self.comm)?,
+            norm,
+        ))
+    }
+
+    /// The file this rank's state is saved in, by `layout`.
+    fn file(&self, layout: &CheckpointLayout) -> String {
+        match self.shards {
+            0 => layout.optimizer.to_string(),
+            _ => optimizer_shard(self.comm.rank()),
+        }
+    }
+
+    /// Writes the state into checkpoint folder `tmp` (rank 0; a sharded state's parts were
+    /// gathered from every rank first by [`Optimizer::gather`]).
+    fn save(&self, tmp: &Path, layout: &CheckpointLayout, shards: &[Vec<u8>]) -> Result<()> {
+        if shards.is_empty() {
+            return save_optimizer(&self.adam, &tmp.join(layout.optimizer));
+        }
+        for (rank, bytes) in shards.iter().enumerate() {
+            crate::checkpoint::write_atomic(&tmp.join(optimizer_shard(rank)), bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's part of a sharded state (nothing when it is whole).
+    fn gather(&self) -> Result<Vec<Vec<u8>>> {
+        if self.shards == 0 {
+            return Ok(Vec::new());
+        }
+        let bytes = self
+            .adam
+            .into_bytes()
+            .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
+        Ok(self.comm.all_gather(&bytes)?)
+    }
+
+    fn load(mut self, dir: &Path, layout: &CheckpointLayout) -> Result<Self> {
+        let file = self.file(layout);
+        self.adam = load_optimizer(self.adam, &dir.join(file))?;
+        Ok(self)
+    }
+}
+
+/// The file rank `rank`'s share of a sharded optimiser state is saved in.
+pub fn optimizer_shard(rank: usize) -> String {
+    format!("optimizer-rank-{rank}.bin")
+}
+
+/// What one step did: the updated model, its metrics and the progress bar's message.
+pub struct Stepped<M> {
+    pub model: M,
+    /// The step's metrics (the loop adds `step` and, at evaluations, the evaluation's).
+    pub row: Map<String, Value>,
+    pub message: String,
+}
+
+/// One training method, as the shared loop runs it.
+pub trait Method<M: Module> {
+    /// The method crate's error (the loop's own errors convert into it).
+    type Error: From<CoreError>;
+
+    /// Called once the model is in place, before the step-0 evaluation: set up what needs the
+    /// trained weights (generation engines); `resumed` is the checkpoint a resumed run loaded,
+    /// for the method's own parts of it.
+    fn begin(&mut self, _model: &M, _resumed: Option<&Path>) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// Step `step` (0-based): the model in, updated through `optim`, out with its metrics.
+    fn step(&mut self, step: usize, model: M, optim: &mut Optimizer<'_>) -> Result<Stepped<M>, Self::Error>;
+
+    /// Whether [`Method::evaluate`] measures anything.
+    fn validates(&self) -> bool;
+
+    /// The evaluation metrics of `model` (named as logged: `eval_...`).
+    fn evaluate(&mut self, model: &M) -> Result<Map<String, Value>, Self::Error>;
+
+    /// Writes a checkpoint into its temporary folder `tmp`: `write_model` writes the model,
+    /// its optimizer state and nothing else; a method with parts of its own (PPO's critic)
+    /// writes them around it.
+    fn checkpoint(
+        &self,
+        _tmp: &Path,
+        write_model: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<(), Self::Error> {
+        Ok(write_model()?)
+    }
+
+    /// Writes the method's own parts of the finished run (rank 0, after `final/`).
+    fn finish(&self, _run: &RunDir) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// Metrics drawn in the run's `metrics.svg`.
+    fn plot_keys(&self) -> Vec<String>;
+}
+
+/// Position of a run, stored with each checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoopState {
+    /// Steps completed.
+    pub step: usize,
+    #[serde(default)]
+    pub total_steps: usize,
+    /// The seed the run's randomness derives from.
+    #[serde(default)]
+    pub seed: u64,
+    /// Ranks the optimiser state was sharded over (`optimizer-rank-R.bin`); 0 = one file.
+    #[serde(default)]
+    pub optimizer_shards: usize,
+}
+
+/// The end of a run.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    /// Steps done (fewer than the run's when it stopped early: `--stop-after`).
+    pub steps: usize,
+    pub final_dir: std::path::PathBuf,
+    /// The step-0 evaluation (read back from `metrics.jsonl` by a resumed run).
+    pub initial_eval: Option<Map<String, Value>>,
+    /// The last evaluation (of the kept step with `train.keep_best`); empty when the run
+    /// stopped early.
+    pub final_eval: Map<String, Value>,
+}
+
+/// The folder `train.keep_best` keeps the best model in, and the file naming its step.
+pub const BEST_DIR: &str = "best";
+const BEST_FILE: &str = "best.json";
+/// The run-folder file saying which step `final/` holds.
+pub const FINAL_STEP: &str = "final_step.json";
+
+/// The step of the model kept by `train.keep_best`, with its `metric` and `value`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FinalStep {
+    pub step: usize,
+    pub metric: String,
+    pub value: f64,
+}
+
+/// Trains `model` with `method` for `settings.steps` steps in `run` (or, when the run is
+/// resumed, continues from its newest intact checkpoint) on `train_device`; the trained model
+/// and the summary out. `final/` holds the trained model (the best one with `keep_best`),
+/// saved through `store`, which also loads `best/` on `device`.
+pub fn run_loop<M: Module + 'static, T: Method<M>>(
+    method: &mut T,
+    model: M,
+    store: &dyn ModelStore<M>,
+    settings: &LoopSettings,
+    run: &RunDir,
+    train_device: &Device,
+    device: &Device,
+) -> Result<(M, RunSummary), T::Error> {
+    let total = settings.steps;
+    let layout = &settings.layout;
+    let comm = run.comm();
+    let world = comm.world_size();
+    let mut optim = Optimizer::new(
+        settings.weight_decay,
+        settings.max_grad_norm,
+        settings.shard_optimizer,
+        comm,
+    );
+    run.prepare_checkpoints()?;
+    let resume = run.resume_point(layout.state)?;
+    let (mut model, start) = match &resume {
+        Some((step, dir)) => {
+            let model = master::load_with_masters(store, &dir.join(layout.model), train_device)?;
+            let model = super::config::to_train_device(model, train_device);
+            let state: LoopState = crate::checkpoint::read_json(&dir.join(layout.state))?;
+            if state.optimizer_shards != optim.shards() {
+                return Err(CoreError::Invalid(format!(
+                    "--resume: {} holds the optimizer sharded over {} ranks, this run has {} \
+                     (train.shard_optimizer = {}, {world} ranks): resume with the same setting and world size",
+                    dir.display(),
+                    state.optimizer_shards,
+                    optim.shards(),
+                    settings.shard_optimizer
+                ))
+                .into());
+            }
+            optim = optim.load(dir, layout)?;
+            tracing::info!(step, dir = %dir.display(), "resuming");
+            (model, *step)
+        }
+        None => (super::config::to_train_device(model, train_device), 0),
+    };
+    // The method's own parts load first: a resume that fails there (a critic that does not
+    // answer) leaves the log as it was.
+    method.begin(&model, resume.as_ref().map(|(_, dir)| dir.as_path()))?;
+    let log =
+        MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;
+    let initial_eval = if start == 0 && method.validates() {
+        let eval = method.evaluate(&model)?;
+        let mut row = Map::new();
+        row.insert("step".into(), 0.into());
+        row.extend(eval.clone());
+        log.write(&row)?;
+        keep_if_best(settings, run, store, &model, 0, &eval)?;
+        // As metrics.jsonl holds it: text summaries go to TensorBoard only.
+        Some(
+            eval.into_iter()
+                .filter(|(k, _)| !k.starts_with(metrics::TEXT_PREFIX))
+                .collect(),
+        )
+    } else {
+        // A resumed run reads its step-0 evaluation back from the log it kept.
+        let logged = eval_of(log.rows()?.iter().find(|r| step_of(r) == Some(0)));
+        Some(run.agree(&logged)?).filter(|eval| !eval.is_empty())
+    };
+
+    let bar = progress_bar(
+        total as u64,
+        &format!(
+            "{} {{pos}}/{{len}} {{bar:30}} {{msg}} [{{elapsed}} < {{eta}}]",
+            settings.label
+        ),
+    );
+    bar.set_position(start as u64);
+    for step in start..total {
+        if run.stops_at(step) {
+            bar.abandon();
+            return Ok((model, summary(run, step, initial_eval, Map::new())));
+        }
+        let stepped = match method.step(step, model, &mut optim) {
+            Ok(stepped) => stepped,
+            Err(e) => {
+                bar.abandon();
+                return Err(e);
+            }
+        };
+        model = stepped.model;
+        let done = step + 1;
+        if world > 1
+            && (done == total
+                || (settings.sync_check_every > 0 && done.is_multiple_of(settings.sync_check_every)))
+        {
+            check_in_sync(run, &model, done)?;
+        }
+        bar.set_position(done as u64);
+        bar.set_message(stepped.message);
+        let eval_now = method.validates()
+            && (done == total || (settings.eval_every > 0 && done.is_multiple_of(settings.eval_every)));
+        if done.is_multiple_of(settings.log_every.max(1)) || eval_now || done == total {
+            let mut row = stepped.row;
+            row.insert("step".into(), done.into());
+            if eval_now {
+                let eval = method.evaluate(&model)?;
+                keep_if_best(settings, run, store, &model, done, &eval)?;
+                row.extend(eval);
+            }
+            log.write(&row)?;
+        }
+        if settings.save_every > 0 && done.is_multiple_of(settings.save_every) && done < total {
+            let state = LoopState {
+                step: done,
+                total_steps: total,
+                seed: settings.seed,
+                optimizer_shards: optim.shards(),
+            };
+            let shards = optim.gather()?;
+            run.save_checkpoint(done, |tmp| {
+                method.checkpoint(tmp, &mut || {
+                    // A half-precision model folder rounds the weights; training resumes from
+                    // the master weights saved beside them.
+                    let dir = tmp.join(layout.model);
+                    master::save_with_masters(store, &model.valid(), &dir)?;
+                    optim.save(tmp, layout, &shards)
+                })?;
+                Ok::<_, T::Error>(crate::checkpoint::write_json(&tmp.join(layout.state), &state)?)
+            })?;
+        }
+    }
+    bar.finish_and_clear();
+    let keys = method.plot_keys();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut final_eval = Map::new();
+    run.write_shared(|| {
+        let rows = log.rows()?;
+        final_eval = eval_of(rows.iter().rev().find(|r| r.keys().any(|k| k.starts_with("eval_"))));
+        match best(settings, run)? {
+            Some(best) => {
+                // `final/` is the best evaluation's model, and says so.
+                let kept = store.load(&run.join(BEST_DIR), device)?;
+                store.save(&kept, &run.final_dir())?;
+                crate::checkpoint::write_json(&run.join(FINAL_STEP), &best)?;
+                tracing::info!(step = best.step, metric = %best.metric, value = best.value, "final/ is the best validation's model");
+                final_eval = eval_of(rows.iter().find(|r| step_of(r) == Some(best.step)));
+            }
+            None => {
+                store.save(&model.valid(), &run.final_dir())?;
+                crate::checkpoint::write_json(&run.join(FINAL_STEP), &serde_json::json!({ "step": total }))?;
+            }
+        }
+        method.finish(run)?;
+        Ok::<_, T::Error>(plot_metrics(&rows, &key_refs, &run.join("metrics.svg"))?)
+    })?;
+    let final_eval = run.agree(&final_eval)?;
+    Ok((model, summary(run, total, initial_eval, final_eval)))
+}
+
+fn summary(
+    run: &RunDir,
+    steps: usize,
+    initial_eval: Option<Map<String, Value>>,
+    final_eval: Map<String, Value>,
+) -> RunSummary {
+    RunSummary {
+        steps,
+        final_dir: run.final_dir(),
+        initial_eval,
+        final_eval,
+    }
+}
+
+/// A metrics row's step (written as an integer, or as a float by older PPO runs).
+fn step_of(row: &Map<String, Value>) -> Option<usize> {
+    row.get("step").and_then(Value::as_f64).map(|s| s as usize)
+}
+
+/// The evaluation metrics (`eval_...`) of a row.
+fn eval_of(row: Option<&Map<String, Value>>) -> Map<String, Value> {
+    row.map(|r| {
+        r.iter()
+            .filter(|(k, _)| k.starts_with("eval_"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+/// The best evaluation kept so far (`best/best.json`), when `keep_best` is set.
+fn best(settings: &LoopSettings, run: &RunDir) -> Result<Option<FinalStep>> {
+    if settings.keep_best.is_none() {
+        return Ok(None);
+    }
+    let path = run.join(BEST_DIR).join(BEST_FILE);
+    match path.exists() {
+        true => Ok(Some(crate::checkpoint::read_json(&path)?)),
+        false => Ok(None),
+    }
+}
+
+/// Saves `model` as `best/` when its evaluation `eval` improves on the kept one by
+/// `keep_best` (written to a temporary folder, then renamed over the old one).
+fn keep_if_best<M: Module>(
+    settings: &LoopSettings,
+    run: &RunDir,
+    store: &dyn ModelStore<M>,
+    model: &M,
+    step: usize,
+    eval: &Map<String, Value>,
+) -> Result<()> {
+    let Some(key) = &settings.keep_best else {
+        return Ok(());
+    };
+    run.write_shared(|| {
+        let value = eval.get(key).and_then(Value::as_f64).ok_or_else(|| {
+            let known: Vec<&str> = eval.keys().map(String::as_str).collect();
+            CoreError::Invalid(format!(
+                "train.keep_best = {key:?}: the validation reports no such metric (it reports {})",
+                known.join(", ")
+            ))
+        })?;
+        if !value.is_finite() {
+            return Ok(());
+        }
+        if let Some(best) = best(settings, run)?
+            && !settings.keep_best_mode.improves(value, best.value)
+        {
+            return Ok(());
+        }
+        let dir = run.join(BEST_DIR);
+        let tmp = run.join(".tmp-best");
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
+        store.save(&model.valid(), &tmp)?;
+        let best = FinalStep {
+            step,
+            metric: key.clone(),
+            value,
+        };
+        crate::checkpoint::write_json(&tmp.join(BEST_FILE), &best)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&tmp, &dir).map_err(|e| CoreError::cannot_write(&dir, e))?;
+        tracing::info!(step, metric = %key, value, "best validation so far");
+        Ok(())
+    })
+}
+
+/// Every rank's weights checksum against rank 0's after `step`.
+fn check_in_sync<M: Module>(run: &RunDir, model: &M, step: usize) -> Result<()> {
+    let sums = crate::parallel::gather(run.comm(), &grads::weights_checksum(model))?;
+    if let Some(rank) = first_out_of_sync(&sums) {
+        return Err(CoreError::Invalid(format!(
+            "data parallel: rank {rank}'s weights differ from rank 0's after step {step} \
+             (checksums {:?} and {:?}); the ranks no longer train one model",
+            sums[rank], sums[0]
+        )));
+    }
+    Ok(())
+}
+
+/// The first rank whose weights checksum differs from rank 0's (ranks apply the same reduced
+/// gradients, so their weights are equal bit for bit unless something went wrong).
+fn first_out_of_sync(sums: &[[f64; 2]]) -> Option<usize> {
+    sums.iter().position(|s| s != &sums[0])
+}
+
+/// The error of a run whose loss turned `loss` at step `step` (0-based), naming the last
+/// checkpoint a resume would start from.
+pub fn non_finite(run: &RunDir, what: &str, loss: f64, step: usize, marker: &str) -> CoreError {
+    let kept = match run.latest_checkpoint(marker) {
+        Some((at, dir)) => format!("the last checkpoint, from step {at}, is {}", dir.display()),
+        None => "no checkpoint was written yet".to_string(),
+    };
+    CoreError::Invalid(format!("{what} is {loss} at step {}; stopping: {kept}", step + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drifting_ranks_are_found() {
+        assert_eq!(first_out_of_sync(&[[1.0, 2.0], [1.0, 2.0]]), None);
+        assert_eq!(
+            first_out_of_sync(&[[1.0, 2.0], [1.0, 2.0], [1.0, 2.000001]]),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn older_checkpoints_states_still_read() {
+        // PPO's (`step`, `seed`) and online DPO's (`step`) states of earlier versions.
+        let ppo: LoopState = serde_json::from_str(r#"{"step": 4, "seed": 7}"#).unwrap();
+        assert_eq!(
+            (ppo.step, ppo.seed, ppo.total_steps, ppo.optimizer_shards),
+            (4, 7, 0, 0)
+        );
+        let online: LoopState = serde_json::from_str(r#"{"step": 2}"#).unwrap();
+        assert_eq!(online.step, 2);
+    }
+
+    #[test]
+    fn a_resumed_runs_step_0_evaluation_is_read_from_its_row() {
+        let row: Map<String, Value> =
+            serde_json::from_str(r#"{"step": 0.0, "eval_reward": 0.5, "reward": 1.0}"#).unwrap();
+        assert_eq!(step_of(&row), Some(0));
+        let eval = eval_of(Some(&row));
+        assert_eq!(eval.len(), 1);
+        assert_eq!(eval["eval_reward"], 0.5);
+    }
+}
