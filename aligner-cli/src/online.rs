@@ -11,16 +11,28 @@ pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "ppo")?;
     let summary = aligner_ppo::train(&config, &run, device)?;
     say!("{}", summary.mean_times.table());
+    let rewards = (summary.initial_eval_reward, summary.final_eval_reward);
+    report_policy("ppo", summary.steps, run.path(), &summary.final_dir, rewards);
+    Ok(())
+}
+
+/// The line a policy run ends with: its steps, where it is, and the held-out reward before
+/// and after (`-` where there is none).
+fn report_policy(
+    command: &str,
+    steps: usize,
+    run: &std::path::Path,
+    policy: &std::path::Path,
+    (before, after): (Option<f64>, Option<f64>),
+) {
     let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
     say!(
-        "ppo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
-        summary.steps,
-        run.path().display(),
-        summary.final_dir.display(),
-        reward(summary.initial_eval_reward),
-        reward(summary.final_eval_reward)
+        "{command}: {steps} steps; run in {}, policy in {}; eval_reward {} -> {}",
+        run.display(),
+        policy.display(),
+        reward(before),
+        reward(after)
     );
-    Ok(())
 }
 
 /// `aligner online-dpo`: pairs of the policy's own answers, judged by the reward, a DPO step
@@ -28,14 +40,13 @@ pub fn ppo(args: TrainArgs, device: &Device) -> Result<()> {
 pub fn online_dpo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare::<aligner_dpo::online::OnlineDpoConfig>(&args, "online-dpo")?;
     let summary = aligner_dpo::online::train(&config, &crate::registry::registry(), &run, device)?;
-    let reward = |r: Option<f64>| r.map_or_else(|| "-".to_string(), format_number);
-    say!(
-        "online-dpo: {} steps; run in {}, policy in {}; eval_reward {} -> {}",
+    let rewards = (summary.initial_eval_reward, summary.final_eval_reward);
+    report_policy(
+        "online-dpo",
         summary.steps,
-        run.path().display(),
-        summary.final_dir.display(),
-        reward(summary.initial_eval_reward),
-        reward(summary.final_eval_reward)
+        run.path(),
+        &summary.final_dir,
+        rewards,
     );
     Ok(())
 }

@@ -508,7 +508,6 @@ fn verify_manifest(dir: &Path) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// A progress bar on stderr drawn with `template` (indicatif's syntax); hidden on every rank
 /// The model a run started from, for a model folder that is a run's `final/` (or any folder
 /// inside a run): the `model.path` its `config.toml` records; `None` when the folder is not
 /// in a run or the run started from the shipped model.
@@ -531,6 +530,7 @@ pub fn start_model_of(model_dir: &Path) -> Result<Option<PathBuf>> {
         .map(PathBuf::from))
 }
 
+/// A progress bar on stderr drawn with `template` (indicatif's syntax); hidden on every rank
 /// but rank 0 of a data-parallel run.
 pub fn progress_bar(len: u64, template: &str) -> indicatif::ProgressBar {
     if !aligner_parallel::world().is_root() {

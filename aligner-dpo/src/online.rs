@@ -214,7 +214,6 @@ pub fn train(
         n => n.min(eval_prompts.len()),
     };
     let mut step = OnlineStep {
-        config: on,
         sampler: Sampler {
             config: on,
             tokenizer: &lm.tokenizer,
@@ -230,25 +229,18 @@ pub fn train(
         engine: None,
         last: None,
     };
+    let layout = CheckpointLayout {
+        state: ONLINE_STATE,
+        model: "policy",
+        optimizer: "optimizer.bin",
+    };
     let settings = LoopSettings {
-        steps: on.steps,
         seed: on.seed,
-        weight_decay: 0.0,
         max_grad_norm: on.max_grad_norm,
-        shard_optimizer: false,
-        log_every: 1,
         eval_every: on.eval_every,
         save_every: on.save_every,
-        sync_check_every: 0,
         tensorboard: on.tensorboard,
-        keep_best: None,
-        keep_best_mode: Default::default(),
-        layout: CheckpointLayout {
-            state: ONLINE_STATE,
-            model: "policy",
-            optimizer: "optimizer.bin",
-        },
-        label: "online-dpo step",
+        ..LoopSettings::each_step(on.steps, layout, "online-dpo step")
     };
     let train_device = device.clone().autodiff();
     let (_, summary) = run_loop(
@@ -273,7 +265,7 @@ pub fn train(
 /// Online DPO's step in the shared loop: sample two answers per prompt from the current
 /// policy, let the reward pick, one DPO step on the pairs.
 struct OnlineStep<'a> {
-    config: &'a OnlineSection,
+    /// Draws and scores the answers (`[online]`'s settings in `sampler.config`).
     sampler: Sampler<'a>,
     llama: &'a aligner_core::LlamaConfig,
     objective: DpoObjective,
@@ -305,7 +297,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
             self.llama.clone(),
             Some(self.sampler.tokenizer.clone()),
             EngineOptions {
-                slots: self.config.slots,
+                slots: self.sampler.config.slots,
                 ..EngineOptions::default()
             },
         ));
@@ -318,7 +310,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
         policy: CausalLm,
         optim: &mut Optimizer<'_>,
     ) -> Result<Stepped<CausalLm>, DpoError> {
-        let on = self.config;
+        let on = self.sampler.config;
         made(&mut self.engine)?.refit(&policy)?;
         let prompts: Vec<&EncodedPrompt> = EpochOrder::new(self.train_prompts.len(), true, on.seed)
             .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))

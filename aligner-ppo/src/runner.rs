@@ -169,25 +169,18 @@ impl PpoRunner<'_> {
                 Some(frozen)
             }
         };
+        let layout = CheckpointLayout {
+            state: PPO_STATE,
+            model: "actor",
+            optimizer: "actor_optimizer.bin",
+        };
         let settings = LoopSettings {
-            steps: cfg.steps,
             seed: cfg.seed,
-            weight_decay: 0.0,
             max_grad_norm: cfg.max_grad_norm,
-            shard_optimizer: false,
-            log_every: 1,
             eval_every: cfg.eval_every,
             save_every: cfg.save_every,
-            sync_check_every: 0,
             tensorboard: cfg.tensorboard,
-            keep_best: None,
-            keep_best_mode: Default::default(),
-            layout: CheckpointLayout {
-                state: PPO_STATE,
-                model: "actor",
-                optimizer: "actor_optimizer.bin",
-            },
-            label: "ppo step",
+            ..LoopSettings::each_step(cfg.steps, layout, "ppo step")
         };
         let (summary, step) = std::thread::scope(|scope| {
             let mut step = PpoStep {

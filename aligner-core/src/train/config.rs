@@ -564,6 +564,7 @@ pub fn to_toml<T: Serialize>(config: &T) -> Result<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     #[test]
     fn templates_need_their_placeholders_and_no_others() {
         let allowed = ["prompt", "response"];
@@ -579,8 +580,6 @@ mod tests {
         assert!(check_template("t", r#"{prompt}{response} {"a": 1} {} {1}"#, &allowed, &allowed).is_ok());
         assert_eq!(placeholders("a {x_1} {b c} {_y}{"), vec!["x_1", "_y"]);
     }
-
-    use super::*;
 
     #[test]
     fn config_changes_name_each_changed_key() {

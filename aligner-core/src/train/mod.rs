@@ -296,44 +296,6 @@ impl<'a, M: Module, O: Objective<M>> ObjectiveStep<'a, M, O> {
         self.model_eval = model_eval;
         self
     }
-
-    fn evaluate_sums(&self, model: &M) -> Result<Map<String, Value>> {
-        let model = model.valid();
-        let limit = match self.config.eval_examples {
-            0 => self.validation.len(),
-            n => n.min(self.validation.len()),
-        };
-        let comm = self.run.comm();
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let mut totals: Vec<(String, f64, f64)> = Vec::new();
-        let refs: Vec<&O::Example> = self.validation[..limit].iter().collect();
-        // Batches go to the ranks in turn; the sums are added up across ranks.
-        for (k, batch) in refs.chunks(self.config.batch_size.max(1)).enumerate() {
-            if k % world != rank {
-                continue;
-            }
-            for s in self.objective.evaluate(&model, batch)? {
-                match totals.iter_mut().find(|t| t.0 == s.name) {
-                    Some(t) => {
-                        t.1 += s.sum;
-                        t.2 += s.weight;
-                    }
-                    None => totals.push((s.name, s.sum, s.weight)),
-                }
-            }
-        }
-        if world > 1 {
-            totals = sum_by_name(crate::parallel::gather(comm, &totals)?);
-        }
-        let mut out: Map<String, Value> = totals
-            .into_iter()
-            .map(|(name, sum, weight)| (format!("eval_{name}"), Value::from(sum / weight.max(1e-12))))
-            .collect();
-        if let Some(extra) = self.model_eval.filter(|_| rank == 0) {
-            out.extend(extra.evaluate(&model)?);
-        }
-        Ok(out)
-    }
 }
 
 impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
@@ -447,8 +409,44 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         !self.validation.is_empty() || self.model_eval.is_some()
     }
 
+    /// The objective's validation sums over the validation examples (sharded over the
+    /// ranks, then summed), as means, and `model_eval`'s figures (rank 0).
     fn evaluate(&mut self, model: &M) -> Result<Map<String, Value>> {
-        self.evaluate_sums(model)
+        let model = model.valid();
+        let limit = match self.config.eval_examples {
+            0 => self.validation.len(),
+            n => n.min(self.validation.len()),
+        };
+        let comm = self.run.comm();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let mut totals: Vec<(String, f64, f64)> = Vec::new();
+        let refs: Vec<&O::Example> = self.validation[..limit].iter().collect();
+        // Batches go to the ranks in turn; the sums are added up across ranks.
+        for (k, batch) in refs.chunks(self.config.batch_size.max(1)).enumerate() {
+            if k % world != rank {
+                continue;
+            }
+            for s in self.objective.evaluate(&model, batch)? {
+                match totals.iter_mut().find(|t| t.0 == s.name) {
+                    Some(t) => {
+                        t.1 += s.sum;
+                        t.2 += s.weight;
+                    }
+                    None => totals.push((s.name, s.sum, s.weight)),
+                }
+            }
+        }
+        if world > 1 {
+            totals = sum_by_name(crate::parallel::gather(comm, &totals)?);
+        }
+        let mut out: Map<String, Value> = totals
+            .into_iter()
+            .map(|(name, sum, weight)| (format!("eval_{name}"), Value::from(sum / weight.max(1e-12))))
+            .collect();
+        if let Some(extra) = self.model_eval.filter(|_| rank == 0) {
+            out.extend(extra.evaluate(&model)?);
+        }
+        Ok(out)
     }
 
     fn plot_keys(&self) -> Vec<String> {
