@@ -45,6 +45,7 @@ run rs rs
 run online-dpo online-dpo
 run self-reward self-reward
 run cai cai
+run distill distill
 run simpo dpo --set dpo.loss=simpo --set dpo.beta=2.0 --set dpo.params.gamma=0.5
 run dpo-lr1e-3 dpo --set train.lr=1e-3 --set train.schedule=constant --set train.warmup_steps=0 \
     --set train.max_steps=300 --set train.save_every=0
@@ -59,6 +60,7 @@ evaluate rs '`aligner rs`'
 evaluate online-dpo '`aligner online-dpo`'
 evaluate self-reward '`aligner self-reward`'
 evaluate cai '`aligner cai`'
+evaluate distill '`aligner distill` (the default DPO run as teacher)'
 evaluate simpo '`aligner dpo --set dpo.loss=simpo --set dpo.beta=2.0 --set dpo.params.gamma=0.5`'
 evaluate dpo-lr1e-3 '`aligner dpo`, lr 1e-3 constant, 300 steps × 16'
 # The runs' paths on the frontier (eval_frontier/... at every validation) on one chart.

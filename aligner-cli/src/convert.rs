@@ -31,6 +31,19 @@ pub enum ConvertCommand {
         #[arg(long)]
         out: PathBuf,
     },
+    /// A shallower model from some of a model's decoder layers (a distillation student
+    /// initialised from its teacher), e.g. `--layers 0,2,4`.
+    KeepLayers {
+        /// The model folder.
+        #[arg(long)]
+        model: PathBuf,
+        /// Indices of the decoder layers to keep, in order.
+        #[arg(long, value_delimiter = ',', required = true)]
+        layers: Vec<usize>,
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 pub fn run(cmd: ConvertCommand, device: &aligner_core::Device) -> Result<()> {
@@ -47,6 +60,12 @@ pub fn run(cmd: ConvertCommand, device: &aligner_core::Device) -> Result<()> {
         ConvertCommand::MergeLora { adapter, base, out } => {
             aligner_core::adapter::merge_adapter(&adapter, base.as_deref(), &out, device)?;
             tracing::info!(out = %out.display(), "merged adapter into its base");
+            Ok(())
+        }
+        ConvertCommand::KeepLayers { model, layers, out } => {
+            let lm = aligner_core::LoadedModel::from_dir(&model, device)?.with_layers(&layers)?;
+            lm.save(&out)?;
+            tracing::info!(out = %out.display(), ?layers, parameters = lm.parameter_count(), "kept layers");
             Ok(())
         }
     }

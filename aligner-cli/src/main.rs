@@ -78,6 +78,8 @@ enum Command {
     Cai(train::TrainArgs),
     /// Rejection sampling (best-of-n) rounds.
     Rs(train::TrainArgs),
+    /// Knowledge distillation: a student learns a teacher's next-token distributions.
+    Distill(train::TrainArgs),
     /// Serve a PPO role over gRPC.
     #[command(subcommand)]
     Serve(serve::ServeCommand),
@@ -242,6 +244,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::SelfReward(args) => online::self_reward(args, &device),
         Command::Cai(args) => online::cai(args, &device),
         Command::Rs(args) => online::rs(args, &device),
+        Command::Distill(args) => train::distill(args, &device),
         Command::Steerlm(cmd) => steerlm::run(cmd, &device),
         Command::Generate(args) => generate::run(args, &device),
         Command::Score(args) => score::run(args, &device),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use aligner_core::Device;
 use aligner_core::run::RunDir;
-use aligner_core::train::{ConfigChange, RunSummary, config_changes, load_config};
+use aligner_core::train::{ConfigChange, MovedKey, RunSummary, config_changes, load_config_moved};
 use anyhow::{Result, bail};
 use clap::Args;
 use serde::Serialize;
@@ -65,7 +65,7 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
             .out
             .clone()
             .unwrap_or_else(|| PathBuf::from("runs").join(command));
-        let config: T = load_config(defaults, args.config.as_deref(), &args.sets)?;
+        let config: T = load_config_moved(defaults, args.config.as_deref(), &args.sets, moved_keys(command))?;
         aligner_core::parallel::check_same_config(aligner_parallel::world().as_ref(), &config)?;
         let run = RunDir::new(out).overwrite(args.overwrite);
         return Ok((
@@ -80,8 +80,9 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
             dir.display()
         );
     }
-    let recorded: T = load_config(defaults, Some(&recorded_file), &[])?;
-    let config: T = load_config(defaults, Some(&recorded_file), &args.sets)?;
+    let moved = moved_keys(command);
+    let recorded: T = load_config_moved(defaults, Some(&recorded_file), &[], moved)?;
+    let config: T = load_config_moved(defaults, Some(&recorded_file), &args.sets, moved)?;
     aligner_core::parallel::check_same_config(aligner_parallel::world().as_ref(), &config)?;
     let changes = config_changes(&recorded, &config)?;
     if !changes.is_empty() {
@@ -103,6 +104,18 @@ pub(crate) fn prepare_with<T: Serialize + DeserializeOwned>(
         run = run.recording_changes(changes_row(&changes));
     }
     Ok((config, run))
+}
+
+/// The keys of `command`'s configuration that moved (the loop's settings of PPO, online DPO
+/// and SPIN went to `[train]`): given, they are refused naming their new place.
+fn moved_keys(command: &str) -> &'static [MovedKey] {
+    match command {
+        "ppo" => aligner_ppo::MOVED_KEYS,
+        "online-dpo" => aligner_dpo::online::MOVED_KEYS,
+        "spin" => aligner_spin::MOVED_KEYS,
+        "cai" => aligner_selfreward::cai::MOVED_KEYS,
+        _ => &[],
+    }
 }
 
 /// The line `config_changes.jsonl` gets when the resume starts: when, and which keys changed
@@ -199,6 +212,16 @@ pub fn dpo(args: TrainArgs, device: &Device) -> Result<()> {
     let (config, run) = prepare(&args, "dpo")?;
     let summary = aligner_dpo::train(&config, &crate::registry::registry(), &run, device)?;
     report("dpo", &summary, run.path());
+    Ok(())
+}
+
+pub fn distill(args: TrainArgs, device: &Device) -> Result<()> {
+    let (config, run) = prepare::<aligner_distill::DistillConfig>(&args, "distill")?;
+    report(
+        "distill",
+        &aligner_distill::train(&config, &run, device)?,
+        run.path(),
+    );
     Ok(())
 }
 

@@ -333,6 +333,8 @@ fn bad_inputs_are_refused_naming_the_culprit() {
     std::fs::write(&bad_toml, "train = [\n").unwrap();
     let nan_toml = dir.path().join("nan.toml");
     std::fs::write(&nan_toml, "[train]\nlr = nan\n").unwrap();
+    let old_online = dir.path().join("old-online.toml");
+    std::fs::write(&old_online, "[online]\nprompts_per_step = 4\nlr = 0.001\n").unwrap();
     // Run folders: one that holds a run, one of other files, one without config.toml.
     let earlier_run = dir.path().join("earlier-run");
     std::fs::create_dir_all(earlier_run.join("checkpoints/step-40")).unwrap();
@@ -417,6 +419,41 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         (args(&["sft", "--config", &path(&bad_toml)]), "bad.toml"),
         (args(&["sft", "--config", &path(&nan_toml)]), "train.lr"),
         (set("sft", "train.nope=1".into()), "train.nope"),
+        // The loop's keys of PPO, online DPO, SPIN and CAI's online stage moved to [train]
+        // (CAI: [online_train]); the old ones are refused naming the new, and [train] keys a
+        // sampling method has no use for are refused naming what it uses instead.
+        (
+            set("ppo", "ppo.steps=3".into()),
+            "--set ppo.steps=3: ppo.steps is now train.max_steps",
+        ),
+        (
+            set("ppo", "ppo.actor_lr=0.1".into()),
+            "ppo.actor_lr is now train.lr",
+        ),
+        (
+            args(&["online-dpo", "--config", &path(&old_online)]),
+            "old-online.toml: online.lr is now train.lr",
+        ),
+        (
+            set("spin", "spin.epochs=2".into()),
+            "spin.epochs is now train.epochs",
+        ),
+        (
+            set("cai", "online.steps=2".into()),
+            "online.steps is now online_train.max_steps",
+        ),
+        (
+            set("ppo", "train.batch_size=4".into()),
+            "train.batch_size = 4 is not used by ppo: a step samples ppo.rollout_prompts prompts",
+        ),
+        (
+            set("online-dpo", "train.eval_examples=3".into()),
+            "train.eval_examples = 3 is not used by online DPO",
+        ),
+        (
+            set("cai", "online_train.grad_accum=2".into()),
+            "online_train.grad_accum = 2 is not used by online DPO",
+        ),
         (set("dpo", "dpo.beta=-1".into()), "dpo.beta"),
         (set("kto", "kto.beta=0".into()), "kto.beta"),
         (set("ppo", "ppo.top_p=2".into()), "ppo.top_p"),

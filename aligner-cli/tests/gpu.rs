@@ -125,9 +125,9 @@ fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
         "--set",
         reward,
         "--set",
-        "ppo.steps=2",
+        "train.max_steps=2",
         "--set",
-        "ppo.eval_every=0",
+        "train.eval_every=0",
         // Small rollouts and evaluations, 16 new tokens, no frontier sampling: lavapipe runs
         // every kernel on the CPU, and what these tests check does not depend on their size.
         "--set",
@@ -432,7 +432,7 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let reward = format!("reward_model.path={}", reward.display());
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
     let ppo = |out: &Path, extra: &[&str]| {
-        let mut args = vec!["--set", "ppo.save_every=1", "--set", "model.dtype=\"f16\""];
+        let mut args = vec!["--set", "train.save_every=1", "--set", "model.dtype=\"f16\""];
         args.extend(extra);
         let (ok, err) = ppo_on_wgpu(out, &reward, &args);
         assert!(ok, "{extra:?}: {err}");

@@ -359,6 +359,8 @@ fn a_two_rank_run_with_an_aborted_rank_resumes_to_where_the_uninterrupted_run_en
     same_metrics(&whole, &killed, 1e-5);
 }
 
+/// PPO over two ranks (with ZeRO-1, `train.shard_optimizer`, as any method's loop takes it)
+/// raises the held-out reward as one process does.
 #[test]
 fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -375,12 +377,20 @@ fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
                 "--out",
                 run.to_str().unwrap(),
                 "--set",
-                "ppo.steps=8",
+                "train.max_steps=8",
                 "--set",
                 &rm_set,
+                "--set",
+                &format!("train.shard_optimizer={}", np > 1),
             ],
         );
         if np > 1 {
+            // Each rank saved its share of the actor's optimizer state.
+            let checkpoint = run.join("checkpoints/step-6");
+            for rank in 0..np {
+                let shard = checkpoint.join(format!("optimizer-rank-{rank}.bin"));
+                assert!(shard.exists(), "{}", shard.display());
+            }
             let timing = std::fs::read_to_string(run.join("timing.md")).unwrap();
             assert!(
                 timing.contains("| rank | generation seconds |") && timing.contains("imbalance"),
@@ -471,6 +481,25 @@ fn kto_spin_rejection_sampling_and_annotation_run_on_two_ranks() {
 /// KTO's KL baseline z0 is a mean over the whole micro-batch: each rank sums its shard's
 /// mismatched log-ratios, the sums are added over the ranks before the step, and every rank's
 /// loss uses the z0 one process would (a rank's own shard would give another baseline).
+/// Supervised distillation on 1, 2 and 3 ranks (a random Gemma 2 teacher, so the KL is far
+/// from zero): the same weights and metrics.
+#[test]
+fn distill_on_two_and_three_ranks_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = common::repo().join("tests/reference/hf_random/gemma2_capped");
+    trains_as_one_process(
+        &["distill"],
+        12,
+        &[
+            format!("distill.teacher={}", teacher.display()),
+            "train.max_steps=3".into(),
+            "data.validation=''".into(),
+            "frontier.prompts=''".into(),
+        ],
+        dir.path(),
+    );
+}
+
 #[test]
 fn kto_on_two_and_three_ranks_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();

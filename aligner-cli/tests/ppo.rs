@@ -73,7 +73,13 @@ fn default_ppo_raises_reward_and_sentiment_with_bounded_kl() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("ppo");
     // No reward model given: the run trains one first, as a user's first `aligner ppo` does.
-    let (ok, err) = aligner(&["ppo", "--out", run.to_str().unwrap(), "--set", "ppo.steps=12"]);
+    let (ok, err) = aligner(&[
+        "ppo",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        "train.max_steps=12",
+    ]);
     assert!(ok, "{err}");
     assert!(run.join("reward_model/final/model.safetensors").exists());
     for file in [
@@ -133,11 +139,11 @@ fn a_critic_in_another_process_works_while_the_actor_does() {
         "--set",
         &rm_key,
         "--set",
-        "ppo.steps=4",
+        "train.max_steps=4",
         "--set",
         "ppo.eval_prompts=16",
         "--set",
-        "ppo.save_every=0",
+        "train.save_every=0",
     ]);
     assert!(ok, "{err}");
     let rows = metrics(&run);
@@ -162,8 +168,8 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
     let sets = [
         format!("ppo.critic_url={}", server.url()),
         format!("reward_model.path={}", rm.display()),
-        "ppo.steps=8".into(),
-        "ppo.save_every=2".into(),
+        "train.max_steps=8".into(),
+        "train.save_every=2".into(),
         "ppo.eval_prompts=8".into(),
         "ppo.critic_retry_seconds=3".into(),
     ];
@@ -223,11 +229,16 @@ fn losing_the_critic_stops_cleanly_and_resume_finishes() {
     assert_tensorboard_matches_metrics(&run);
 }
 
+/// RLOO with a LoRA actor and the entropy bonus, its loop from `[train]` like every method's:
+/// `train.epochs` over 10 prompts at 8 a step is 2 steps, and the actor's learning rate
+/// follows `train.schedule` (linear: the peak, then half of it).
 #[test]
 fn lora_actor_group_baselines_and_entropy_bonus_run() {
     let dir = tempfile::tempdir().unwrap();
     let rm = quick_reward_model();
     let rm_key = format!("reward_model.path={}", rm.display());
+    let prompts = common::head("train.prompts.jsonl", 10, &dir.path().join("ten.prompts.jsonl"));
+    let prompts_key = format!("data.train={}", prompts.display());
     let run = dir.path().join("rloo");
     let (ok, err) = aligner(&[
         "ppo",
@@ -244,13 +255,24 @@ fn lora_actor_group_baselines_and_entropy_bonus_run() {
         "--set",
         "ppo.rollout_prompts=8",
         "--set",
-        "ppo.steps=2",
+        &prompts_key,
+        "--set",
+        "train.max_steps=0",
+        "--set",
+        "train.epochs=1",
+        "--set",
+        "train.schedule=linear",
         "--set",
         "ppo.eval_prompts=8",
         "--set",
         "ppo.entropy_coef=0.01",
     ]);
     assert!(ok, "{err}");
+    let lr = values(&metrics(&run), "lr");
+    assert!(
+        lr.len() == 2 && (lr[0] - 3e-4).abs() < 1e-12 && (lr[1] - 1.5e-4).abs() < 1e-12,
+        "{lr:?}"
+    );
     assert!(run.join("final/adapter/adapter_model.safetensors").exists());
     let rows = metrics(&run);
     assert!(values(&rows, "value_loss").is_empty(), "RLOO trains no critic");
@@ -281,7 +303,7 @@ fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Val
     let out = dir.join(name);
     let reward = format!("reward_model.path={}", reward.display());
     let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap(), "--set", &reward];
-    args.extend(["--set", "ppo.steps=2", "--set", "ppo.eval_every=0"]);
+    args.extend(["--set", "train.max_steps=2", "--set", "train.eval_every=0"]);
     for set in sets {
         args.extend(["--set", set]);
     }
@@ -290,14 +312,14 @@ fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Val
     (metrics(&out), out.join("final"))
 }
 
-/// `ppo.activation_checkpointing` recomputes the actor's activations in its backward pass:
+/// `train.activation_checkpointing` recomputes the actor's activations in its backward pass:
 /// the same rollouts and updates, so the same weights.
 #[test]
 fn ppo_activation_checkpointing_trains_to_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
     let reward = quick_reward_model();
     let run = |name: &str, checkpointing: bool| {
-        let set = format!("ppo.activation_checkpointing={checkpointing}");
+        let set = format!("train.activation_checkpointing={checkpointing}");
         short_ppo(dir.path(), &reward, name, &[set]).1
     };
     let (plain, recomputed) = (run("plain", false), run("recomputed", true));
@@ -350,7 +372,7 @@ fn verifiable_run(dir: &Path, name: &str, sets: &[&str]) -> (f64, f64, f64, Vec<
         "--set",
         "frontier.prompts=",
         "--set",
-        "ppo.steps=16",
+        "train.max_steps=16",
     ];
     for set in sets {
         args.extend(["--set", set]);
@@ -500,7 +522,7 @@ fn online_dpo_and_rejection_sampling_take_reward_functions() {
         "--set",
         "online.eval_prompts=0",
         "--set",
-        "online.steps=16",
+        "train.max_steps=16",
         "--set",
         "frontier.prompts=",
     ]);
@@ -552,8 +574,11 @@ fn online_dpo_and_rejection_sampling_take_reward_functions() {
 fn one_step_off_trains_on_samples_one_update_old_and_still_learns() {
     let dir = tempfile::tempdir().unwrap();
     // Stale samples teach less per step: the config's 24 steps rather than the family's 16.
-    let (start, end, _, rows) =
-        verifiable_run(dir.path(), "async", &["ppo.one_step_off=true", "ppo.steps=24"]);
+    let (start, end, _, rows) = verifiable_run(
+        dir.path(),
+        "async",
+        &["ppo.one_step_off=true", "train.max_steps=24"],
+    );
     let steps: Vec<&Value> = rows.iter().filter(|r| r["behaviour_lag"].is_number()).collect();
     assert_eq!(steps.len(), 24);
     let lags: Vec<f64> = steps
@@ -598,7 +623,7 @@ fn steps_that_teach_nothing_stop_the_run_saying_why() {
             "--set",
             "ppo.eval_prompts=4",
             "--set",
-            "ppo.steps=6",
+            "train.max_steps=6",
             "--set",
             "ppo.stop_after_flat_steps=2",
             "--set",
@@ -635,7 +660,7 @@ fn steps_that_teach_nothing_stop_the_run_saying_why() {
         "{err}"
     );
     // A signal that comes back resets the count: at temperature 1 the run ends normally.
-    let (ok, err, out) = run("sampled", &["ppo.steps=2"]);
+    let (ok, err, out) = run("sampled", &["train.max_steps=2"]);
     assert!(ok, "{err}");
     assert!(out.join("final/model.safetensors").exists());
 }

@@ -393,12 +393,12 @@ fn example_configs_parse_and_run() {
     // The RL and self-play configs, cut to one tiny step, scored by the shared quick reward
     // model.
     let rm = format!("reward_model.path={}", common::quick_reward_model().display());
-    let runs: [(&[&str], &str, &[&str]); 8] = [
+    let runs: [(&[&str], &str, &[&str]); 9] = [
         (
             &["ppo"],
             "ppo",
             &[
-                "ppo.steps=1",
+                "train.max_steps=1",
                 "ppo.rollout_prompts=4",
                 "ppo.eval_prompts=4",
                 "ppo.mini_batch=4",
@@ -407,13 +407,13 @@ fn example_configs_parse_and_run() {
         (
             &["ppo"],
             "grpo",
-            &["ppo.steps=1", "ppo.rollout_prompts=4", "ppo.eval_prompts=4"],
+            &["train.max_steps=1", "ppo.rollout_prompts=4", "ppo.eval_prompts=4"],
         ),
         (
             &["online-dpo"],
             "online_dpo",
             &[
-                "online.steps=1",
+                "train.max_steps=1",
                 "online.prompts_per_step=4",
                 "online.eval_prompts=4",
             ],
@@ -437,7 +437,7 @@ fn example_configs_parse_and_run() {
                 "judge.max_steps=1",
                 "sl.max_steps=1",
                 "reward_model.max_steps=1",
-                "online.steps=1",
+                "online_train.max_steps=1",
                 "online.prompts_per_step=4",
                 "frontier.max_prompts=4",
             ],
@@ -466,6 +466,16 @@ fn example_configs_parse_and_run() {
             &["steerlm", "sft"],
             "steerlm",
             &["train.max_steps=1", "data.validation=''"],
+        ),
+        (
+            &["distill"],
+            "distill",
+            &[
+                "distill.teacher=assets/stories260K",
+                "train.max_steps=1",
+                "data.validation=''",
+                "frontier.prompts=''",
+            ],
         ),
     ];
     for (command, file, sets) in runs {
@@ -1131,11 +1141,11 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
                 "--set",
                 &sft_model,
                 "--set",
-                "ppo.steps=2",
+                "train.max_steps=2",
                 "--set",
                 "ppo.rollout_prompts=4",
                 "--set",
-                "ppo.eval_every=0",
+                "train.eval_every=0",
                 "--set",
                 "ppo.eval_prompts=4",
                 "--set",

@@ -143,6 +143,34 @@ impl LoadedModel {
         Ok(self)
     }
 
+    /// A shallower model made of the decoder layers `keep` (indices, in the order given),
+    /// with the embeddings, final norm and head as they are: a student initialised from a
+    /// teacher's layers (DistilBERT keeps every other one). Per-layer configuration
+    /// (`layer_types`) follows the kept layers.
+    pub fn with_layers(mut self, keep: &[usize]) -> Result<Self> {
+        let count = self.model.model.layers.len();
+        if keep.is_empty() {
+            return Err(CoreError::Invalid("keep at least one decoder layer".into()));
+        }
+        if let Some(&bad) = keep.iter().find(|&&i| i >= count) {
+            return Err(CoreError::Invalid(format!(
+                "layer {bad} does not exist: {} has {count} decoder layers (0 to {})",
+                self.dir.display(),
+                count - 1
+            )));
+        }
+        let layers = std::mem::take(&mut self.model.model.layers);
+        self.model.model.layers = keep.iter().map(|&i| layers[i].clone()).collect();
+        self.config.num_hidden_layers = keep.len();
+        if let Some(serde_json::Value::Array(types)) = self.config.extra.get("layer_types").cloned() {
+            let kept: Vec<serde_json::Value> = keep.iter().filter_map(|&i| types.get(i).cloned()).collect();
+            self.config
+                .extra
+                .insert("layer_types".into(), serde_json::Value::Array(kept));
+        }
+        Ok(self)
+    }
+
     /// Saves the model as a HF folder (tokenizer files copied from the source folder).
     pub fn save(&self, dir: &Path) -> Result<()> {
         checkpoint::save_causal_lm(&self.model, &self.config, dir, Some(&self.dir))
@@ -176,5 +204,43 @@ mod tests {
         ] {
             assert!(dir.path().join(name).exists(), "{name}");
         }
+    }
+
+    /// A student made of some of a model's layers has exactly those layers' weights, in the
+    /// order asked, and a configuration that says how many; missing layers are refused.
+    #[test]
+    fn a_model_keeps_the_layers_it_is_asked_for() {
+        let device = Device::flex();
+        let dir = default_model_dir().unwrap();
+        let weights = |lm: &LoadedModel, i: usize| {
+            lm.model.model.layers[i]
+                .mlp
+                .down_proj
+                .base
+                .weight
+                .val()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        let full = LoadedModel::from_dir(&dir, &device).unwrap();
+        let (first, last) = (weights(&full, 0), weights(&full, 4));
+        let kept = LoadedModel::from_dir(&dir, &device)
+            .unwrap()
+            .with_layers(&[4, 0])
+            .unwrap();
+        assert_eq!(kept.config.num_hidden_layers, 2);
+        assert_eq!((weights(&kept, 0), weights(&kept, 1)), (last, first));
+        let err = LoadedModel::from_dir(&dir, &device)
+            .unwrap()
+            .with_layers(&[0, 5])
+            .unwrap_err();
+        assert!(err.to_string().contains("layer 5 does not exist"), "{err}");
+        assert!(
+            LoadedModel::from_dir(&dir, &device)
+                .unwrap()
+                .with_layers(&[])
+                .is_err()
+        );
     }
 }

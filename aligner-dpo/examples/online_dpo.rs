@@ -12,7 +12,7 @@ fn main() -> Result<(), aligner_dpo::DpoError> {
         .nth(1)
         .unwrap_or_else(|| "runs/example-online-dpo".into());
     let mut config = OnlineDpoConfig::default();
-    config.online.steps = 8; // a short run; the default is 24
+    config.train.max_steps = 8; // a short run; the default is 24
     config.reward = RewardSpecs(vec![RewardSpec::function("tinystories_sentiment")]);
     let summary = aligner_dpo::online::train(
         &config,

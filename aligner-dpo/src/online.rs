@@ -15,8 +15,8 @@ use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
 use aligner_core::train::{
-    CheckpointLayout, DataSection, EpochOrder, LoopSettings, Method, ModelEval, ModelSection, Objective,
-    Optimizer, Stepped, non_finite, run_loop,
+    CheckpointLayout, DataSection, EpochOrder, LoopSettings, Method, ModelEval, ModelSection, MovedKey,
+    Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, Device};
 use aligner_gen::reward::ModelReward;
@@ -38,42 +38,74 @@ pub const ONLINE_STATE: &str = "online_dpo_state.json";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OnlineSection {
-    /// Sample-and-update steps.
-    pub steps: usize,
     /// Prompts per step (two answers each).
     pub prompts_per_step: usize,
     pub max_new_tokens: usize,
     pub temperature: f32,
-    pub lr: f64,
-    pub max_grad_norm: f64,
-    /// Held-out reward (and the frontier) every this many steps (0 = at the end only).
-    pub eval_every: usize,
-    /// Held-out prompts scored at each evaluation (0 = all).
+    /// Held-out prompts scored at each evaluation (every `train.eval_every` steps; 0 = all).
     pub eval_prompts: usize,
-    pub save_every: usize,
     /// Engine rows decoded together.
     pub slots: usize,
-    pub seed: u64,
-    pub tensorboard: bool,
 }
 
 impl Default for OnlineSection {
     fn default() -> Self {
         Self {
-            steps: 24,
             prompts_per_step: 32,
             max_new_tokens: 48,
             temperature: 1.0,
-            lr: 3e-4,
-            max_grad_norm: 1.0,
-            eval_every: 8,
             eval_prompts: 64,
-            save_every: 8,
             slots: 64,
-            seed: 0,
-            tensorboard: true,
         }
     }
+}
+
+/// The keys that moved from `[online]` to `[train]`, the loop's section in every method.
+pub const MOVED_KEYS: &[MovedKey] = &[
+    ("online.steps", "train.max_steps"),
+    ("online.lr", "train.lr"),
+    ("online.max_grad_norm", "train.max_grad_norm"),
+    ("online.eval_every", "train.eval_every"),
+    ("online.save_every", "train.save_every"),
+    ("online.seed", "train.seed"),
+    ("online.tensorboard", "train.tensorboard"),
+];
+
+/// `[train]` of the default online-DPO run: 24 steps at a constant 3e-4, evaluations and
+/// checkpoints every 8.
+pub fn default_train() -> TrainSection {
+    TrainSection {
+        max_steps: 24,
+        lr: 3e-4,
+        eval_every: 8,
+        save_every: 8,
+        seed: 0,
+        ..TrainSection::default()
+    }
+}
+
+/// Refuses `[train]` keys online DPO has no use for (it samples `online.prompts_per_step`
+/// prompts a step, in one process), naming them; `section` names the loop's section.
+pub fn check_train(train: &TrainSection, section: &str) -> Result<(), DpoError> {
+    train.check()?;
+    train.check_unused(
+        section,
+        &default_train(),
+        "online DPO",
+        &[
+            (
+                "batch_size",
+                "a step answers online.prompts_per_step prompts twice",
+            ),
+            ("grad_accum", "each step is one update on its pairs"),
+            (
+                "eval_examples",
+                "held-out prompts per evaluation are online.eval_prompts",
+            ),
+            ("shard_optimizer", "online DPO runs in one process"),
+        ],
+    )?;
+    Ok(())
 }
 
 /// `[reward_model]` of online DPO: used when no `[[reward]]` is given.
@@ -94,6 +126,10 @@ pub struct OnlineDpoConfig {
     pub data: DataSection,
     /// The preference loss (any registered one) and β.
     pub dpo: DpoSection,
+    /// The loop: steps (`max_steps`, or `epochs` over the prompts), learning rate and
+    /// schedule, clipping, evaluations, checkpoints, seed, TensorBoard.
+    pub train: TrainSection,
+    /// Sampling: prompts per step, answer length, temperature, held-out prompts.
     pub online: OnlineSection,
     /// Rewards as functions; empty: the reward model.
     #[serde(skip_serializing_if = "RewardSpecs::is_empty")]
@@ -108,6 +144,7 @@ impl Default for OnlineDpoConfig {
             reward_model: OnlineRewardModel::default(),
             data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
             dpo: DpoSection::default(),
+            train: default_train(),
             online: OnlineSection::default(),
             reward: RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
@@ -153,23 +190,15 @@ pub fn train(
     config.reward.check()?;
     let on = &config.online;
     aligner_core::train::check_counts(&[
-        ("online.steps", on.steps),
         ("online.prompts_per_step", on.prompts_per_step),
         ("online.max_new_tokens", on.max_new_tokens),
     ])?;
-    aligner_core::train::check_values(&[
-        ("online.lr", on.lr, aligner_core::train::Range::Positive),
-        (
-            "online.temperature",
-            on.temperature.into(),
-            aligner_core::train::Range::NonNegative,
-        ),
-        (
-            "online.max_grad_norm",
-            on.max_grad_norm,
-            aligner_core::train::Range::NonNegative,
-        ),
-    ])?;
+    aligner_core::train::check_value(
+        "online.temperature",
+        on.temperature,
+        aligner_core::train::Range::NonNegative,
+    )?;
+    check_train(&config.train, "train")?;
     if run.comm().world_size() > 1 {
         return Err(DpoError::Invalid(
             "online DPO runs in one process (launch it without mpirun)".into(),
@@ -220,6 +249,10 @@ pub fn train(
             rewards: &rewards,
         },
         llama: &lm.config,
+        train: &config.train,
+        steps: config
+            .train
+            .sampling_steps(train_prompts.len(), on.prompts_per_step),
         objective,
         reference,
         train_prompts: &train_prompts,
@@ -235,14 +268,11 @@ pub fn train(
         optimizer: "optimizer.bin",
     };
     let settings = LoopSettings {
-        seed: on.seed,
-        max_grad_norm: on.max_grad_norm,
-        eval_every: on.eval_every,
-        save_every: on.save_every,
-        tensorboard: on.tensorboard,
-        ..LoopSettings::each_step(on.steps, layout, "online-dpo step")
+        layout,
+        label: "online-dpo step",
+        ..LoopSettings::from_train(&config.train, step.steps)
     };
-    let train_device = device.clone().autodiff();
+    let train_device = config.train.autodiff_device(device);
     let (_, summary) = run_loop(
         &mut step,
         model,
@@ -268,6 +298,10 @@ struct OnlineStep<'a> {
     /// Draws and scores the answers (`[online]`'s settings in `sampler.config`).
     sampler: Sampler<'a>,
     llama: &'a aligner_core::LlamaConfig,
+    /// The loop's settings (`[train]`): seed, learning rate and its schedule.
+    train: &'a TrainSection,
+    /// Steps of the whole run.
+    steps: usize,
     objective: DpoObjective,
     /// The start model (with LoRA: the base, which the adapters start from).
     reference: CausalLm,
@@ -312,13 +346,15 @@ impl Method<CausalLm> for OnlineStep<'_> {
     ) -> Result<Stepped<CausalLm>, DpoError> {
         let on = self.sampler.config;
         made(&mut self.engine)?.refit(&policy)?;
-        let prompts: Vec<&EncodedPrompt> = EpochOrder::new(self.train_prompts.len(), true, on.seed)
-            .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
-            .items(step * on.prompts_per_step, on.prompts_per_step)
-            .into_iter()
-            .map(|i| &self.train_prompts[i])
-            .collect();
-        let seed = on
+        let train = self.train;
+        let prompts: Vec<&EncodedPrompt> =
+            EpochOrder::new(self.train_prompts.len(), train.shuffle, train.seed)
+                .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
+                .items(step * on.prompts_per_step, on.prompts_per_step)
+                .into_iter()
+                .map(|i| &self.train_prompts[i])
+                .collect();
+        let seed = train
             .seed
             .wrapping_mul(1_000_003)
             .wrapping_add(step as u64 * 100_000);
@@ -339,7 +375,8 @@ impl Method<CausalLm> for OnlineStep<'_> {
         let mut row = Map::new();
         row.insert("reward".into(), mean(&scores).into());
         row.insert("pairs".into(), examples.len().into());
-        row.insert("lr".into(), on.lr.into());
+        let lr = learning_rate(train.schedule, train.lr, step, train.warmup_steps, self.steps);
+        row.insert("lr".into(), lr.into());
         let mut policy = policy;
         if !examples.is_empty() {
             if self.objective.loss.uses_reference() {
@@ -359,7 +396,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
                 return Err(non_finite(self.run, "online DPO loss", value, step, ONLINE_STATE).into());
             }
             let grads = GradientsParams::from_grads(out.loss.backward(), &policy);
-            let (updated, norm) = optim.step(on.lr, policy, grads)?;
+            let (updated, norm) = optim.step(lr, policy, grads)?;
             policy = updated;
             row.insert("loss".into(), value.into());
             row.insert("grad_norm".into(), norm.into());

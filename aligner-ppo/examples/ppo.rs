@@ -16,11 +16,8 @@ fn main() -> Result<(), aligner_ppo::PpoError> {
     let reward_model = aligner_core::rm::train(&rm, &RunDir::new(format!("{out}/reward_model")), &device)?;
     let mut config = PpoConfig::default();
     config.reward_model.path = Some(reward_model.final_dir);
-    (
-        config.ppo.steps,
-        config.ppo.rollout_prompts,
-        config.ppo.eval_every,
-    ) = (4, 16, 4);
+    (config.train.max_steps, config.train.eval_every) = (4, 4);
+    config.ppo.rollout_prompts = 16;
     let summary = aligner_ppo::train(&config, &RunDir::new(&out), &device)?;
     println!("{}", summary.mean_times.table());
     println!(

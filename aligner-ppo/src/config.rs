@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use aligner_core::train::{DataSection, ModelSection};
+use aligner_core::train::{DataSection, ModelSection, MovedKey, TrainSection};
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::{Advantage, KlEstimator};
@@ -34,8 +34,6 @@ pub enum NonEos {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoSection {
-    /// Rollout-and-update steps.
-    pub steps: usize,
     /// Prompts per rollout.
     pub rollout_prompts: usize,
     /// Responses per prompt (GRPO / RLOO need at least 2).
@@ -81,9 +79,7 @@ pub struct PpoSection {
     /// Weight of the entropy bonus (0 = off); computed exactly from the response positions'
     /// full distributions.
     pub entropy_coef: f64,
-    pub actor_lr: f64,
     pub critic_lr: f64,
-    pub max_grad_norm: f64,
     pub non_eos: NonEos,
     pub non_eos_penalty: f32,
     /// `http://host:port` of `aligner serve critic`; empty = the critic runs in this process.
@@ -95,15 +91,8 @@ pub struct PpoSection {
     /// Engine rows and workers for rollouts.
     pub slots: usize,
     pub workers: usize,
-    pub eval_every: usize,
-    /// Held-out prompts scored at each evaluation (0 = all).
+    /// Held-out prompts scored at each evaluation (every `train.eval_every` steps; 0 = all).
     pub eval_prompts: usize,
-    pub save_every: usize,
-    pub seed: u64,
-    /// Recompute the actor's activations in its backward pass instead of keeping them (as
-    /// `train.activation_checkpointing` does for the trainer's methods): less memory for the
-    /// actor's update, more time.
-    pub activation_checkpointing: bool,
     /// One-step-off asynchronous RL: the next step's samples are drawn (and scored) on a
     /// second thread from the weights this step starts with, while it trains; each step
     /// trains on samples one update old (`behaviour_lag` 1 in metrics.jsonl), the clipped
@@ -117,13 +106,9 @@ pub struct PpoSection {
     /// the actor, or beside the critic when the roles are combined (the critic itself trains
     /// on the device). The rollout's rewards are then computed on the CPU.
     pub offload_reward_model: bool,
-    /// Write TensorBoard event files to `<run>/tb/` (every scalar of metrics.jsonl, the
-    /// timing breakdown included).
-    pub tensorboard: bool,
 }
 
 impl PpoSection {
-    /// The autodiff device the actor trains on (with gradient checkpointing when asked).
     /// Where the frozen reward model scores: the host's CPU backend with
     /// `offload_reward_model`, else `device`.
     pub fn reward_device(&self, device: &aligner_core::Device) -> aligner_core::Device {
@@ -131,15 +116,6 @@ impl PpoSection {
             aligner_core::Device::flex()
         } else {
             device.clone()
-        }
-    }
-
-    pub fn actor_device(&self, device: &aligner_core::Device) -> aligner_core::Device {
-        let train = device.clone().autodiff();
-        if self.activation_checkpointing {
-            train.gradient_checkpointing()
-        } else {
-            train
         }
     }
 }
@@ -229,13 +205,10 @@ impl PpoSection {
             ("ppo.clip_eps", self.clip_eps, Positive),
             ("ppo.value_clip_eps", self.value_clip_eps, NonNegative),
             ("ppo.entropy_coef", self.entropy_coef, NonNegative),
-            ("ppo.actor_lr", self.actor_lr, Positive),
             ("ppo.critic_lr", self.critic_lr, Positive),
-            ("ppo.max_grad_norm", self.max_grad_norm, NonNegative),
             ("ppo.critic_retry_seconds", self.critic_retry_seconds, NonNegative),
         ])?;
         aligner_core::train::check_counts(&[
-            ("ppo.steps", self.steps),
             ("ppo.rollout_prompts", self.rollout_prompts),
             ("ppo.samples_per_prompt", self.samples_per_prompt),
             ("ppo.max_new_tokens", self.max_new_tokens),
@@ -250,7 +223,6 @@ impl PpoSection {
 impl Default for PpoSection {
     fn default() -> Self {
         Self {
-            steps: 24,
             rollout_prompts: 32,
             samples_per_prompt: 1,
             max_new_tokens: 48,
@@ -276,25 +248,18 @@ impl Default for PpoSection {
             overlong_penalty: 1.0,
             value_clip_eps: 0.2,
             entropy_coef: 0.0,
-            actor_lr: 3e-4,
             critic_lr: 3e-4,
-            max_grad_norm: 1.0,
             non_eos: NonEos::Keep,
             non_eos_penalty: -1.0,
             critic_url: None,
             combine_rm_and_critic: true,
             critic_retry_seconds: 30.0,
-            activation_checkpointing: false,
             offload_reference: false,
             offload_reward_model: false,
             one_step_off: false,
-            tensorboard: true,
             slots: 64,
             workers: 1,
-            eval_every: 6,
             eval_prompts: 64,
-            save_every: 6,
-            seed: 0,
         }
     }
 }
@@ -306,6 +271,11 @@ pub struct PpoConfig {
     pub model: ModelSection,
     pub reward_model: RewardModelSection,
     pub data: DataSection,
+    /// The loop: steps (`max_steps`, or `epochs` over the prompts), the actor's learning rate
+    /// and schedule, clipping, evaluations, checkpoints, seed, activation checkpointing,
+    /// TensorBoard. Rollouts are `ppo.rollout_prompts` prompts, updates `ppo.mini_batch`
+    /// sequences, so `batch_size`, `grad_accum` and `eval_examples` are refused.
+    pub train: TrainSection,
     pub ppo: PpoSection,
     /// Rewards as functions: one `[reward]` table or several `[[reward]]` tables (a reward
     /// model, `command`, `url`, `function` or `rule`), summed with their weights. Empty: the
@@ -322,9 +292,66 @@ impl Default for PpoConfig {
             model: ModelSection::default(),
             reward_model: RewardModelSection::default(),
             data: DataSection::shipped("train.prompts.jsonl", "test.prompts.jsonl"),
+            train: PpoConfig::default_train(),
             ppo: PpoSection::default(),
             reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
         }
+    }
+}
+
+/// The keys that moved from `[ppo]` to `[train]`, the loop's section in every method.
+pub const MOVED_KEYS: &[MovedKey] = &[
+    ("ppo.steps", "train.max_steps"),
+    ("ppo.actor_lr", "train.lr"),
+    ("ppo.max_grad_norm", "train.max_grad_norm"),
+    ("ppo.eval_every", "train.eval_every"),
+    ("ppo.save_every", "train.save_every"),
+    ("ppo.seed", "train.seed"),
+    ("ppo.activation_checkpointing", "train.activation_checkpointing"),
+    ("ppo.tensorboard", "train.tensorboard"),
+];
+
+impl PpoConfig {
+    /// `[train]` of the default run: 24 steps at a constant 3e-4, evaluations and checkpoints
+    /// every 6.
+    pub fn default_train() -> TrainSection {
+        TrainSection {
+            max_steps: 24,
+            lr: 3e-4,
+            eval_every: 6,
+            save_every: 6,
+            seed: 0,
+            ..TrainSection::default()
+        }
+    }
+
+    /// Steps of the run over `prompts` training prompts: `train.max_steps`, or `train.epochs`
+    /// passes over them, `ppo.rollout_prompts` a step.
+    pub fn total_steps(&self, prompts: usize) -> usize {
+        self.train.sampling_steps(prompts, self.ppo.rollout_prompts)
+    }
+
+    /// Refuses what PPO cannot run with, naming the key: [`PpoSection::check`], `[train]`'s
+    /// ranges, and `[train]` keys PPO has no use for.
+    pub fn check(&self) -> Result<(), aligner_core::CoreError> {
+        self.ppo.check()?;
+        self.train.check()?;
+        self.train.check_unused(
+            "train",
+            &Self::default_train(),
+            "ppo",
+            &[
+                (
+                    "batch_size",
+                    "a step samples ppo.rollout_prompts prompts and updates in ppo.mini_batch sequences",
+                ),
+                ("grad_accum", "each update is one ppo.mini_batch"),
+                (
+                    "eval_examples",
+                    "held-out prompts per evaluation are ppo.eval_prompts",
+                ),
+            ],
+        )
     }
 }

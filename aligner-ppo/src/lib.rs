@@ -40,7 +40,7 @@ pub use aligner_gen::reward::{
     CommandReward, FunctionReward, HttpReward, ModelReward, Reward, RewardError, RewardInput, RewardSpec,
     RewardSpecs, Rewards, RuleReward,
 };
-pub use config::{NonEos, PpoConfig, PpoSection, RewardModelSection};
+pub use config::{MOVED_KEYS, NonEos, PpoConfig, PpoSection, RewardModelSection};
 pub use critic::{CriticClient, CriticSettings, CriticWorker, LocalCritic};
 pub use error::{PpoError, Result};
 pub use runner::{PpoRunner, PpoSummary, StepTimes};

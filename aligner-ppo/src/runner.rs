@@ -127,6 +127,11 @@ impl PpoRunner<'_> {
         }
     }
 
+    /// Steps of the whole run.
+    fn steps(&self) -> usize {
+        self.config.total_steps(self.train_prompts.len())
+    }
+
     fn checkpoints(&self) -> PathBuf {
         self.run.checkpoints()
     }
@@ -142,7 +147,7 @@ impl PpoRunner<'_> {
     /// `critic` is rank 0's alone (`None` on the others): rank 0 asks it and shares the replies.
     pub fn run(&self, actor: CausalLm, critic: Option<&dyn CriticClient>) -> Result<PpoSummary> {
         let cfg = &self.config.ppo;
-        cfg.check()?;
+        self.config.check()?;
         if self.train_prompts.is_empty() {
             return Err(PpoError::Invalid("no training prompts".into()));
         }
@@ -151,7 +156,7 @@ impl PpoRunner<'_> {
                 "ppo.one_step_off samples on a second thread of one process; run it without mpirun".into(),
             ));
         }
-        let train_device = self.config.ppo.actor_device(&self.device);
+        let train_device = self.config.train.autodiff_device(&self.device);
         let lora = self.config.model.lora_rank > 0;
         let actor = aligner_core::train::config::to_train_device(actor, &train_device);
         // Without LoRA the reference is a frozen copy of the starting policy; with LoRA it is
@@ -175,12 +180,9 @@ impl PpoRunner<'_> {
             optimizer: "actor_optimizer.bin",
         };
         let settings = LoopSettings {
-            seed: cfg.seed,
-            max_grad_norm: cfg.max_grad_norm,
-            eval_every: cfg.eval_every,
-            save_every: cfg.save_every,
-            tensorboard: cfg.tensorboard,
-            ..LoopSettings::each_step(cfg.steps, layout, "ppo step")
+            layout,
+            label: "ppo step",
+            ..LoopSettings::from_train(&self.config.train, self.steps())
         };
         let (summary, step) = std::thread::scope(|scope| {
             let mut step = PpoStep {
@@ -373,6 +375,7 @@ impl PpoRunner<'_> {
         mut actor: CausalLm,
         optim: &mut Optimizer<'_>,
         scored: &Scored,
+        lr: f64,
     ) -> Result<(CausalLm, ActorStats)> {
         let cfg = &self.config.ppo;
         // The device the actor's weights are on (with its activation checkpointing setting).
@@ -422,7 +425,7 @@ impl PpoRunner<'_> {
             kl += approx_kl;
             entropy_sum += h;
             batches += 1;
-            actor = optim.step(cfg.actor_lr, actor, grads)?.0;
+            actor = optim.step(lr, actor, grads)?.0;
         }
         let b = batches.max(1) as f64;
         let stats = ActorStats {
@@ -576,7 +579,7 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             times.reward = rollout.reward_seconds;
         }
         times.generation_per_rank = rollout.per_rank;
-        if cfg.one_step_off && step + 1 < cfg.steps {
+        if cfg.one_step_off && step + 1 < runner.steps() {
             // The next step's samples come from the weights this step starts with.
             let t = Instant::now();
             let mut lent = self
@@ -656,12 +659,20 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
                     clip_eps: cfg.value_clip_eps,
                     epochs: cfg.epochs,
                     mini_batch: cfg.mini_batch,
-                    max_grad_norm: cfg.max_grad_norm,
+                    max_grad_norm: runner.config.train.max_grad_norm,
                 },
             })
         });
         let t = Instant::now();
-        let (actor, stats) = runner.update_actor(actor, optim, &scored)?;
+        let train = &runner.config.train;
+        let lr = aligner_core::train::learning_rate(
+            train.schedule,
+            train.lr,
+            step,
+            train.warmup_steps,
+            runner.steps(),
+        );
+        let (actor, stats) = runner.update_actor(actor, optim, &scored, lr)?;
         times.train = t.elapsed().as_secs_f64();
         let mut value_loss = None;
         if train_values {
@@ -682,6 +693,7 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             ("policy_loss", stats.policy_loss),
             ("clip_fraction", stats.clip_fraction),
             ("approx_kl", stats.approx_kl),
+            ("lr", lr),
         ] {
             out.insert(k.into(), v.into());
         }

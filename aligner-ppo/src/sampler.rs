@@ -52,8 +52,8 @@ impl Sampler<'_> {
     /// (`draw` ≥ 1) take the same stretch of shuffles of their own.
     pub(crate) fn step_prompts(&self, step: usize, draw: usize) -> Vec<&EncodedPrompt> {
         let per = self.config.ppo.rollout_prompts.max(1);
-        let seed = self.config.ppo.seed.wrapping_add((draw as u64) << 32);
-        EpochOrder::new(self.train_prompts.len(), true, seed)
+        let seed = self.config.train.seed.wrapping_add((draw as u64) << 32);
+        EpochOrder::new(self.train_prompts.len(), self.config.train.shuffle, seed)
             .with_epoch_seed(|seed, epoch| seed.wrapping_add(epoch as u64))
             .items(step * per, per)
             .into_iter()
@@ -74,7 +74,9 @@ impl Sampler<'_> {
         let base = if eval {
             0xe7a1
         } else {
-            cfg.seed
+            self.config
+                .train
+                .seed
                 .wrapping_mul(1_000_003)
                 .wrapping_add(step as u64 * 100_000)
                 .wrapping_add((draw as u64) << 40)

@@ -90,7 +90,7 @@ pub fn reward_model_dir(section: &RewardModelSection, run: &RunDir, device: &Dev
 /// A PPO run: the actor of `[model]` against the reward model, with the critic in this process
 /// or at `ppo.critic_url`. The mean time breakdown is written to `<run>/timing.md`.
 pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSummary> {
-    config.ppo.check()?;
+    config.check()?;
     config.reward.check()?;
     let needs_critic = config.ppo.advantage.needs_critic();
     if !needs_critic {

@@ -45,8 +45,6 @@ pub struct SpinSection {
     pub iterations: usize,
     /// The preference loss of each iteration, by its registry name (SPIN's paper: `dpo`).
     pub loss: String,
-    /// Epochs over each iteration's pairs.
-    pub epochs: usize,
     /// β of the DPO loss in the first iteration.
     pub beta: f64,
     /// β from the second iteration on. Once the reference's answers resemble the data, the
@@ -76,7 +74,6 @@ impl Default for SpinSection {
         Self {
             iterations: 2,
             loss: "dpo".into(),
-            epochs: 1,
             beta: 0.1,
             beta_later: 5.0,
             max_new_tokens: 48,
@@ -102,7 +99,7 @@ pub struct SpinConfig {
     pub model: ModelSection,
     /// SFT data (`{"prompt", "response"}`): prompts to answer, responses as ground truth.
     pub data: DataSection,
-    /// The loop of each iteration (`train.epochs` is replaced by `spin.epochs`).
+    /// The loop of each iteration (`epochs`: passes over that iteration's pairs).
     pub train: TrainSection,
     pub spin: SpinSection,
     /// The reward–KL figures of the policy's own samples (KL to the start model), at every
@@ -217,8 +214,7 @@ impl Spin<'_> {
     pub fn run(&self, mut policy: CausalLm) -> Result<Vec<IterationReport>> {
         let (train_rows, validation_rows) =
             data_files(&self.config.data)?.load(|path, _| read_jsonl::<PromptResponseRow>(path))?;
-        let mut train_config = self.config.train.clone();
-        train_config.epochs = self.config.spin.epochs.max(1);
+        let train_config = &self.config.train;
         let mut reports = Vec::new();
         let mut earlier: Vec<DpoRow> = Vec::new();
         let mut engine = None;
@@ -291,7 +287,7 @@ impl Spin<'_> {
                 "SPIN iteration"
             );
             let trainer = Trainer {
-                config: &train_config,
+                config: train_config,
                 objective: &self.objective(k)?,
                 store: self.store,
                 train: &train,
@@ -458,6 +454,9 @@ fn margins(examples: &[DpoExample]) -> (f64, f64) {
     }
     (seq / n, tok / n)
 }
+
+/// The key that moved from `[spin]` to `[train]`, the loop's section in every method.
+pub const MOVED_KEYS: &[aligner_core::train::MovedKey] = &[("spin.epochs", "train.epochs")];
 
 #[cfg(test)]
 mod tests {

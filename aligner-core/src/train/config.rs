@@ -337,6 +337,39 @@ impl TrainSection {
         check_value("train.weight_decay", self.weight_decay, Range::NonNegative)
     }
 
+    /// Refuses the keys of `unused` (each with what the method uses instead) that differ from
+    /// `defaults`: a method whose steps are not batches of examples (PPO draws
+    /// `ppo.rollout_prompts` a step) says so rather than ignore `train.batch_size`. `section`
+    /// is this section's name in the configuration (`train`).
+    pub fn check_unused(
+        &self,
+        section: &str,
+        defaults: &TrainSection,
+        method: &str,
+        unused: &[(&str, &str)],
+    ) -> Result<()> {
+        let table = |section: &TrainSection| toml::Value::try_from(section).ok();
+        let (mine, theirs) = (table(self), table(defaults));
+        for (key, instead) in unused {
+            let value = |t: &Option<toml::Value>| t.as_ref().and_then(|t| t.get(*key)).cloned();
+            if let Some(set) = value(&mine).filter(|v| Some(v) != value(&theirs).as_ref()) {
+                return Err(CoreError::Invalid(format!(
+                    "{section}.{key} = {set} is not used by {method}: {instead}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// A sampling method's steps: `max_steps`, or `epochs` passes over `prompts` prompts drawn
+    /// `per_step` a step.
+    pub fn sampling_steps(&self, prompts: usize, per_step: usize) -> usize {
+        if self.max_steps > 0 {
+            return self.max_steps;
+        }
+        prompts.div_ceil(per_step.max(1)) * self.epochs.max(1)
+    }
+
     /// The loop of the embedded default runs: `epochs` over the shipped data with batch 16,
     /// cosine decay from 2e-3 after 5 warm-up steps, validation and checkpoints every 25 steps.
     pub fn embedded_default(epochs: usize) -> Self {
@@ -384,6 +417,11 @@ impl DataSection {
     }
 }
 
+/// A configuration key that moved: `(old, new)`, both dotted (`("ppo.steps",
+/// "train.max_steps")`). A file or `--set` that still gives the old key is refused naming the
+/// new one, instead of the plain "unknown field".
+pub type MovedKey = (&'static str, &'static str);
+
 /// Builds a command's configuration: its defaults, then the TOML file, then `--set` overrides.
 /// Unknown keys anywhere are an error naming the key.
 pub fn load_config<T: Serialize + DeserializeOwned>(
@@ -391,6 +429,21 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
     file: Option<&Path>,
     overrides: &[String],
 ) -> Result<T> {
+    load_config_moved(defaults, file, overrides, &[])
+}
+
+/// [`load_config`] for a configuration some of whose keys moved (`moved`): a file or `--set`
+/// giving an old key is an error naming its new place.
+pub fn load_config_moved<T: Serialize + DeserializeOwned>(
+    defaults: &T,
+    file: Option<&Path>,
+    overrides: &[String],
+    moved: &[MovedKey],
+) -> Result<T> {
+    let moved_error = |path: PathBuf, (old, new): &MovedKey| CoreError::Config {
+        path,
+        message: format!("{old} is now {new} (rename the key; the value means the same)"),
+    };
     let mut value = toml::Value::try_from(defaults).map_err(|e| CoreError::Invalid(e.to_string()))?;
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
@@ -398,6 +451,9 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
+        if let Some(key) = moved.iter().find(|(old, _)| has_dotted(&user, old)) {
+            return Err(moved_error(path.to_path_buf(), key));
+        }
         merge(&mut value, user);
     }
     let mut set_keys = Vec::new();
@@ -405,6 +461,9 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
         let (key, raw) = item
             .split_once('=')
             .ok_or_else(|| CoreError::Invalid(format!("--set {item:?}: expected key=value")))?;
+        if let Some(moved_key) = moved.iter().find(|(old, _)| *old == key.trim()) {
+            return Err(moved_error(PathBuf::from(format!("--set {item}")), moved_key));
+        }
         set_dotted(&mut value, key.trim(), parse_value(raw.trim()))?;
         set_keys.push((key.trim().to_string(), item));
     }
@@ -465,6 +524,13 @@ fn parse_value(raw: &str) -> toml::Value {
         .ok()
         .and_then(|mut t| t.remove("v"))
         .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+/// Whether `value` holds the dotted `key`.
+fn has_dotted(value: &toml::Value, key: &str) -> bool {
+    key.split('.')
+        .try_fold(value, |node, part| node.as_table().and_then(|t| t.get(part)))
+        .is_some()
 }
 
 fn merge(base: &mut toml::Value, update: toml::Value) {
@@ -672,6 +738,64 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("key=value"), "{err}");
+    }
+
+    #[test]
+    fn moved_keys_are_refused_naming_their_new_place() {
+        const MOVED: &[MovedKey] = &[("model.steps", "train.max_steps")];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[model]\nsteps = 3\n").unwrap();
+        let err = load_config_moved(&Example::default(), Some(&path), &[], MOVED)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{}: model.steps is now train.max_steps (rename the key; the value means the same)",
+                path.display()
+            )
+        );
+        let err = load_config_moved(&Example::default(), None, &["model.steps=3".into()], MOVED)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--set model.steps=3: model.steps is now train.max_steps"),
+            "{err}"
+        );
+        // The new key loads; a section of the same name without the old key is untouched.
+        std::fs::write(&path, "[model]\nlora_rank = 2\n[train]\nmax_steps = 3\n").unwrap();
+        let c: Example = load_config_moved(&Example::default(), Some(&path), &[], MOVED).unwrap();
+        assert_eq!((c.model.lora_rank, c.train.max_steps), (2, 3));
+    }
+
+    #[test]
+    fn unused_train_keys_are_refused_only_when_changed() {
+        let defaults = TrainSection {
+            max_steps: 24,
+            ..TrainSection::default()
+        };
+        let unused = [("batch_size", "a step is ppo.rollout_prompts prompts")];
+        let mut train = defaults.clone();
+        train.lr = 0.5;
+        assert!(train.check_unused("train", &defaults, "ppo", &unused).is_ok());
+        train.batch_size = 3;
+        let err = train
+            .check_unused("train", &defaults, "ppo", &unused)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "train.batch_size = 3 is not used by ppo: a step is ppo.rollout_prompts prompts"
+        );
+        // max_steps, or epochs over the prompts at `per_step` a step.
+        assert_eq!(defaults.sampling_steps(100, 8), 24);
+        let by_epochs = TrainSection {
+            max_steps: 0,
+            epochs: 2,
+            ..defaults
+        };
+        assert_eq!(by_epochs.sampling_steps(10, 8), 4);
     }
 
     #[test]

@@ -78,29 +78,8 @@ pub struct LoopSettings {
 }
 
 impl LoopSettings {
-    /// A loop of `steps` steps that writes a metrics row at every step, with AdamW without
-    /// weight decay, whole on every rank, no clipping, evaluations, checkpoints or `keep_best`
-    /// until the caller sets them (the sampling methods: PPO, online DPO).
-    pub fn each_step(steps: usize, layout: CheckpointLayout, label: &'static str) -> Self {
-        Self {
-            steps,
-            seed: 0,
-            weight_decay: 0.0,
-            max_grad_norm: 0.0,
-            shard_optimizer: false,
-            log_every: 1,
-            eval_every: 0,
-            save_every: 0,
-            sync_check_every: 0,
-            tensorboard: true,
-            keep_best: None,
-            keep_best_mode: BestMode::default(),
-            layout,
-            label,
-        }
-    }
-
-    /// An offline trainer's loop of `steps` steps with `config`'s settings.
+    /// A loop of `steps` steps with `[train]`'s settings (every method's loop section), in
+    /// the trainer's checkpoint layout; a method with a layout of its own replaces `layout`.
     pub fn from_train(config: &TrainSection, steps: usize) -> Self {
         Self {
             steps,

@@ -30,8 +30,9 @@ use burn::tensor::{Bytes, Device, Tensor};
 use serde_json::{Map, Value};
 
 pub use config::{
-    BestMode, ConfigChange, DataSection, ModelSection, Range, TrainSection, check_counts, check_new_tokens,
-    check_template, check_value, check_values, config_changes, load_config, to_toml,
+    BestMode, ConfigChange, DataSection, ModelSection, MovedKey, Range, TrainSection, check_counts,
+    check_new_tokens, check_template, check_value, check_values, config_changes, load_config,
+    load_config_moved, to_toml,
 };
 pub use driver::{
     BEST_DIR, CheckpointLayout, FINAL_STEP, FinalStep, LoopSettings, LoopState, Method, Optimizer,

@@ -117,8 +117,11 @@ pub struct CaiConfig {
     /// The reward model trained on the AI labels (`cai.rl = "reward_model"`).
     pub reward_model: TrainSection,
     pub dpo: DpoSection,
-    /// The online-DPO loop against the trained reward model (`cai.rl = "reward_model"`).
+    /// The online-DPO stage's sampling against the trained reward model (`cai.rl =
+    /// "reward_model"`).
     pub online: OnlineSection,
+    /// That stage's loop (steps, learning rate, ...), as `[train]` is online DPO's own.
+    pub online_train: TrainSection,
     /// The held-out reward, KL to the start model and NLL after each stage; its reward
     /// function also scores the RL pairs, to check the AI labels against it.
     pub frontier: FrontierSection,
@@ -162,10 +165,13 @@ impl Default for CaiConfig {
                 ..DpoSection::default()
             },
             online: OnlineSection {
-                eval_every: 0,
                 eval_prompts: 0,
-                save_every: 0,
                 ..OnlineSection::default()
+            },
+            online_train: TrainSection {
+                eval_every: 0,
+                save_every: 0,
+                ..aligner_dpo::online::default_train()
             },
             frontier: FrontierSection {
                 max_prompts: 64,
@@ -238,6 +244,9 @@ pub fn train(
             "cai.rl = \"reward_model\" ends in online DPO, which runs in one process: use cai.rl = \"dpo\" under mpirun"
                 .into(),
         ));
+    }
+    if section.rl == RlMethod::RewardModel {
+        aligner_dpo::online::check_train(&config.online_train, "online_train")?;
     }
     run.start_with_steps(config, &["judge"])?;
     let start = load_model(&config.model, device)?;
@@ -425,6 +434,7 @@ pub fn train(
                         ..DataSection::default()
                     },
                     dpo: config.dpo.clone(),
+                    train: config.online_train.clone(),
                     online: config.online.clone(),
                     reward: Default::default(),
                     frontier: FrontierSection::default(),
@@ -649,6 +659,17 @@ pub fn ai_label_agreement(labels: &[Value]) -> Option<f64> {
     }
     (n > 0).then(|| agree / n as f64)
 }
+
+/// The keys that moved from CAI's `[online]` to `[online_train]`, the online stage's loop.
+pub const MOVED_KEYS: &[aligner_core::train::MovedKey] = &[
+    ("online.steps", "online_train.max_steps"),
+    ("online.lr", "online_train.lr"),
+    ("online.max_grad_norm", "online_train.max_grad_norm"),
+    ("online.eval_every", "online_train.eval_every"),
+    ("online.save_every", "online_train.save_every"),
+    ("online.seed", "online_train.seed"),
+    ("online.tensorboard", "online_train.tensorboard"),
+];
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,691 @@
+//! # aligner-distill
+//!
+//! Knowledge distillation: a student (`[model]`) learns a teacher's (`distill.teacher`)
+//! next-token distributions, on the response tokens of a dataset (`{"prompt", "response"}` or
+//! `{"messages"}` rows, as `aligner sft` reads them) or on its own answers to the dataset's
+//! prompts. Three modes (`distill.mode`):
+//!
+//! - `gkd` (Agarwal et al., 2024; TRL's `GKDTrainer`): a share `distill.lambda` of each batch
+//!   is the student's own answers (the engine, refit to its weights each step), the rest the
+//!   data's; the loss is [`generalized_jsd`] with `distill.beta` over the whole vocabulary.
+//! - `on_policy` (NeMo-RL's and verl's on-policy distillation): the student answers every
+//!   prompt, the teacher scores the sampled tokens, and the per-token reverse KL
+//!   `log π_S(y_t) − log π_T(y_t)` is minimised as a dense reward by its policy gradient.
+//! - `supervised` (Hinton et al., 2015; TRL's and NeMo's supervised KD) minimises, per
+//!   response token of the data,
+//!
+//! ```text
+//! loss = (1 − α) · τ² · KL(p_teacher^τ ‖ p_student^τ) + α · NLL_student(data)
+//! ```
+//!
+//! with `p^τ = softmax(logits / τ)` (`distill.temperature`) and `α` = `distill.alpha`. The
+//! loss is [`forward_kl`] on the two models' logits, one visible function; the loop is
+//! aligner-core's (resume, LoRA students, data parallel, checkpoints as for every method), and
+//! each validation logs the held-out forward and reverse KL to the teacher per response token
+//! (`eval_kl`, `eval_reverse_kl`) beside the student's NLL of the data (`eval_nll`) and, with
+//! `[frontier]`, the reward–KL figures of its own samples against the start model.
+//!
+//! Teacher and student may differ in size and depth but must share a tokenizer (refused
+//! naming both folders otherwise). Without `distill.teacher`, the default `aligner dpo` run is
+//! trained first into `<run>/teacher` and distilled into the start model. [`train`] is
+//! `aligner distill` as a library call.
+
+use std::cell::RefCell;
+use std::path::PathBuf;
+
+use aligner_core::run::{RunDir, data_files};
+use aligner_core::score::pad_right;
+use aligner_core::sft::{SftExample, load_sft_examples};
+use aligner_core::start::{load_model, policy_store};
+use aligner_core::train::{
+    DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection,
+};
+use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, LoadedModel, TextTokenizer};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
+use burn::module::Module;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+/// What can stop a distillation run.
+#[derive(Debug, thiserror::Error)]
+pub enum DistillError {
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    #[error(transparent)]
+    Gen(#[from] aligner_gen::GenError),
+    #[error(transparent)]
+    Dpo(#[from] aligner_dpo::DpoError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = DistillError> = std::result::Result<T, E>;
+
+/// How the student learns from the teacher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillMode {
+    /// The forward KL from the teacher's distributions to the student's on the dataset's
+    /// response tokens (teacher forcing), mixed with the data's NLL by `alpha`.
+    #[default]
+    Supervised,
+    /// Generalized knowledge distillation (Agarwal et al., 2024; TRL's `GKDTrainer`): a
+    /// fraction `lambda` of each batch is answered by the student itself (the engine, refit
+    /// to its weights), the rest keeps the data's responses, and the loss is the generalized
+    /// Jensen–Shannon divergence with `beta` (0 = forward KL, 1 = reverse KL) over the whole
+    /// vocabulary at each response token.
+    Gkd,
+    /// On-policy distillation (NeMo-RL's and verl's): the student answers every prompt, the
+    /// teacher scores the sampled tokens, and the per-token reverse KL `log π_S(y_t) − log
+    /// π_T(y_t)` is minimised as a dense reward, by its policy gradient.
+    OnPolicy,
+}
+
+/// `[distill]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistillSection {
+    /// The teacher's HF folder; empty = the default `aligner dpo` run, trained first into
+    /// `<run>/teacher`.
+    pub teacher: Option<PathBuf>,
+    pub mode: DistillMode,
+    /// Weight of the data's NLL: `(1 − alpha) · τ² · KL + alpha · NLL` (0 = the teacher alone).
+    pub alpha: f64,
+    /// Softmax temperature τ of both distributions in the KL term (its gradients are scaled by
+    /// τ², so the term keeps its size as τ changes).
+    pub temperature: f64,
+    /// `gkd`: the share of each batch the student answers itself (0 = supervised on the
+    /// generalized JSD, 1 = on-policy).
+    pub lambda: f64,
+    /// `gkd`: the generalized JSD's interpolation (0 = forward KL, 1 = reverse KL).
+    pub beta: f64,
+    /// `gkd` / `on_policy`: the student's answers, at most this many tokens...
+    pub max_new_tokens: usize,
+    /// ... sampled at this temperature.
+    pub sample_temperature: f32,
+    /// Engine rows decoded together.
+    pub slots: usize,
+}
+
+impl Default for DistillSection {
+    fn default() -> Self {
+        Self {
+            teacher: None,
+            mode: DistillMode::Supervised,
+            alpha: 0.0,
+            temperature: 1.0,
+            lambda: 0.5,
+            beta: 0.5,
+            max_new_tokens: 48,
+            sample_temperature: 1.0,
+            slots: 64,
+        }
+    }
+}
+
+/// `aligner distill` configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistillConfig {
+    /// The student (LoRA when `lora_rank > 0`).
+    pub model: ModelSection,
+    /// Prompt/response or chat rows; the response tokens are distilled.
+    pub data: DataSection,
+    pub train: TrainSection,
+    pub distill: DistillSection,
+    /// The reward–KL figures of the student's own samples (KL to the start model) at every
+    /// validation.
+    pub frontier: aligner_gen::FrontierSection,
+}
+
+impl Default for DistillConfig {
+    /// The shipped model learns the default DPO run's distributions on the shipped SFT data.
+    fn default() -> Self {
+        Self {
+            model: ModelSection::default(),
+            data: DataSection::shipped("train.sft.jsonl", "test.sft.jsonl"),
+            train: TrainSection {
+                lr: 1e-3,
+                ..TrainSection::embedded_default(2)
+            },
+            distill: DistillSection::default(),
+            frontier: aligner_gen::FrontierSection::shipped(),
+        }
+    }
+}
+
+/// Per-position forward KL from the teacher's next-token distribution to the student's, both
+/// at temperature `temperature`: `Σ_v p_T(v) (log p_T(v) − log p_S(v))`, `[batch, seq, vocab]`
+/// logits → `[batch, seq]`. Gradients flow into `student_logits` only when `teacher_logits`
+/// carries none (the teacher is frozen).
+pub fn forward_kl(teacher_logits: Tensor<3>, student_logits: Tensor<3>, temperature: f64) -> Tensor<2> {
+    let [b, s, _] = student_logits.dims();
+    let teacher = log_softmax(teacher_logits.div_scalar(temperature), 2);
+    let student = log_softmax(student_logits.div_scalar(temperature), 2);
+    (teacher.clone().exp() * (teacher - student))
+        .sum_dim(2)
+        .reshape([b, s])
+}
+
+/// Per-position generalized Jensen–Shannon divergence (Agarwal et al.) at temperature
+/// `temperature`, `[batch, seq]`: with `M = β p_T + (1 − β) p_S`,
+/// `β KL(p_T ‖ M) + (1 − β) KL(p_S ‖ M)`; `β = 0` is the forward KL `KL(p_T ‖ p_S)` and `β = 1`
+/// the reverse `KL(p_S ‖ p_T)` (the ends, where the mixture would make it vanish, as TRL's GKD
+/// takes them).
+pub fn generalized_jsd(
+    teacher_logits: Tensor<3>,
+    student_logits: Tensor<3>,
+    beta: f64,
+    temperature: f64,
+) -> Tensor<2> {
+    if beta <= 0.0 {
+        return forward_kl(teacher_logits, student_logits, temperature);
+    }
+    if beta >= 1.0 {
+        return forward_kl(student_logits, teacher_logits, temperature);
+    }
+    let [b, s, _] = student_logits.dims();
+    let teacher = log_softmax(teacher_logits.div_scalar(temperature), 2);
+    let student = log_softmax(student_logits.div_scalar(temperature), 2);
+    // log M, as a log-sum-exp of the two weighted log-probabilities.
+    let (a, c) = (
+        teacher.clone().add_scalar(beta.ln()),
+        student.clone().add_scalar((1.0 - beta).ln()),
+    );
+    let top = a.clone().max_pair(c.clone());
+    let mixture = top.clone() + ((a - top.clone()).exp() + (c - top).exp()).log();
+    let kl_teacher = (teacher.clone().exp() * (teacher - mixture.clone())).sum_dim(2);
+    let kl_student = (student.clone().exp() * (student - mixture)).sum_dim(2);
+    (kl_teacher.mul_scalar(beta) + kl_student.mul_scalar(1.0 - beta)).reshape([b, s])
+}
+
+/// Per-position reverse KL `Σ_v p_S(v) (log p_S(v) − log p_T(v))` (temperature 1): what the
+/// student puts where the teacher does not, `[batch, seq]`.
+pub fn reverse_kl(teacher_logits: Tensor<3>, student_logits: Tensor<3>) -> Tensor<2> {
+    forward_kl(student_logits, teacher_logits, 1.0)
+}
+
+/// The distillation objective on tokenized SFT examples: its mode's loss, with the student's
+/// own answers drawn inside the step for `gkd` and `on_policy`.
+pub struct DistillObjective {
+    /// The frozen teacher (on the inference device; its logits move to the student's).
+    pub teacher: CausalLm,
+    pub section: DistillSection,
+    /// The logits compared: the first `vocab` of each model's (the smaller `vocab_size` of
+    /// the two, which holds every token id of the shared tokenizer).
+    pub vocab: usize,
+    /// The student's configuration and tokenizer, for its generation engine.
+    pub student: LlamaConfig,
+    pub tokenizer: TextTokenizer,
+    /// The engine the student answers with, made at its first use and refit each step.
+    pub engine: RefCell<Option<Engine>>,
+}
+
+/// A batch's inputs: the padded tokens, the mask of distilled positions (`[batch, seq − 1]`,
+/// position t predicting token t + 1) and their count; with `skip_end`, the end tokens
+/// ([`SftExample::end`]: the EOS appended to a response) are left out of the mask.
+fn batch_tensors(
+    batch: &[&SftExample],
+    device: &Device,
+    skip_end: bool,
+) -> (Tensor<2, Int>, Tensor<2>, usize) {
+    let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
+    let tokens = pad_right(&rows, 0, device);
+    let [b, width] = tokens.dims();
+    let mut mask = vec![0f32; b * (width - 1)];
+    let mut n = 0;
+    for (i, e) in batch.iter().enumerate() {
+        for t in 1..e.ids.len() {
+            if e.trained[t] && !(skip_end && e.end.get(t).copied().unwrap_or(false)) {
+                mask[i * (width - 1) + t - 1] = 1.0;
+                n += 1;
+            }
+        }
+    }
+    let mask = Tensor::<2>::from_data(TensorData::new(mask, [b, width - 1]), device);
+    (tokens, mask, n)
+}
+
+/// Both models' logits on a batch (`[batch, seq − 1, vocab]`, position t predicting token
+/// t + 1), the tokens they predict, and the distilled positions.
+struct Logits {
+    teacher: Tensor<3>,
+    student: Tensor<3>,
+    targets: Tensor<2, Int>,
+    mask: Tensor<2>,
+    n: usize,
+}
+
+impl Logits {
+    /// Mean over the distilled positions.
+    fn mean(&self, x: Tensor<2>) -> Tensor<1> {
+        (x * self.mask.clone()).sum().div_scalar(self.n.max(1) as f64)
+    }
+
+    /// Sum over the distilled positions.
+    fn sum(&self, x: Tensor<2>) -> f64 {
+        (x * self.mask.clone()).sum().into_scalar::<f32>() as f64
+    }
+
+    /// Log-probabilities of the predicted tokens under `logits`, `[batch, seq − 1]`.
+    fn token_logprobs(&self, logits: Tensor<3>) -> Tensor<2> {
+        let [b, s, _] = logits.dims();
+        log_softmax(logits, 2)
+            .gather(2, self.targets.clone().reshape([b, s, 1]))
+            .reshape([b, s])
+    }
+}
+
+impl DistillObjective {
+    /// The frozen teacher and the student (on `model`'s device) on `batch`.
+    fn logits(&self, model: &CausalLm, batch: &[&SftExample]) -> Logits {
+        let device = model.model.embed_tokens.weight.device();
+        let (tokens, mask, n) = batch_tensors(batch, &device, false);
+        let [b, width] = tokens.dims();
+        let positions = [0..b, 0..width - 1, 0..self.vocab];
+        let teacher_device = self.teacher.model.embed_tokens.weight.device();
+        let teacher = self
+            .teacher
+            .forward(tokens.clone().to_device(&teacher_device))
+            .slice(positions.clone())
+            .to_device(&device);
+        let student = model.forward(tokens.clone()).slice(positions);
+        Logits {
+            teacher,
+            student,
+            targets: tokens.slice([0..b, 1..width]),
+            mask,
+            n,
+        }
+    }
+
+    /// The student's own answers to the prompts of `examples` (each example's tokens before
+    /// its first trained one), drawn by the engine refit to `model`. The seeds come from the
+    /// device's generator, which the loop seeds from `train.seed` and the step: a resumed run
+    /// draws what the uninterrupted one did.
+    fn answers(&self, model: &CausalLm, examples: &[&SftExample]) -> Result<Vec<SftExample>> {
+        if examples.is_empty() {
+            return Ok(Vec::new());
+        }
+        let device = model.model.embed_tokens.weight.device();
+        let draw = Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), &device).into_scalar::<f32>();
+        let base = (draw as f64 * u32::MAX as f64) as u64;
+        let mut slot = self.engine.borrow_mut();
+        let engine = match slot.as_mut() {
+            Some(engine) => {
+                engine.refit(model)?;
+                engine
+            }
+            None => slot.insert(Engine::new(
+                model.valid(),
+                self.student.clone(),
+                Some(self.tokenizer.clone()),
+                EngineOptions {
+                    slots: self.section.slots,
+                    ..EngineOptions::default()
+                },
+            )),
+        };
+        let prompts: Vec<&[u32]> = examples
+            .iter()
+            .map(|e| {
+                let start = e.trained.iter().position(|&t| t).unwrap_or(e.ids.len());
+                &e.ids[..start.max(1)]
+            })
+            .collect();
+        let requests: Vec<GenerationRequest> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                GenerationRequest::new(
+                    prompt.to_vec(),
+                    SamplingParams {
+                        temperature: self.section.sample_temperature,
+                        seed: base.wrapping_mul(1_000_003).wrapping_add(i as u64),
+                        max_new_tokens: self.section.max_new_tokens,
+                        ..SamplingParams::default()
+                    },
+                )
+            })
+            .collect();
+        let outputs = engine.generate(&requests)?;
+        Ok(prompts
+            .iter()
+            .zip(outputs)
+            .map(|(prompt, out)| {
+                let mut ids = prompt.to_vec();
+                let mut trained = vec![false; ids.len()];
+                ids.extend(&out.token_ids);
+                trained.resize(ids.len(), true);
+                SftExample {
+                    ids,
+                    trained,
+                    starts: Vec::new(),
+                    end: Vec::new(),
+                }
+            })
+            .collect())
+    }
+}
+
+impl Objective<CausalLm> for DistillObjective {
+    type Example = SftExample;
+
+    fn step(&self, model: &CausalLm, batch: &[&SftExample]) -> aligner_core::Result<StepOutput> {
+        let section = &self.section;
+        // The student answers the first `own` prompts of the batch itself.
+        let own = match section.mode {
+            DistillMode::Supervised => 0,
+            DistillMode::Gkd => (section.lambda * batch.len() as f64).round() as usize,
+            DistillMode::OnPolicy => batch.len(),
+        };
+        let answers = self
+            .answers(model, &batch[..own])
+            .map_err(|e| CoreError::Invalid(format!("the student's answers: {e}")))?;
+        let rows: Vec<&SftExample> = answers.iter().chain(batch[own..].iter().copied()).collect();
+        let l = self.logits(model, &rows);
+        let scalar = |x: Tensor<1>| x.into_scalar::<f32>() as f64;
+        let t2 = section.temperature * section.temperature;
+        let (loss, mut metrics) = match section.mode {
+            DistillMode::Supervised => {
+                let kl = l.mean(forward_kl(
+                    l.teacher.clone(),
+                    l.student.clone(),
+                    section.temperature,
+                ));
+                let nll = l.mean(l.token_logprobs(l.student.clone()).neg());
+                let loss =
+                    kl.clone().mul_scalar((1.0 - section.alpha) * t2) + nll.clone().mul_scalar(section.alpha);
+                (
+                    loss,
+                    vec![("kl".to_string(), scalar(kl)), ("nll".into(), scalar(nll))],
+                )
+            }
+            DistillMode::Gkd => {
+                let jsd = l.mean(generalized_jsd(
+                    l.teacher.clone(),
+                    l.student.clone(),
+                    section.beta,
+                    section.temperature,
+                ));
+                (jsd.clone().mul_scalar(t2), vec![("jsd".to_string(), scalar(jsd))])
+            }
+            DistillMode::OnPolicy => {
+                let student = l.token_logprobs(l.student.clone());
+                let teacher = l.token_logprobs(l.teacher.clone());
+                // Each token's reward is −(log π_S − log π_T): the policy gradient of this
+                // loss is the reverse KL's.
+                let log_ratio = student.clone().detach() - teacher;
+                let loss = l.mean(log_ratio.clone() * student);
+                (loss, vec![("reverse_kl".to_string(), scalar(l.mean(log_ratio)))])
+            }
+        };
+        if own > 0 {
+            let tokens: usize = answers.iter().map(SftExample::n_trained).sum();
+            metrics.push(("own_answer_tokens".into(), tokens as f64 / own as f64));
+        }
+        Ok(StepOutput {
+            loss,
+            metrics,
+            tokens: rows.iter().map(|e| e.ids.len()).sum(),
+        })
+    }
+
+    /// Supervised: a mean over distilled tokens. With the student's own answers (whose
+    /// lengths the data does not know) a mean over examples.
+    fn loss_weight(&self, batch: &[&SftExample]) -> f64 {
+        match self.section.mode {
+            DistillMode::Supervised => batch.iter().map(|e| e.n_trained()).sum::<usize>() as f64,
+            DistillMode::Gkd | DistillMode::OnPolicy => batch.len() as f64,
+        }
+    }
+
+    /// On the held-out data's responses, per token: `kl` (forward, at the loss's
+    /// temperature), `reverse_kl` (at 1), the student's `nll` of the data and, as `aligner
+    /// sft` reports it, `nll_response` without the appended EOS (a teacher that never ends
+    /// there teaches the student not to either).
+    fn evaluate(&self, model: &CausalLm, batch: &[&SftExample]) -> aligner_core::Result<Vec<EvalSum>> {
+        let l = self.logits(model, batch);
+        let forward = forward_kl(l.teacher.clone(), l.student.clone(), self.section.temperature);
+        let reverse = reverse_kl(l.teacher.clone(), l.student.clone());
+        let nll = l.token_logprobs(l.student.clone()).neg();
+        let (_, response, n_response) = batch_tensors(batch, &l.mask.device(), true);
+        let mut sums: Vec<EvalSum> = [("kl", forward), ("reverse_kl", reverse), ("nll", nll.clone())]
+            .into_iter()
+            .map(|(name, x)| EvalSum {
+                name: name.into(),
+                sum: l.sum(x),
+                weight: l.n as f64,
+            })
+            .collect();
+        sums.push(EvalSum {
+            name: "nll_response".into(),
+            sum: (nll * response).sum().into_scalar::<f32>() as f64,
+            weight: n_response as f64,
+        });
+        Ok(sums)
+    }
+
+    fn plot_keys(&self) -> Vec<String> {
+        ["eval_kl", "eval_reverse_kl", "eval_nll"]
+            .map(String::from)
+            .to_vec()
+    }
+}
+
+/// Refuses a teacher whose tokenizer is not the student's, naming both folders: the KL
+/// compares distributions over the same token ids. Their `vocab_size`s may differ (a family's
+/// sizes pad the same tokenizer differently: Qwen2.5-7B has 152,064 rows, 0.5B 151,936); the
+/// loader has checked that every token id is below both.
+pub fn check_same_tokenizer(teacher: &LoadedModel, student: &LoadedModel) -> Result<()> {
+    const PROBE: &str = "Once upon a time, a little girl named Lily found a shiny key. 123 ünïcödé!";
+    let differs = |why: String| {
+        Err(DistillError::Invalid(format!(
+            "distill.teacher {} and the student {} do not share a tokenizer ({why}): \
+             distillation compares their distributions token by token",
+            teacher.dir.display(),
+            student.dir.display()
+        )))
+    };
+    let (t, s) = (
+        teacher.tokenizer.encode(PROBE, true)?,
+        student.tokenizer.encode(PROBE, true)?,
+    );
+    if t != s || teacher.tokenizer.eos_ids() != student.tokenizer.eos_ids() {
+        return differs("they encode the same text differently".into());
+    }
+    Ok(())
+}
+
+/// A distillation run: the student of `[model]` (LoRA when configured) learns the teacher's
+/// distributions on `data.train`, validated on `data.validation`, into `run` (or continued
+/// there when it is resumed).
+pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
+    let section = &config.distill;
+    use aligner_core::train::{Range, check_values};
+    check_values(&[
+        ("distill.alpha", section.alpha, Range::Fraction),
+        ("distill.temperature", section.temperature, Range::Positive),
+    ])?;
+    check_values(&[
+        ("distill.lambda", section.lambda, Range::Fraction),
+        ("distill.beta", section.beta, Range::Fraction),
+        (
+            "distill.sample_temperature",
+            section.sample_temperature.into(),
+            Range::NonNegative,
+        ),
+    ])?;
+    aligner_core::train::check_counts(&[
+        ("distill.max_new_tokens", section.max_new_tokens),
+        ("distill.slots", section.slots),
+    ])?;
+    let mode = serde_json::to_string(&section.mode).unwrap_or_default();
+    if section.alpha > 0.0 && section.mode != DistillMode::Supervised {
+        return Err(DistillError::Invalid(format!(
+            "distill.alpha = {} mixes the data's NLL into supervised distillation; distill.mode = {mode} \
+             trains on the student's own answers, whose NLL teaches nothing: leave it at 0",
+            section.alpha
+        )));
+    }
+    if section.mode == DistillMode::OnPolicy && section.temperature != 1.0 {
+        return Err(DistillError::Invalid(format!(
+            "distill.temperature = {} softens the KL over the vocabulary; distill.mode = \"on_policy\" \
+             scores the sampled tokens themselves: leave it at 1 (distill.sample_temperature sets the \
+             sampling's)",
+            section.temperature
+        )));
+    }
+    config.train.check()?;
+    run.start_with_steps(config, &["teacher"])?;
+    let teacher_dir = match &section.teacher {
+        Some(dir) => dir.clone(),
+        None => run.earlier_step("teacher", "config.json", |teacher_run| {
+            let registry = aligner_dpo::LossRegistry::with_builtin();
+            aligner_dpo::train(
+                &aligner_dpo::objective::DpoConfig::default(),
+                &registry,
+                teacher_run,
+                device,
+            )
+            .map(drop)
+        })?,
+    };
+    let teacher = LoadedModel::from_dir(&teacher_dir, device)?;
+    let student = load_model(&config.model, device)?;
+    check_same_tokenizer(&teacher, &student)?;
+    let frontier = config.frontier.for_start_model(&student, device)?;
+    let max_len = config.data.max_len(&student.config)?;
+    let (train, validation) =
+        data_files(&config.data)?.load(|path, _| load_sft_examples(path, &student.tokenizer, max_len))?;
+    let mut model = student.model;
+    let store = policy_store(&mut model, &config.model, &student.config, &student.dir, device);
+    tracing::info!(
+        teacher = %teacher_dir.display(),
+        train = train.len(),
+        validation = validation.len(),
+        "distillation"
+    );
+    let vocab = teacher.config.vocab_size.min(student.config.vocab_size);
+    let objective = DistillObjective {
+        vocab,
+        teacher: teacher.model,
+        section: section.clone(),
+        student: student.config.clone(),
+        tokenizer: student.tokenizer.clone(),
+        engine: RefCell::new(None),
+    };
+    Ok(aligner_core::train::fit_evaluated(
+        model,
+        &objective,
+        (&train, &validation),
+        store.as_ref(),
+        &config.train,
+        run,
+        device,
+        frontier
+            .as_ref()
+            .map(|f| f as &dyn aligner_core::train::ModelEval<_>),
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits(values: &[f32], vocab: usize) -> Tensor<3> {
+        Tensor::from_data(
+            TensorData::new(values.to_vec(), [1, values.len() / vocab, vocab]),
+            &Device::flex(),
+        )
+    }
+
+    /// `softmax(x / tau)` in f64, by hand.
+    fn softmax(x: &[f32], tau: f64) -> Vec<f64> {
+        let z: f64 = x.iter().map(|&v| (v as f64 / tau).exp()).sum();
+        x.iter().map(|&v| (v as f64 / tau).exp() / z).collect()
+    }
+
+    /// KL(p ‖ q) by hand for two 3-token distributions, at τ = 1 and τ = 2.
+    #[test]
+    fn forward_kl_by_hand() {
+        let teacher = [2.0f32, 0.0, -1.0];
+        let student = [0.5f32, 0.5, 0.0];
+        let by_hand = |tau: f64| {
+            let (p, q) = (softmax(&teacher, tau), softmax(&student, tau));
+            p.iter().zip(&q).map(|(p, q)| p * (p / q).ln()).sum::<f64>()
+        };
+        for tau in [1.0, 2.0] {
+            let kl = forward_kl(logits(&teacher, 3), logits(&student, 3), tau)
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            assert!(
+                (kl[0] as f64 - by_hand(tau)).abs() < 1e-6,
+                "{kl:?} against {}",
+                by_hand(tau)
+            );
+        }
+        // Zero for equal distributions (shifted logits), and the reverse is the swapped one.
+        let same = forward_kl(logits(&teacher, 3), logits(&[3.0, 1.0, 0.0], 3), 1.0).into_scalar::<f32>();
+        assert!(same.abs() < 1e-6, "{same}");
+        let reverse = reverse_kl(logits(&teacher, 3), logits(&student, 3)).into_scalar::<f32>();
+        let swapped = forward_kl(logits(&student, 3), logits(&teacher, 3), 1.0).into_scalar::<f32>();
+        assert_eq!(reverse, swapped);
+    }
+
+    /// The generalized JSD by hand at β = 0.3 and τ = 1.5; its ends are the forward and the
+    /// reverse KL.
+    #[test]
+    fn generalized_jsd_by_hand_and_at_its_ends() {
+        let teacher = [1.5f32, -0.5, 0.0, 0.7];
+        let student = [0.2f32, 0.4, -1.0, 0.0];
+        let (beta, tau) = (0.3, 1.5);
+        let (p, q) = (softmax(&teacher, tau), softmax(&student, tau));
+        let m: Vec<f64> = p
+            .iter()
+            .zip(&q)
+            .map(|(p, q)| beta * p + (1.0 - beta) * q)
+            .collect();
+        let kl = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(a, b)| a * (a / b).ln()).sum::<f64>();
+        let want = beta * kl(&p, &m) + (1.0 - beta) * kl(&q, &m);
+        let got =
+            generalized_jsd(logits(&teacher, 4), logits(&student, 4), beta, tau).into_scalar::<f32>() as f64;
+        assert!((got - want).abs() < 1e-6, "{got} against {want}");
+        let at = |beta: f64| {
+            generalized_jsd(logits(&teacher, 4), logits(&student, 4), beta, tau).into_scalar::<f32>()
+        };
+        assert_eq!(
+            at(0.0),
+            forward_kl(logits(&teacher, 4), logits(&student, 4), tau).into_scalar::<f32>()
+        );
+        assert_eq!(
+            at(1.0),
+            forward_kl(logits(&student, 4), logits(&teacher, 4), tau).into_scalar::<f32>()
+        );
+        // Zero for one distribution, whatever β.
+        let same = generalized_jsd(logits(&teacher, 4), logits(&teacher, 4), 0.5, 1.0).into_scalar::<f32>();
+        assert!(same.abs() < 1e-6, "{same}");
+    }
+
+    /// The gradient of the KL with respect to the student's logits is `(q − p) / τ` per
+    /// position (softmax cross-entropy), checked against the analytic form.
+    #[test]
+    fn forward_kl_gradient_is_q_minus_p_over_tau() {
+        let device = Device::flex().autodiff();
+        let teacher = [1.0f32, -0.5, 0.25, 2.0];
+        let student = [0.0f32, 0.3, -0.2, 0.1];
+        let tau = 2.0;
+        let t = Tensor::<3>::from_data(TensorData::new(teacher.to_vec(), [1, 1, 4]), &device);
+        let s = Tensor::<3>::from_data(TensorData::new(student.to_vec(), [1, 1, 4]), &device).require_grad();
+        let kl = forward_kl(t, s.clone(), tau).sum();
+        let grads = kl.backward();
+        let g = s.grad(&grads).unwrap().into_data().try_to_vec::<f32>().unwrap();
+        let (p, q) = (softmax(&teacher, tau), softmax(&student, tau));
+        for i in 0..4 {
+            let want = (q[i] - p[i]) / tau;
+            assert!((g[i] as f64 - want).abs() < 1e-6, "{i}: {} against {want}", g[i]);
+        }
+    }
+}
