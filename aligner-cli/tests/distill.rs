@@ -46,8 +46,8 @@ fn every_mode_moves_the_student_to_the_dpo_teacher() {
         assert!(ok, "{mode}: {err}");
         let (kl_before, kl_after) = first_and_last(&run, "eval_kl");
         let (reverse_before, reverse_after) = first_and_last(&run, "eval_reverse_kl");
-        // Measured at 74 steps: reverse KL 0.375 -> 0.030 (supervised), 0.028 (gkd), 0.133
-        // (on_policy, from the sampled tokens alone).
+        // Measured at the default 74 steps: reverse KL 0.375 -> 0.006 (supervised), 0.008
+        // (gkd), 0.019 (on_policy, from the sampled tokens alone).
         assert!(
             kl_after < 0.5 * kl_before && reverse_after < 0.5 * reverse_before,
             "{mode}: KL to the teacher {kl_before} -> {kl_after}, reverse {reverse_before} -> {reverse_after}"

@@ -145,8 +145,11 @@ impl Default for DistillConfig {
         Self {
             model: ModelSection::default(),
             data: DataSection::shipped("train.sft.jsonl", "test.sft.jsonl"),
+            // Measured from the default DPO run (104 held-out prompts × 3): at lr 3e-4 every
+            // mode ends nearer the teacher (reverse KL per token 0.006 supervised, 0.008 GKD,
+            // 0.019 on-policy) than at 1e-3 (0.030, 0.028, 0.133), at the teacher's reward.
             train: TrainSection {
-                lr: 1e-3,
+                lr: 3e-4,
                 ..TrainSection::embedded_default(2)
             },
             distill: DistillSection::default(),
