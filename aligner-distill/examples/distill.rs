@@ -12,11 +12,18 @@ fn main() -> Result<(), aligner_distill::DistillError> {
     let mut config = DistillConfig::default();
     config.train.max_steps = 20; // a short run; the default is two epochs
     let summary = aligner_distill::train(&config, &RunDir::new(&out), &Device::flex())?;
-    println!(
-        "distill: held-out {:?} -> {:?}; student in {}",
-        summary.initial_eval,
-        summary.final_eval,
-        summary.final_dir.display()
-    );
+    let after = |key: &str| summary.final_eval.get(key).and_then(|v| v.as_f64());
+    let before = |key: &str| {
+        let eval = summary.initial_eval.as_ref();
+        eval.and_then(|e| e.get(key)).and_then(|v| v.as_f64())
+    };
+    for key in [
+        "eval_reverse_kl",
+        "eval_frontier/tinystories_sentiment",
+        "eval_frontier/kl",
+    ] {
+        println!("distill: {key} {:?} -> {:?}", before(key), after(key));
+    }
+    println!("student in {}", summary.final_dir.display());
     Ok(())
 }

@@ -34,7 +34,7 @@ use crate::{DpoError, LossRegistry};
 /// The file an online-DPO checkpoint writes last.
 pub const ONLINE_STATE: &str = "online_dpo_state.json";
 
-/// `[online]`: the sampling loop.
+/// `[online]`: what each step samples (its loop is `[train]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OnlineSection {

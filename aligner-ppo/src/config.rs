@@ -1,5 +1,6 @@
 //! `aligner ppo` configuration: `[model]` (the actor, from an SFT model; LoRA), `[reward_model]`,
-//! `[data]` (prompt files), `[ppo]` and `[[reward]]` (rewards as functions).
+//! `[data]` (prompt files), `[train]` (the loop, as in every method), `[ppo]` (rollouts,
+//! advantages, losses, the critic) and `[[reward]]` (rewards as functions).
 
 use std::path::PathBuf;
 
@@ -30,7 +31,7 @@ pub enum NonEos {
     Penalize,
 }
 
-/// `[ppo]`.
+/// `[ppo]`: what a step samples and how it updates (its loop is `[train]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoSection {
