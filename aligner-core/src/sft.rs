@@ -213,6 +213,32 @@ fn masked_logprobs(
     (lp, mask, n)
 }
 
+/// The mask of `batch`'s trained tokens as the positions predicting them, `[batch, width − 1]`
+/// for rows padded to `width` tokens (position t predicts token t + 1), and their count; with
+/// `skip_end`, the end tokens ([`SftExample::end`]) are left out.
+pub fn trained_mask(
+    batch: &[&SftExample],
+    width: usize,
+    skip_end: bool,
+    device: &Device,
+) -> (Tensor<2>, usize) {
+    let b = batch.len();
+    let mut mask = vec![0f32; b * (width - 1)];
+    let mut n = 0;
+    for (i, e) in batch.iter().enumerate() {
+        for t in 1..e.ids.len() {
+            if e.trained[t] && !(skip_end && e.is_end(t)) {
+                mask[i * (width - 1) + t - 1] = 1.0;
+                n += 1;
+            }
+        }
+    }
+    (
+        Tensor::<2>::from_data(TensorData::new(mask, [b, width - 1]), device),
+        n,
+    )
+}
+
 /// The log-probs of `batch` and one trained-token mask (with its count) for each entry of
 /// `response_only` (whether it leaves the end tokens out).
 fn logprobs_and_masks(
@@ -223,25 +249,10 @@ fn logprobs_and_masks(
 ) -> (Tensor<2>, Vec<(Tensor<2>, usize)>) {
     let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
     let tokens = pad_right(&rows, 0, device);
-    let [b, width] = tokens.dims();
+    let [_, width] = tokens.dims();
     let masks = response_only
         .iter()
-        .map(|&skip_end| {
-            let mut mask = vec![0f32; b * (width - 1)];
-            let mut n = 0;
-            for (i, e) in batch.iter().enumerate() {
-                for t in 1..e.ids.len() {
-                    if e.trained[t] && !(skip_end && e.is_end(t)) {
-                        mask[i * (width - 1) + t - 1] = 1.0;
-                        n += 1;
-                    }
-                }
-            }
-            (
-                Tensor::<2>::from_data(TensorData::new(mask, [b, width - 1]), device),
-                n,
-            )
-        })
+        .map(|&skip_end| trained_mask(batch, width, skip_end, device))
         .collect();
     let logprobs = if batch.iter().any(|e| e.starts.len() > 1) {
         let segments: Vec<Vec<Option<usize>>> = batch

@@ -35,7 +35,7 @@ use std::path::PathBuf;
 
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::pad_right;
-use aligner_core::sft::{SftExample, load_sft_examples};
+use aligner_core::sft::{SftExample, load_sft_examples, trained_mask};
 use aligner_core::start::{load_model, policy_store};
 use aligner_core::train::{
     DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection,
@@ -44,7 +44,7 @@ use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, LoadedModel, TextTo
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Distribution, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// What can stop a distillation run.
@@ -225,31 +225,6 @@ pub struct DistillObjective {
     pub engine: RefCell<Option<Engine>>,
 }
 
-/// A batch's inputs: the padded tokens, the mask of distilled positions (`[batch, seq − 1]`,
-/// position t predicting token t + 1) and their count; with `skip_end`, the end tokens
-/// ([`SftExample::end`]: the EOS appended to a response) are left out of the mask.
-fn batch_tensors(
-    batch: &[&SftExample],
-    device: &Device,
-    skip_end: bool,
-) -> (Tensor<2, Int>, Tensor<2>, usize) {
-    let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
-    let tokens = pad_right(&rows, 0, device);
-    let [b, width] = tokens.dims();
-    let mut mask = vec![0f32; b * (width - 1)];
-    let mut n = 0;
-    for (i, e) in batch.iter().enumerate() {
-        for t in 1..e.ids.len() {
-            if e.trained[t] && !(skip_end && e.end.get(t).copied().unwrap_or(false)) {
-                mask[i * (width - 1) + t - 1] = 1.0;
-                n += 1;
-            }
-        }
-    }
-    let mask = Tensor::<2>::from_data(TensorData::new(mask, [b, width - 1]), device);
-    (tokens, mask, n)
-}
-
 /// Both models' logits on a batch (`[batch, seq − 1, vocab]`, position t predicting token
 /// t + 1), the tokens they predict, and the distilled positions.
 struct Logits {
@@ -284,8 +259,10 @@ impl DistillObjective {
     /// The frozen teacher and the student (on `model`'s device) on `batch`.
     fn logits(&self, model: &CausalLm, batch: &[&SftExample]) -> Logits {
         let device = model.model.embed_tokens.weight.device();
-        let (tokens, mask, n) = batch_tensors(batch, &device, false);
+        let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
+        let tokens = pad_right(&rows, 0, &device);
         let [b, width] = tokens.dims();
+        let (mask, n) = trained_mask(batch, width, false, &device);
         let positions = [0..b, 0..width - 1, 0..self.vocab];
         let teacher_device = self.teacher.model.embed_tokens.weight.device();
         let teacher = self
@@ -453,7 +430,8 @@ impl Objective<CausalLm> for DistillObjective {
         let forward = forward_kl(l.teacher.clone(), l.student.clone(), self.section.temperature);
         let reverse = reverse_kl(l.teacher.clone(), l.student.clone());
         let nll = l.token_logprobs(l.student.clone()).neg();
-        let (_, response, n_response) = batch_tensors(batch, &l.mask.device(), true);
+        let [_, positions] = l.mask.dims();
+        let (response, n_response) = trained_mask(batch, positions + 1, true, &l.mask.device());
         let mut sums: Vec<EvalSum> = [("kl", forward), ("reverse_kl", reverse), ("nll", nll.clone())]
             .into_iter()
             .map(|(name, x)| EvalSum {
@@ -596,6 +574,7 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::TensorData;
 
     fn logits(values: &[f32], vocab: usize) -> Tensor<3> {
         Tensor::from_data(
