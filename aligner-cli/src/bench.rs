@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use aligner_core::config::Precision;
+use aligner_core::train::{Sharding, TrainSection};
 use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, model::parameter_count};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
 use anyhow::Result;
@@ -58,6 +59,10 @@ pub enum BenchCommand {
         /// Recompute activations in the backward (`train.activation_checkpointing`).
         #[arg(long)]
         activation_checkpointing: bool,
+        /// What each rank keeps only its share of under `mpirun` (`train.sharding`: none,
+        /// optimizer, gradients).
+        #[arg(long, default_value = "none", value_parser = parse_sharding)]
+        sharding: Sharding,
         /// The device's peak dense TFLOP/s (990 for an H200 in bf16): adds model FLOPs
         /// utilisation (6 · params + attention, per token) to the table.
         #[arg(long)]
@@ -87,6 +92,16 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1)]
         workers: usize,
     },
+}
+
+/// `--sharding`'s value, as `train.sharding` spells it.
+fn parse_sharding(value: &str) -> std::result::Result<Sharding, String> {
+    match value {
+        "none" => Ok(Sharding::None),
+        "optimizer" => Ok(Sharding::Optimizer),
+        "gradients" => Ok(Sharding::Gradients),
+        other => Err(format!("{other:?}: expected none, optimizer or gradients")),
+    }
 }
 
 /// The ~16M-parameter Llama of the benchmarks: hidden 256, 4 layers, 4 heads, 2 KV heads,
@@ -193,6 +208,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             seq,
             steps,
             activation_checkpointing,
+            sharding,
             peak_tflops,
         } => train(
             device,
@@ -200,7 +216,11 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             batch,
             seq,
             steps,
-            activation_checkpointing,
+            TrainSection {
+                activation_checkpointing,
+                sharding,
+                ..TrainSection::default()
+            },
             peak_tflops,
         ),
         BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
@@ -306,18 +326,20 @@ fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
     batch: &[O::Example],
     steps: usize,
 ) -> Result<f64> {
-    seconds_per_step_on(model, &device.clone().autodiff(), objective, batch, steps)
+    let train = TrainSection::default();
+    seconds_per_step_on(model, &device.clone().autodiff(), &train, objective, batch, steps)
 }
 
 /// [`seconds_per_step`] on a given autodiff device (with or without gradient checkpointing).
 fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     model: CausalLm,
     train_device: &Device,
+    train: &TrainSection,
     objective: &O,
     batch: &[O::Example],
     steps: usize,
 ) -> Result<f64> {
-    use aligner_core::train::{Method, ObjectiveStep, Optimizer, TrainSection};
+    use aligner_core::train::{Method, ObjectiveStep, Optimizer};
 
     // The step reads the run folder only to name a checkpoint on a non-finite loss.
     let run = aligner_core::run::RunDir::new(std::env::temp_dir().join("aligner-bench"));
@@ -325,11 +347,16 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     let config = TrainSection {
         batch_size: batch.len().div_ceil(ranks),
         shuffle: false,
-        ..TrainSection::default()
+        ..train.clone()
     };
     let total = steps.max(1) + 1;
     let mut step = ObjectiveStep::new(&config, objective, batch, &run, total, train_device);
-    let mut optim = Optimizer::new(config.weight_decay, config.max_grad_norm, false, run.comm());
+    let mut optim = Optimizer::new(
+        config.weight_decay,
+        config.max_grad_norm,
+        config.sharding,
+        run.comm(),
+    );
     let mut model = aligner_core::train::config::to_train_device(model, train_device);
     model = step.step(0, model, &mut optim)?.model;
     let start = Instant::now();
@@ -367,7 +394,7 @@ fn train(
     batch: usize,
     seq: usize,
     steps: usize,
-    activation_checkpointing: bool,
+    train_config: TrainSection,
     peak_tflops: Option<f64>,
 ) -> Result<()> {
     use aligner_core::sft::{SftExample, SftObjective};
@@ -379,9 +406,9 @@ fn train(
     }
     if comm.is_root() {
         println!(
-            "| model | params | ranks × threads | batch × seq | activation checkpointing | ms / step | steps/s | tokens/s | MFU | all-reduce ms / step | all-reduce MB / step | peak RSS MB |"
+            "| model | params | ranks × threads | batch × seq | activation checkpointing | sharding | ms / step | steps/s | tokens/s | MFU | reduce ms / step | reduce MB / step | peak RSS MB (largest rank) |"
         );
-        println!("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|");
     }
     for (name, config, model) in models(device, only)? {
         // The global batch (each rank trains on its shard of it).
@@ -395,12 +422,15 @@ fn train(
             .collect();
         let params = parameter_count(&model);
         let before = comm.traffic();
-        let train_device = aligner_core::train::TrainSection {
-            activation_checkpointing,
-            ..Default::default()
-        }
-        .autodiff_device(device);
-        let per = seconds_per_step_on(model, &train_device, &SftObjective, &examples, steps)?;
+        let train_device = train_config.autodiff_device(device);
+        let per = seconds_per_step_on(
+            model,
+            &train_device,
+            &train_config,
+            &SftObjective,
+            &examples,
+            steps,
+        )?;
         let after = comm.traffic();
         let tokens_per_s = (batch * seq) as f64 / per;
         let mfu = peak_tflops
@@ -411,7 +441,12 @@ fn train(
                 )
             })
             .unwrap_or_else(|| "–".into());
-        let rss = peak_rss_mb()
+        // Every rank's peak; the largest is what a device must hold.
+        let peaks = aligner_core::parallel::gather(comm.as_ref(), &peak_rss_mb())?;
+        let rss = peaks
+            .into_iter()
+            .flatten()
+            .reduce(f64::max)
             .map(|mb| format!("{mb:.0}"))
             .unwrap_or_else(|| "–".into());
         // The warm-up step's all-reduce is counted too.
@@ -419,8 +454,13 @@ fn train(
         let threads = rayon::current_num_threads();
         if comm.is_root() {
             println!(
-                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {} | {:.1} | {:.2} | {:.0} | {mfu} | {:.1} | {:.1} | {rss} |",
-                if activation_checkpointing { "on" } else { "off" },
+                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {} | {} | {:.1} | {:.2} | {:.0} | {mfu} | {:.1} | {:.1} | {rss} |",
+                if train_config.activation_checkpointing {
+                    "on"
+                } else {
+                    "off"
+                },
+                train_config.sharding.name(),
                 per * 1e3,
                 1.0 / per,
                 tokens_per_s,

@@ -443,6 +443,11 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             "online.steps is now online_train.max_steps",
         ),
         (
+            set("dpo", "train.shard_optimizer=true".into()),
+            "train.shard_optimizer is now train.sharding (true: sharding = \"optimizer\"",
+        ),
+        (set("sft", "train.sharding=full".into()), "train.sharding"),
+        (
             set("ppo", "train.batch_size=4".into()),
             "train.batch_size = 4 is not used by ppo: a step samples ppo.rollout_prompts prompts",
         ),

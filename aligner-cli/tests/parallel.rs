@@ -87,24 +87,45 @@ fn same_metrics(a: &Path, b: &Path, tol: f64) {
 /// `command` with global batch `global` trained by 1, 2 and 3 ranks (batch `global / N`
 /// each): the weights and metrics of the multi-rank runs equal the one-process run's.
 fn trains_as_one_process(command: &[&str], global: usize, sets: &[String], tmp: &Path) {
-    let run_of = |np: usize| tmp.join(format!("{}-np{np}", command.join("-")));
-    for np in [1, 2, 3] {
-        let out = run_of(np);
+    trains_as_one_process_sharded(command, global, sets, tmp, &[(2, "none"), (3, "none")]);
+}
+
+/// [`trains_as_one_process`] for each `(ranks, train.sharding)` of `layouts`.
+fn trains_as_one_process_sharded(
+    command: &[&str],
+    global: usize,
+    sets: &[String],
+    tmp: &Path,
+    layouts: &[(usize, &str)],
+) {
+    let run_of = |np: usize, sharding: &str| tmp.join(format!("{}-np{np}-{sharding}", command.join("-")));
+    for &(np, sharding) in [(1, "none")].iter().chain(layouts) {
+        let out = run_of(np, sharding);
         let batch = format!("train.batch_size={}", global / np);
+        let sharding_set = format!("train.sharding={sharding}");
         let mut args: Vec<&str> = command.to_vec();
-        args.extend(["--out", out.to_str().unwrap(), "--set", &batch]);
+        args.extend([
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            &batch,
+            "--set",
+            &sharding_set,
+        ]);
         for s in sets {
             args.extend(["--set", s]);
         }
         ranks(np, &args);
     }
-    for np in [2, 3] {
-        let diff = weights_diff(&run_of(1).join("final"), &run_of(np).join("final"));
+    let one = run_of(1, "none");
+    for &(np, sharding) in layouts {
+        let run = run_of(np, sharding);
+        let diff = weights_diff(&one.join("final"), &run.join("final"));
         assert!(
             diff <= 1e-5,
-            "{command:?}: {np} ranks end {diff} from one process"
+            "{command:?}: {np} ranks (sharding {sharding}) end {diff} from one process"
         );
-        same_metrics(&run_of(1), &run_of(np), 1e-5);
+        same_metrics(&one, &run, 1e-5);
     }
 }
 
@@ -235,7 +256,10 @@ fn sft_on_two_and_three_ranks_trains_as_one_process() {
         "train.eval_examples=30".into(),
         "train.sync_check_every=1".into(),
     ];
-    trains_as_one_process(&["sft"], 12, &sets, dir.path());
+    // ZeRO stages 0 and 2 at 2 and 3 ranks (stage 1 in the resume test below); 3 ranks shard
+    // the parameters unevenly.
+    let layouts = [(2, "none"), (3, "none"), (2, "gradients"), (3, "gradients")];
+    trains_as_one_process_sharded(&["sft"], 12, &sets, dir.path(), &layouts);
 }
 
 #[test]
@@ -246,11 +270,13 @@ fn rm_and_dpo_on_two_and_three_ranks_train_as_one_process() {
         "train.eval_examples=20".into(),
         "train.eval_every=5".into(),
     ];
-    trains_as_one_process(&["rm"], 12, &sets, dir.path());
+    let layouts = [(2, "optimizer"), (3, "gradients")];
+    trains_as_one_process_sharded(&["rm"], 12, &sets, dir.path(), &layouts);
     // DPO's reference log-probs are computed a shard per rank and gathered into one cache.
-    trains_as_one_process(&["dpo"], 12, &sets, dir.path());
-    let single = std::fs::read_to_string(dir.path().join("dpo-np1/reference_train.jsonl")).unwrap();
-    let three = std::fs::read_to_string(dir.path().join("dpo-np3/reference_train.jsonl")).unwrap();
+    let layouts = [(2, "gradients"), (3, "none")];
+    trains_as_one_process_sharded(&["dpo"], 12, &sets, dir.path(), &layouts);
+    let single = std::fs::read_to_string(dir.path().join("dpo-np1-none/reference_train.jsonl")).unwrap();
+    let three = std::fs::read_to_string(dir.path().join("dpo-np3-none/reference_train.jsonl")).unwrap();
     let parse = |t: &str| t.lines().map(|l| l.parse::<f64>().unwrap()).collect::<Vec<_>>();
     let (a, b) = (parse(&single), parse(&three));
     assert_eq!(a.len(), b.len());
@@ -280,7 +306,7 @@ fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process
         "--set",
         "train.batch_size=4",
         "--set",
-        "train.shard_optimizer=true",
+        "train.sharding=gradients",
         "--stop-after",
         "4",
     ];
@@ -297,7 +323,18 @@ fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process
     }
     assert!(!checkpoint.join("optimizer.bin").exists());
     assert!(!split.join("final").exists());
-    ranks(2, &["sft", "--resume", split.to_str().unwrap()]);
+    // ZeRO-2's checkpoint resumed as ZeRO-1: the same files, one per rank.
+    ranks(
+        2,
+        &[
+            "sft",
+            "--resume",
+            split.to_str().unwrap(),
+            "--set",
+            "train.sharding=optimizer",
+            "--allow-change",
+        ],
+    );
     let diff = weights_diff(&whole.join("final"), &split.join("final"));
     assert!(diff <= 1e-5, "resumed sharded run ends {diff} away");
     same_metrics(&whole, &split, 1e-5);
@@ -308,7 +345,7 @@ fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("shard_optimizer"), "{err}");
+    assert!(!out.status.success() && err.contains("train.sharding"), "{err}");
 }
 
 #[test]
@@ -359,7 +396,7 @@ fn a_two_rank_run_with_an_aborted_rank_resumes_to_where_the_uninterrupted_run_en
     same_metrics(&whole, &killed, 1e-5);
 }
 
-/// PPO over two ranks (with ZeRO-1, `train.shard_optimizer`, as any method's loop takes it)
+/// PPO over two ranks (with ZeRO-2, `train.sharding = "gradients"`, as any method's loop takes it)
 /// raises the held-out reward as one process does.
 #[test]
 fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
@@ -381,7 +418,7 @@ fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
                 "--set",
                 &rm_set,
                 "--set",
-                &format!("train.shard_optimizer={}", np > 1),
+                &format!("train.sharding={}", if np > 1 { "gradients" } else { "none" }),
             ],
         );
         if np > 1 {

@@ -102,7 +102,7 @@ pub fn check_train(train: &TrainSection, section: &str) -> Result<(), DpoError> 
                 "eval_examples",
                 "held-out prompts per evaluation are online.eval_prompts",
             ),
-            ("shard_optimizer", "online DPO runs in one process"),
+            ("sharding", "online DPO runs in one process"),
         ],
     )?;
     Ok(())

@@ -8,7 +8,6 @@ use std::time::Instant;
 use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::map_sharded;
 use aligner_core::run::RunDir;
-use aligner_core::train::grads::all_reduce_gradients;
 use aligner_core::train::{
     CheckpointLayout, LoopSettings, Method, ModelStore, Optimizer, Stepped, mini_batches, run_loop,
 };
@@ -408,7 +407,6 @@ impl PpoRunner<'_> {
                 grads = GradientsParams::from_grads(loss.backward(), &actor);
             }
             if world > 1 {
-                all_reduce_gradients(&actor, &mut grads, 1.0, comm).map_err(CoreError::from)?;
                 stats.iter_mut().for_each(|s| *s *= share);
                 comm.all_reduce_f64(&mut stats, ReduceOp::Sum)
                     .map_err(CoreError::from)?;

@@ -95,9 +95,8 @@ pub struct TrainSection {
     /// Data parallel: compare a checksum of every rank's weights every N steps (and at the
     /// end), stopping with an error when they drift apart; 0 = only at the end.
     pub sync_check_every: usize,
-    /// Data parallel: shard AdamW's moments across ranks (ZeRO stage 1): each rank updates its
-    /// share of the parameters, which are then broadcast to the others.
-    pub shard_optimizer: bool,
+    /// Data parallel: what each rank keeps only its share of (ZeRO's stages; see [`Sharding`]).
+    pub sharding: Sharding,
     /// Recompute activations in the backward pass instead of keeping them (Burn's balanced
     /// gradient checkpointing: memory-bound ops are recomputed, compute-bound ones such as the
     /// matmuls and aligner's fused ops keep their outputs). Less memory, more time per step.
@@ -109,6 +108,39 @@ pub struct TrainSection {
     pub keep_best_mode: BestMode,
     /// Write TensorBoard event files to `<run>/tb/` (every scalar of metrics.jsonl).
     pub tensorboard: bool,
+}
+
+/// `train.sharding`: what a data-parallel rank keeps only its share of. Parameters are
+/// assigned to ranks whole, by size (the largest rank holds at most one parameter more than
+/// an even share); each rank updates its own and broadcasts them after the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    /// ZeRO stage 0: every rank keeps the whole optimizer state; gradients are all-reduced.
+    #[default]
+    None,
+    /// ZeRO stage 1: each rank keeps AdamW's moments of its own parameters; gradients are
+    /// still all-reduced whole.
+    Optimizer,
+    /// ZeRO stage 2: as `optimizer`, and gradients are reduce-scattered: each rank receives
+    /// (and keeps) only the summed gradients of its own parameters.
+    Gradients,
+}
+
+impl Sharding {
+    /// Whether the optimizer state is split over the ranks.
+    pub fn shards_optimizer(self) -> bool {
+        self != Sharding::None
+    }
+
+    /// The value as written in `train.sharding`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharding::None => "none",
+            Sharding::Optimizer => "optimizer",
+            Sharding::Gradients => "gradients",
+        }
+    }
 }
 
 /// Which end of a metric is best.
@@ -149,7 +181,7 @@ impl Default for TrainSection {
             log_every: 1,
             eval_examples: 0,
             sync_check_every: 50,
-            shard_optimizer: false,
+            sharding: Sharding::None,
             activation_checkpointing: false,
             keep_best: None,
             keep_best_mode: BestMode::Min,
@@ -432,6 +464,13 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
     load_config_moved(defaults, file, overrides, &[])
 }
 
+/// Keys every configuration refuses, each with the key (and values) that replaced it.
+const REPLACED: &[(&str, &str)] = &[(
+    "train.shard_optimizer",
+    "train.sharding (true: sharding = \"optimizer\"; false: \"none\"; \"gradients\" also \
+     reduce-scatters the gradients)",
+)];
+
 /// [`load_config`] for a configuration some of whose keys moved (`moved`): a file or `--set`
 /// giving an old key is an error naming its new place.
 pub fn load_config_moved<T: Serialize + DeserializeOwned>(
@@ -442,8 +481,17 @@ pub fn load_config_moved<T: Serialize + DeserializeOwned>(
 ) -> Result<T> {
     let moved_error = |path: PathBuf, (old, new): &MovedKey| CoreError::Config {
         path,
-        message: format!("{old} is now {new} (rename the key; the value means the same)"),
+        message: match REPLACED.iter().find(|(key, _)| key == old) {
+            Some((_, how)) => format!("{old} is now {how}"),
+            None => format!("{old} is now {new} (rename the key; the value means the same)"),
+        },
     };
+    let moved: Vec<MovedKey> = moved
+        .iter()
+        .copied()
+        .chain(REPLACED.iter().map(|&(old, _)| (old, old)))
+        .collect();
+    let moved = &moved[..];
     let mut value = toml::Value::try_from(defaults).map_err(|e| CoreError::Invalid(e.to_string()))?;
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;

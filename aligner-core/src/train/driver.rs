@@ -17,8 +17,9 @@ use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use aligner_parallel::Communicator;
+use aligner_parallel::{Communicator, ReduceOp};
 
+use super::config::Sharding;
 use super::{
     BestMode, MetricsLog, TrainSection, adamw, grads, load_optimizer, master, metrics, plot_metrics,
     save_optimizer,
@@ -59,7 +60,8 @@ pub struct LoopSettings {
     /// Global gradient-norm clipping (0 = none).
     pub max_grad_norm: f64,
     /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters.
-    pub shard_optimizer: bool,
+    /// What each data-parallel rank keeps only its share of (`train.sharding`).
+    pub sharding: Sharding,
     /// A metrics row every this many steps (evaluation steps and the last step always).
     pub log_every: usize,
     /// Evaluate every this many steps (0 = at the start and the end only).
@@ -86,7 +88,7 @@ impl LoopSettings {
             seed: config.seed,
             weight_decay: config.weight_decay,
             max_grad_norm: config.max_grad_norm,
-            shard_optimizer: config.shard_optimizer,
+            sharding: config.sharding,
             log_every: config.log_every,
             eval_every: config.eval_every,
             save_every: config.save_every,
@@ -100,12 +102,15 @@ impl LoopSettings {
     }
 }
 
-/// AdamW with decoupled weight decay, global-norm clipping and, in a data-parallel run with
-/// `train.shard_optimizer`, ZeRO stage 1: each rank keeps the moments of (and updates) its
-/// share of the parameters and broadcasts them.
+/// AdamW with decoupled weight decay and global-norm clipping, and in a data-parallel run the
+/// gradients' synchronisation: summed over the ranks (all-reduced) and, with
+/// `train.sharding`, ZeRO stage 1 (each rank keeps the moments of, and updates, its share of
+/// the parameters and broadcasts them) or stage 2 (the gradients are reduce-scattered, so each
+/// rank receives only its share's).
 pub struct Optimizer<'a> {
     adam: ModuleOptimizer,
     max_grad_norm: f64,
+    sharding: Sharding,
     /// Ranks the state is sharded over (0 = not sharded).
     shards: usize,
     /// Each parameter's owning rank, found at the first sharded step.
@@ -114,13 +119,23 @@ pub struct Optimizer<'a> {
 }
 
 impl<'a> Optimizer<'a> {
-    /// A fresh optimizer; `shard` takes effect over more than one rank.
-    pub fn new(weight_decay: f64, max_grad_norm: f64, shard: bool, comm: &'a dyn Communicator) -> Self {
+    /// A fresh optimizer; `sharding` takes effect over more than one rank.
+    pub fn new(
+        weight_decay: f64,
+        max_grad_norm: f64,
+        sharding: Sharding,
+        comm: &'a dyn Communicator,
+    ) -> Self {
         let world = comm.world_size();
         Self {
             adam: adamw(weight_decay),
             max_grad_norm,
-            shards: if shard && world > 1 { world } else { 0 },
+            sharding,
+            shards: if sharding.shards_optimizer() && world > 1 {
+                world
+            } else {
+                0
+            },
             owners: None,
             comm,
         }
@@ -131,18 +146,33 @@ impl<'a> Optimizer<'a> {
         self.shards
     }
 
-    /// Clips `grads` to the global norm (`max_grad_norm`, 0 = no clipping) and takes one step
-    /// at `lr`; the updated model and the norm before clipping out. Every rank calls it with
-    /// the same (reduced) gradients.
+    /// Sums `grads`, this rank's gradients, over the ranks (a collective: every rank calls
+    /// it), clips them to the global norm (`max_grad_norm`, 0 = no clipping) and takes one
+    /// step at `lr`; the updated model and the norm before clipping out.
     pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> Result<(M, f64)> {
-        let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
         if self.shards == 0 {
+            grads::all_reduce_gradients(&model, &mut grads, 1.0, self.comm)?;
+            let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
             return Ok((self.adam.step(lr, model, grads), norm));
         }
         let owners = self
             .owners
             .get_or_insert_with(|| grads::optimizer_owners(&model, self.shards));
-        grads::keep_owned_gradients(&model, &mut grads, owners, self.comm.rank());
+        let rank = self.comm.rank();
+        let norm = if self.sharding == Sharding::Gradients {
+            grads::reduce_scatter_gradients(&model, &mut grads, owners, self.comm)?;
+            // Each rank holds its share: the global norm is the sum of the shares' squares.
+            let mut squares = [grads::squared_grad_norm(&model, &grads)];
+            self.comm.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
+            let norm = squares[0].sqrt();
+            grads::scale_to_norm(&model, &mut grads, norm, self.max_grad_norm);
+            norm
+        } else {
+            grads::all_reduce_gradients(&model, &mut grads, 1.0, self.comm)?;
+            let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
+            grads::keep_owned_gradients(&model, &mut grads, owners, rank);
+            norm
+        };
         let updated = self.adam.step(lr, model, grads);
         Ok((
             grads::broadcast_owned_parameters(updated, owners, self.comm)?,
@@ -305,7 +335,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     let mut optim = Optimizer::new(
         settings.weight_decay,
         settings.max_grad_norm,
-        settings.shard_optimizer,
+        settings.sharding,
         comm,
     );
     run.prepare_checkpoints()?;
@@ -318,11 +348,12 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             if state.optimizer_shards != optim.shards() {
                 return Err(CoreError::Invalid(format!(
                     "--resume: {} holds the optimizer sharded over {} ranks, this run has {} \
-                     (train.shard_optimizer = {}, {world} ranks): resume with the same setting and world size",
+                     (train.sharding = \"{}\", {world} ranks): resume with the same world size and a \
+                     sharding that matches (\"none\" for one file; \"optimizer\" or \"gradients\" for one per rank)",
                     dir.display(),
                     state.optimizer_shards,
                     optim.shards(),
-                    settings.shard_optimizer
+                    settings.sharding.name()
                 ))
                 .into());
             }

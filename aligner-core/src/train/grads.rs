@@ -33,8 +33,8 @@ impl ModuleVisitor for Scale<'_> {
     }
 }
 
-/// The L2 norm of all gradients of `module`'s parameters.
-pub fn global_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
+/// The sum of the squares of all gradients of `module`'s parameters.
+pub fn squared_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
     let mut visitor = SquaredNorm {
         grads,
         parts: Vec::new(),
@@ -43,14 +43,18 @@ pub fn global_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
     if visitor.parts.is_empty() {
         return 0.0;
     }
-    let total: f32 = Tensor::cat(visitor.parts, 0).sum().sqrt().into_scalar::<f32>();
-    total as f64
+    Tensor::cat(visitor.parts, 0).sum().into_scalar::<f32>() as f64
 }
 
-/// Scales all gradients so their global norm is at most `max_norm` (no-op for `max_norm <= 0`).
-/// Returns the norm before clipping.
-pub fn clip_grad_norm<M: Module>(module: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
-    let norm = global_grad_norm(module, grads);
+/// The L2 norm of all gradients of `module`'s parameters.
+pub fn global_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
+    // The square root in f32, as the norm has always been taken.
+    (squared_grad_norm(module, grads) as f32).sqrt() as f64
+}
+
+/// Scales all gradients of global norm `norm` down to `max_norm` when they are longer
+/// (no-op for `max_norm <= 0`).
+pub fn scale_to_norm<M: Module>(module: &M, grads: &mut GradientsParams, norm: f64, max_norm: f64) {
     if max_norm > 0.0 && norm > max_norm {
         let mut scale = Scale {
             grads,
@@ -58,6 +62,13 @@ pub fn clip_grad_norm<M: Module>(module: &M, grads: &mut GradientsParams, max_no
         };
         module.visit(&mut scale);
     }
+}
+
+/// Scales all gradients so their global norm is at most `max_norm` (no-op for `max_norm <= 0`).
+/// Returns the norm before clipping.
+pub fn clip_grad_norm<M: Module>(module: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    let norm = global_grad_norm(module, grads);
+    scale_to_norm(module, grads, norm, max_norm);
     norm
 }
 
@@ -186,6 +197,134 @@ pub fn all_reduce_gradients<M: Module>(
         grads,
         values: &values,
         present: &present,
+        offset: 0,
+        index: 0,
+    };
+    module.visit(&mut back);
+    Ok(())
+}
+
+/// Takes each trainable parameter's gradient out of `grads` as f32 values, in visit order
+/// (`None` where this rank has none); each tensor is freed as it is copied.
+struct TakeAll<'a> {
+    grads: &'a mut GradientsParams,
+    taken: Vec<(usize, Option<Vec<f32>>)>,
+}
+
+impl ModuleVisitor for TakeAll<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let n = value.shape().num_elements();
+        let grad = self.grads.remove::<D>(param.id).map(|g| {
+            let mut values = Vec::with_capacity(n);
+            extend_with_values(&mut values, g);
+            values
+        });
+        self.taken.push((n, grad));
+    }
+}
+
+/// Puts this rank's summed share back as gradients: `values` holds the parameters `rank`
+/// owns, in visit order (only those some rank had a gradient for are registered).
+struct UnflattenOwned<'a> {
+    grads: &'a mut GradientsParams,
+    values: &'a [f32],
+    present: &'a [f32],
+    owners: &'a [usize],
+    rank: usize,
+    offset: usize,
+    index: usize,
+}
+
+impl ModuleVisitor for UnflattenOwned<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let index = self.index;
+        self.index += 1;
+        if self.owners.get(index) != Some(&self.rank) {
+            return;
+        }
+        let shape = value.shape();
+        let n = shape.num_elements();
+        let slice = &self.values[self.offset..self.offset + n];
+        self.offset += n;
+        if self.present[index] > 0.0 {
+            let device = value.device().inner();
+            let grad = Tensor::<D>::from_data(TensorData::new(slice.to_vec(), shape), &device);
+            self.grads.register::<D>(param.id, grad);
+        }
+    }
+}
+
+/// ZeRO stage 2's synchronisation: sums every rank's gradients over the ranks of `comm`, but
+/// each rank receives (and keeps) only the sums of the parameters it owns (`owners`, from
+/// [`optimizer_owners`]); the other gradients leave `grads`. The gradients are laid out owner
+/// by owner and reduce-scattered in rounds of at most [`BUCKET_ELEMENTS`] elements, each
+/// rank's block of a round padded to the longest; each gradient tensor is freed as soon as it
+/// is copied out.
+pub fn reduce_scatter_gradients<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    owners: &[usize],
+    comm: &dyn Communicator,
+) -> std::result::Result<(), CommError> {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let mut take = TakeAll {
+        grads,
+        taken: Vec::new(),
+    };
+    module.visit(&mut take);
+    let taken = take.taken;
+    if owners.len() != taken.len() || owners.iter().any(|&o| o >= world) {
+        return Err(CommError::Failed(format!(
+            "reduce-scatter: {} owners for {} parameters over {world} ranks",
+            owners.len(),
+            taken.len()
+        )));
+    }
+    let mut present: Vec<f32> = taken.iter().map(|(_, g)| f32::from(g.is_some() as u8)).collect();
+    // Each owner's segment: its parameters' values in visit order (zeros where absent).
+    let mut segments: Vec<Vec<f32>> = vec![Vec::new(); world];
+    for ((n, grad), &owner) in taken.into_iter().zip(owners) {
+        match grad {
+            Some(values) => segments[owner].extend_from_slice(&values),
+            None => segments[owner].extend(std::iter::repeat_n(0.0, n)),
+        }
+    }
+    let longest = segments.iter().map(Vec::len).max().unwrap_or(0);
+    let block = (BUCKET_ELEMENTS / world).max(1);
+    let mut mine = vec![0.0f32; segments[rank].len()];
+    let mut send = vec![0.0f32; block * world];
+    let mut recv = vec![0.0f32; block];
+    for start in (0..longest).step_by(block) {
+        for (r, segment) in segments.iter().enumerate() {
+            let part = &mut send[r * block..(r + 1) * block];
+            part.fill(0.0);
+            if start < segment.len() {
+                let end = (start + block).min(segment.len());
+                part[..end - start].copy_from_slice(&segment[start..end]);
+            }
+        }
+        comm.reduce_scatter(&send, &mut recv)?;
+        if start < mine.len() {
+            let end = (start + block).min(mine.len());
+            mine[start..end].copy_from_slice(&recv[..end - start]);
+        }
+    }
+    drop(segments);
+    comm.all_reduce(&mut present, ReduceOp::Sum)?;
+    let mut back = UnflattenOwned {
+        grads,
+        values: &mine,
+        present: &present,
+        owners,
+        rank,
         offset: 0,
         index: 0,
     };

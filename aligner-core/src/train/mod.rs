@@ -8,7 +8,7 @@
 //! Data parallel: every rank of the run's process group walks the same global order and takes
 //! its shard of each global batch (`train.batch_size` per rank). Each rank's loss is weighted
 //! by its share of the batch's [`Objective::loss_weight`], and the gradients are summed across
-//! ranks at one point per step ([`grads::all_reduce_gradients`]), so N ranks with batch b
+//! ranks at one point per step (in [`Optimizer::step`]), so N ranks with batch b
 //! train as one process with batch N·b: the same clipping (the norm of the reduced
 //! gradients), schedule, validation (sharded, then summed) and metrics.
 
@@ -30,7 +30,7 @@ use burn::tensor::{Bytes, Device, Tensor};
 use serde_json::{Map, Value};
 
 pub use config::{
-    BestMode, ConfigChange, DataSection, ModelSection, MovedKey, Range, TrainSection, check_counts,
+    BestMode, ConfigChange, DataSection, ModelSection, MovedKey, Range, Sharding, TrainSection, check_counts,
     check_new_tokens, check_template, check_value, check_values, config_changes, load_config,
     load_config_moved, to_toml,
 };
@@ -367,11 +367,10 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             }
             accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
         }
-        let mut grads = accumulator.grads();
+        let grads = accumulator.grads();
         if world > 1 {
-            // The one synchronisation point of a step: gradients, then the step's loss and
-            // metrics (so every rank stops together on a non-finite loss).
-            grads::all_reduce_gradients(&model, &mut grads, 1.0, comm)?;
+            // The step's loss and metrics, gathered first (so every rank stops together on a
+            // non-finite loss); the optimizer's step then sums the gradients.
             let all = crate::parallel::gather(comm, &(loss_sum, tokens, metric_sums))?;
             loss_sum = all.iter().map(|s| s.0).sum();
             tokens = all.iter().map(|s| s.1).sum();

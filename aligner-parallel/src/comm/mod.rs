@@ -60,6 +60,10 @@ pub trait Communicator: Send + Sync {
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()>;
     /// The same in double precision (metric sums, checksums).
     fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> CommResult<()>;
+    /// Sums `send` element-wise across ranks and gives rank r only block r of the sum:
+    /// `send` is `world_size()` blocks of `recv.len()` elements (the reduce-scatter of
+    /// sharded gradients: each rank receives the summed gradients of what it owns).
+    fn reduce_scatter(&self, send: &[f32], recv: &mut [f32]) -> CommResult<()>;
     /// Replaces `bytes` on every rank with `root`'s (lengths may differ before the call).
     fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()>;
     /// Every rank's `bytes`, in rank order.
@@ -94,6 +98,11 @@ impl Communicator for Single {
     fn all_reduce_f64(&self, _: &mut [f64], _: ReduceOp) -> CommResult<()> {
         Ok(())
     }
+    fn reduce_scatter(&self, send: &[f32], recv: &mut [f32]) -> CommResult<()> {
+        check_blocks(send.len(), recv.len(), 1)?;
+        recv.copy_from_slice(send);
+        Ok(())
+    }
     fn broadcast(&self, _: &mut Vec<u8>, _: usize) -> CommResult<()> {
         Ok(())
     }
@@ -109,6 +118,16 @@ impl Communicator for Single {
     fn traffic(&self) -> Traffic {
         Traffic::default()
     }
+}
+
+/// Refuses a reduce-scatter whose send buffer is not `world` blocks of the receive buffer.
+pub(crate) fn check_blocks(send: usize, recv: usize, world: usize) -> CommResult<()> {
+    if send != recv * world {
+        return Err(CommError::Failed(format!(
+            "reduce-scatter of {send} elements into blocks of {recv} over {world} ranks"
+        )));
+    }
+    Ok(())
 }
 
 /// Counts all-reduce traffic for implementations.

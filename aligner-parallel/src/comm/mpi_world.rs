@@ -157,6 +157,19 @@ impl Communicator for Mpi {
         Ok(())
     }
 
+    fn reduce_scatter(&self, send: &[f32], recv: &mut [f32]) -> CommResult<()> {
+        super::check_blocks(send.len(), recv.len(), self.inner.size)?;
+        let started = Instant::now();
+        self.inner
+            .lock()?
+            .world
+            .reduce_scatter_block_into(send, recv, SystemOperation::sum());
+        self.inner
+            .traffic
+            .record(std::mem::size_of_val(send), started.elapsed());
+        Ok(())
+    }
+
     fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()> {
         let handles = self.inner.lock()?;
         let root = handles.world.process_at_rank(root as i32);
