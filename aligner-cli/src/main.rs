@@ -16,6 +16,7 @@ mod eval;
 mod generate;
 mod online;
 mod output;
+mod plan;
 mod plot;
 mod registry;
 mod score;
@@ -97,6 +98,9 @@ enum Command {
     Convert(convert::ConvertCommand),
     /// Benchmarks that print a table.
     Bench(bench::BenchArgs),
+    /// The memory per device of each layout of a job (data parallel, sharding stage, tensor
+    /// parallel, offloads), the one that fits a cluster, and its launch command.
+    Plan(plan::PlanArgs),
 }
 
 /// A `--dtype` value: `f32`, `bf16` or `f16` (HF's `float32`, `bfloat16`, `float16` too).
@@ -252,6 +256,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plot(args) => plot::run(args),
         Command::Convert(cmd) => convert::run(cmd, &device),
         Command::Bench(cmd) => bench::run(cmd, &device),
+        Command::Plan(args) => plan::run(args),
     }
 }
 

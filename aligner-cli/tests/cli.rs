@@ -985,3 +985,53 @@ fn eval_places_policies_on_the_reward_kl_frontier() {
         / samples.len() as f64;
     assert!((mean - kl).abs() < 1e-6 * (1.0 + kl), "{mean} against {kl}");
 }
+
+/// `aligner plan` picks the first layout that fits, prints its launch command, and refuses a
+/// cluster nothing fits on naming the smallest one that would.
+#[test]
+fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    // Qwen2.5-0.5B's shape.
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+            "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+            "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--cpu",
+            "--dtype",
+            "f32",
+        ];
+        args.extend(["--batch", "2", "--seq", "128"]);
+        args.extend(extra);
+        aligner(&args)
+    };
+    // Two unsharded copies need 11.3 GB a rank; sharding the optimizer brings it to 9.4.
+    let (ok, stdout, stderr) = plan(&["--gpus", "2", "--gpu-memory", "10GB"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("494032768 parameters"), "{stdout}");
+    assert!(
+        stdout.contains(
+            "launch: mpirun -np 2 aligner sft --set train.batch_size=2 --set train.sharding=optimizer"
+        ),
+        "{stdout}"
+    );
+    let (ok, _, stderr) = plan(&["--gpus", "2", "--gpu-memory", "4GB"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("nothing aligner runs fits on 2 devices of 4.00 GB each")
+            && stderr.contains("The smallest cluster that would: none up to 4096 devices")
+            && stderr.contains("full sharding, tensor parallel): "),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = plan(&["--gpus", "2", "--gpu-memory", "80XB"]);
+    assert!(!ok && stderr.contains("80XB"), "{stderr}");
+}

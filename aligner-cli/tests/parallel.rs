@@ -719,3 +719,96 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
     let stages: Vec<&str> = reports.iter().map(|r| r["stage"].as_str().unwrap()).collect();
     assert_eq!(stages, ["start", "sl", "rl"]);
 }
+
+/// `aligner plan`'s memory model against the peak memory `aligner bench train` measures (the
+/// largest rank's resident memory) on the 16M-parameter benchmark model: one process, and two
+/// ranks with each sharding stage, within 15%.
+#[test]
+fn plan_predicts_the_peak_memory_that_training_measures() {
+    let dir = tempfile::tempdir().unwrap();
+    // `aligner bench`'s random-16M: hidden 256, 4 layers, 4 heads, 2 KV heads, FFN 688,
+    // GPT-2's vocabulary, tied embeddings.
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 50257,
+            "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let global_batch = 16;
+    for (np, sharding) in [(1, "none"), (2, "none"), (2, "optimizer"), (2, "gradients")] {
+        let bench = [
+            "bench",
+            "--only",
+            "random-16M",
+            "train",
+            "--batch",
+            &global_batch.to_string(),
+            "--seq",
+            "128",
+            "--steps",
+            "1",
+            "--sharding",
+            sharding,
+        ];
+        let out = match np {
+            1 => Command::new(aligner_exe())
+                .env("RAYON_NUM_THREADS", "1")
+                .args(bench)
+                .output()
+                .unwrap(),
+            _ => mpirun(np, &aligner_exe()).args(bench).output().unwrap(),
+        };
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let row = table.lines().find(|l| l.starts_with("| random-16M")).unwrap();
+        let mib: f64 = row
+            .trim_end_matches('|')
+            .rsplit('|')
+            .next()
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let measured = mib * 1024.0 * 1024.0 / 1e9;
+
+        let per_rank = (global_batch / np).to_string();
+        let np_text = np.to_string();
+        let out = Command::new(aligner_exe())
+            .args([
+                "plan",
+                "--config",
+                config.to_str().unwrap(),
+                "--cpu",
+                "--gpus",
+                &np_text,
+            ])
+            .args([
+                "--gpu-memory",
+                "24GiB",
+                "--dtype",
+                "f32",
+                "--batch",
+                &per_rank,
+                "--seq",
+                "128",
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| {np} × 1 | {sharding} | device | off |")))
+            .unwrap_or_else(|| panic!("{text}"));
+        let predicted: f64 = row.split('|').nth(14).unwrap().trim().parse().unwrap();
+        let error = (predicted - measured).abs() / measured;
+        assert!(
+            error <= 0.15,
+            "{np} ranks, sharding {sharding}: predicted {predicted} GB, measured {measured:.3} GB"
+        );
+        eprintln!("{np} ranks, sharding {sharding}: predicted {predicted} GB, measured {measured:.3} GB");
+    }
+}

@@ -21,6 +21,7 @@ pub mod error;
 pub mod llama2c;
 pub mod model;
 pub mod parallel;
+pub mod plan;
 pub mod reward;
 pub mod rm;
 pub mod run;

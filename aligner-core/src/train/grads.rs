@@ -298,7 +298,9 @@ pub fn reduce_scatter_gradients<M: Module>(
         }
     }
     let longest = segments.iter().map(Vec::len).max().unwrap_or(0);
-    let block = (BUCKET_ELEMENTS / world).max(1);
+    // Each rank's block of a round: a bucket's share, or the longest segment when shorter
+    // (padding costs traffic: the blocks are as long as the longest rank's).
+    let block = (BUCKET_ELEMENTS / world).min(longest).max(1);
     let mut mine = vec![0.0f32; segments[rank].len()];
     let mut send = vec![0.0f32; block * world];
     let mut recv = vec![0.0f32; block];
@@ -399,85 +401,56 @@ pub fn keep_owned_gradients<M: Module>(
 }
 
 /// Every trainable parameter broadcast from the rank that owns it (after a sharded optimiser
-/// step), one broadcast per owner.
+/// step), one parameter at a time in visit order, as its raw bytes: what a rank holds beyond
+/// its weights while they arrive is one parameter's copy, not its whole share.
 pub fn broadcast_owned_parameters<M: Module>(
     module: M,
     owners: &[usize],
     comm: &dyn Communicator,
 ) -> std::result::Result<M, CommError> {
-    struct Collect<'a> {
+    struct Exchange<'a> {
         owners: &'a [usize],
-        owner: usize,
+        comm: &'a dyn Communicator,
         index: usize,
-        values: Vec<f32>,
+        failed: Option<CommError>,
     }
-    impl ModuleVisitor for Collect<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            if !value.is_require_grad() {
-                return;
-            }
-            if self.owners.get(self.index) == Some(&self.owner) {
-                extend_with_values(&mut self.values, value);
-            }
-            self.index += 1;
-        }
-    }
-    struct Replace<'a> {
-        owners: &'a [usize],
-        owner: usize,
-        index: usize,
-        values: &'a [f32],
-        offset: usize,
-    }
-    impl ModuleMapper for Replace<'_> {
+    impl ModuleMapper for Exchange<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if !param.val().is_require_grad() {
+            if !param.val().is_require_grad() || self.failed.is_some() {
                 return param;
             }
-            let owned = self.owners.get(self.index) == Some(&self.owner);
+            let owner = self.owners.get(self.index).copied().unwrap_or(0);
             self.index += 1;
-            if !owned {
+            let (comm, failed) = (self.comm, &mut self.failed);
+            if comm.rank() == owner {
+                let mut bytes = param.val().into_data().as_bytes().to_vec();
+                if let Err(e) = comm.broadcast(&mut bytes, owner) {
+                    *failed = Some(e);
+                }
                 return param;
             }
-            let (values, offset) = (self.values, &mut self.offset);
             param.map(|tensor| {
-                let shape = tensor.shape();
-                let n = shape.num_elements();
-                let device = tensor.device();
-                let data = TensorData::new(values[*offset..*offset + n].to_vec(), shape);
-                *offset += n;
+                let mut bytes = Vec::new();
+                if let Err(e) = comm.broadcast(&mut bytes, owner) {
+                    *failed = Some(e);
+                    return tensor;
+                }
+                let (shape, dtype, device) = (tensor.shape(), tensor.dtype(), tensor.device());
+                drop(tensor);
+                let data = TensorData::from_bytes_vec(bytes, shape, dtype);
                 Tensor::<D>::from_data(data, &device).require_grad()
             })
         }
     }
-    let mut module = module;
-    for owner in 0..comm.world_size() {
-        let mut collect = Collect {
-            owners,
-            owner,
-            index: 0,
-            values: Vec::new(),
-        };
-        if comm.rank() == owner {
-            module.visit(&mut collect);
-        }
-        let mut bytes: Vec<u8> = collect.values.iter().flat_map(|x| x.to_le_bytes()).collect();
-        comm.broadcast(&mut bytes, owner)?;
-        if comm.rank() == owner {
-            continue;
-        }
-        let values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        module = module.map(&mut Replace {
-            owners,
-            owner,
-            index: 0,
-            values: &values,
-            offset: 0,
-        });
+    let mut exchange = Exchange {
+        owners,
+        comm,
+        index: 0,
+        failed: None,
+    };
+    let module = module.map(&mut exchange);
+    match exchange.failed {
+        Some(e) => Err(e),
+        None => Ok(module),
     }
-    Ok(module)
 }

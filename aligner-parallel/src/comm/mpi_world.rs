@@ -176,7 +176,10 @@ impl Communicator for Mpi {
         let mut len = bytes.len() as u64;
         root.broadcast_into(&mut len);
         bytes.resize(len as usize, 0);
-        root.broadcast_into(&mut bytes[..]);
+        // MPI counts are 32-bit: a larger buffer goes in pieces.
+        for piece in bytes.chunks_mut(1 << 30) {
+            root.broadcast_into(piece);
+        }
         Ok(())
     }
 
