@@ -284,7 +284,7 @@ fn rm_and_dpo_on_two_and_three_ranks_train_as_one_process() {
 }
 
 #[test]
-fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process_does() {
+fn a_sharded_checkpoint_resumes_in_another_layout_where_one_uninterrupted_process_ends() {
     let dir = tempfile::tempdir().unwrap();
     let sets = ["--set", "train.max_steps=8", "--set", "train.save_every=3"];
     let whole = dir.path().join("whole");
@@ -323,29 +323,49 @@ fn a_sharded_optimizer_resumed_on_two_ranks_ends_where_one_uninterrupted_process
     }
     assert!(!checkpoint.join("optimizer.bin").exists());
     assert!(!split.join("final").exists());
-    // ZeRO-2's checkpoint resumed as ZeRO-1: the same files, one per rank.
-    ranks(
-        2,
-        &[
-            "sft",
-            "--resume",
-            split.to_str().unwrap(),
-            "--set",
-            "train.sharding=optimizer",
-            "--allow-change",
-        ],
-    );
+    // The two ranks' ZeRO-2 checkpoint resumed by one process without sharding: the state is
+    // merged from both files.
+    let one = [
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.sharding=none",
+        "--allow-change",
+    ];
+    let mut args = vec!["sft", "--resume", split.to_str().unwrap()];
+    args.extend(one);
+    ranks(1, &args);
     let diff = weights_diff(&whole.join("final"), &split.join("final"));
-    assert!(diff <= 1e-5, "resumed sharded run ends {diff} away");
+    assert!(diff <= 1e-5, "the sharded run resumed whole ends {diff} away");
     same_metrics(&whole, &split, 1e-5);
 
-    // The optimiser's shards belong to two ranks: three cannot resume them.
-    let out = mpirun(3, &aligner_exe())
-        .args(["sft", "--resume", split.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("train.sharding"), "{err}");
+    // One process's checkpoint resumed on two ranks with ZeRO-1: each keeps its own share.
+    let grown = dir.path().join("grown");
+    let mut args = vec![
+        "sft",
+        "--out",
+        grown.to_str().unwrap(),
+        "--set",
+        "train.batch_size=8",
+        "--stop-after",
+        "4",
+    ];
+    args.extend(sets);
+    ranks(1, &args);
+    assert!(grown.join("checkpoints/step-3/optimizer.bin").exists());
+    let two = [
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.sharding=optimizer",
+        "--allow-change",
+    ];
+    let mut args = vec!["sft", "--resume", grown.to_str().unwrap()];
+    args.extend(two);
+    ranks(2, &args);
+    let diff = weights_diff(&whole.join("final"), &grown.join("final"));
+    assert!(diff <= 1e-5, "the whole run resumed sharded ends {diff} away");
+    same_metrics(&whole, &grown, 1e-5);
 }
 
 #[test]
@@ -444,6 +464,72 @@ fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
     let (gain_one, gain_two) = (one.last().unwrap() - one[0], two.last().unwrap() - two[0]);
     assert!(gain_one > 2.0 && gain_two > 2.0, "{one:?} {two:?}");
     assert!((gain_one - gain_two).abs() < 1.0, "{one:?} {two:?}");
+}
+
+/// GRPO (critic-free, the lexicon as its reward) trains to the same weights on one process and
+/// on two and three ranks with ZeRO-2 and ZeRO-1: the rollouts carry their own seeds, the
+/// actor's mini-batches are split over the ranks and their gradients summed.
+#[test]
+fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets: Vec<String> = [
+        "ppo.advantage=grpo",
+        "ppo.samples_per_prompt=4",
+        "ppo.rollout_prompts=6",
+        "ppo.max_new_tokens=16",
+        "ppo.mini_batch=12",
+        "ppo.eval_prompts=8",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "train.lr=5e-4",
+        "reward.function=tinystories_sentiment",
+        "frontier.prompts=''",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // PPO's batch is `ppo.rollout_prompts` whatever the ranks: no per-rank batch to scale.
+    let layouts = [(2, "gradients"), (3, "optimizer")];
+    let run_of = |np: usize, sharding: &str| dir.path().join(format!("grpo-np{np}-{sharding}"));
+    for &(np, sharding) in [(1, "none")].iter().chain(&layouts) {
+        let out = run_of(np, sharding);
+        let sharding_set = format!("train.sharding={sharding}");
+        let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap(), "--set", &sharding_set];
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        ranks(np, &args);
+    }
+    let moved = weights_diff(
+        &repo().join("assets/stories260K"),
+        &run_of(1, "none").join("final"),
+    );
+    assert!(moved > 1e-4, "the policy moved {moved}");
+    for &(np, sharding) in &layouts {
+        let diff = weights_diff(
+            &run_of(1, "none").join("final"),
+            &run_of(np, sharding).join("final"),
+        );
+        assert!(
+            diff <= 1e-5,
+            "GRPO on {np} ranks ({sharding}) ends {diff} from one process"
+        );
+        // Every logged value but the timings (and the per-rank timing only ranks have).
+        let (one, many) = (metrics(&run_of(1, "none")), metrics(&run_of(np, sharding)));
+        assert_eq!(one.len(), many.len());
+        for (x, y) in one.iter().zip(&many) {
+            for (key, value) in x.as_object().unwrap() {
+                if key.starts_with("time_") {
+                    continue;
+                }
+                let (p, q) = (value.as_f64().unwrap(), y[key].as_f64().unwrap());
+                assert!(
+                    (p - q).abs() <= 1e-4 * (1.0 + p.abs()),
+                    "{key}: {p} against {q} ({np} ranks)"
+                );
+            }
+        }
+    }
 }
 
 #[test]

@@ -9,7 +9,8 @@
 //! progress bar, `--stop-after`, the data-parallel weight check, checkpoints written
 //! atomically, the final save and the plot.
 
-use std::path::Path;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -212,11 +213,94 @@ impl<'a> Optimizer<'a> {
         Ok(self.comm.all_gather(&bytes)?)
     }
 
-    fn load(mut self, dir: &Path, layout: &CheckpointLayout) -> Result<Self> {
-        let file = self.file(layout);
-        self.adam = load_optimizer(self.adam, &dir.join(file))?;
+    /// Loads the state a checkpoint holds for this rank. A state saved over `saved_shards`
+    /// ranks (0 = one file) that this run shards otherwise is re-sharded: every part is read
+    /// and this rank keeps the moments of the parameters it owns now (all of them unsharded).
+    fn load<M: Module>(
+        mut self,
+        dir: &Path,
+        layout: &CheckpointLayout,
+        saved_shards: usize,
+        model: &M,
+    ) -> Result<Self> {
+        if saved_shards == self.shards {
+            let file = self.file(layout);
+            self.adam = load_optimizer(self.adam, &dir.join(file))?;
+            return Ok(self);
+        }
+        let files: Vec<PathBuf> = match saved_shards {
+            0 => vec![dir.join(layout.optimizer)],
+            n => (0..n).map(|rank| dir.join(optimizer_shard(rank))).collect(),
+        };
+        let owned: Option<HashSet<u64>> = (self.shards > 0).then(|| {
+            let owners = grads::optimizer_owners(model, self.shards);
+            grads::trainable_ids(model)
+                .into_iter()
+                .zip(&owners)
+                .filter(|(_, owner)| **owner == self.comm.rank())
+                .map(|(id, _)| id)
+                .collect()
+        });
+        let merged = merge_optimizer_states(&files, |id| owned.as_ref().is_none_or(|o| o.contains(&id)))?;
+        self.adam = self
+            .adam
+            .from_bytes(burn::tensor::Bytes::from_bytes_vec(merged))
+            .map_err(|e| CoreError::Invalid(format!("{}: optimizer state: {e:?}", dir.display())))?;
+        tracing::info!(
+            from = saved_shards,
+            to = self.shards,
+            "re-sharded the optimizer state (0 = one file)"
+        );
         Ok(self)
     }
+}
+
+/// One optimizer state out of AdamW states saved by [`save_optimizer`] or as shards (burnpack
+/// files whose tensors carry their parameter id, and whose scalars and metadata are keyed
+/// `"{id}"` / `"{id}.{name}"`): the parameters `keep` accepts, from whichever file has them.
+fn merge_optimizer_states(files: &[PathBuf], keep: impl Fn(u64) -> bool) -> Result<Vec<u8>> {
+    let bad = |path: &Path, e: burn_pack::Error| {
+        CoreError::Invalid(format!("{}: optimizer state: {e:?}", path.display()))
+    };
+    let id_of = |key: &str| key.split('.').next().and_then(|id| id.parse::<u64>().ok());
+    let mut tensors = Vec::new();
+    let mut scalars = Vec::new();
+    let mut metadata = Vec::new();
+    for path in files {
+        let reader = burn_pack::Reader::from_file(path).map_err(|e| bad(path, e))?;
+        let kept = |key: &String| id_of(key).is_some_and(&keep);
+        scalars.extend(
+            reader
+                .scalars()
+                .iter()
+                .filter(|(k, _)| kept(k))
+                .map(|(k, v)| (k.clone(), *v)),
+        );
+        metadata.extend(
+            reader
+                .metadata()
+                .iter()
+                .filter(|(k, _)| kept(k))
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        for tensor in reader.into_tensors().map_err(|e| bad(path, e))? {
+            let (name, dtype, shape, id, bytes) = tensor.into_parts().map_err(|e| bad(path, e))?;
+            if id.is_some_and(&keep) {
+                tensors.push(burn_pack::Tensor::new(name, dtype, shape, id, bytes));
+            }
+        }
+    }
+    let mut writer = burn_pack::Writer::new(tensors);
+    for (key, value) in &scalars {
+        writer = writer.with_scalar(key, *value);
+    }
+    for (key, value) in &metadata {
+        writer = writer.with_metadata(key, value);
+    }
+    let bytes = writer
+        .into_bytes()
+        .map_err(|e| CoreError::Invalid(format!("merging optimizer states: {e:?}")))?;
+    Ok(bytes.to_vec())
 }
 
 /// The file rank `rank`'s share of a sharded optimiser state is saved in.
@@ -345,19 +429,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let model = master::load_with_masters(store, &dir.join(layout.model), train_device)?;
             let model = super::config::to_train_device(model, train_device);
             let state: LoopState = crate::checkpoint::read_json(&dir.join(layout.state))?;
-            if state.optimizer_shards != optim.shards() {
-                return Err(CoreError::Invalid(format!(
-                    "--resume: {} holds the optimizer sharded over {} ranks, this run has {} \
-                     (train.sharding = \"{}\", {world} ranks): resume with the same world size and a \
-                     sharding that matches (\"none\" for one file; \"optimizer\" or \"gradients\" for one per rank)",
-                    dir.display(),
-                    state.optimizer_shards,
-                    optim.shards(),
-                    settings.sharding.name()
-                ))
-                .into());
-            }
-            optim = optim.load(dir, layout)?;
+            optim = optim.load(dir, layout, state.optimizer_shards, &model)?;
             tracing::info!(step, dir = %dir.display(), "resuming");
             (model, *step)
         }

@@ -353,6 +353,21 @@ pub fn weights_checksum<M: Module>(module: &M) -> [f64; 2] {
     sums.0
 }
 
+/// The ids of the trainable parameters of a module, in visit order.
+pub fn trainable_ids<M: Module>(module: &M) -> Vec<u64> {
+    struct Ids(Vec<u64>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.val().is_require_grad() {
+                self.0.push(param.id.val());
+            }
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
 /// Which rank owns each trainable parameter when the optimiser is sharded (ZeRO stage 1):
 /// parameters in visit order, each to the rank with the fewest elements so far.
 pub fn optimizer_owners<M: Module>(module: &M, world: usize) -> Vec<usize> {
