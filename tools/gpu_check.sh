@@ -30,6 +30,10 @@ bundle() {
       python3 -c 'import json,sys; print([json.loads(l)["executable"] for l in sys.stdin if "\"executable\":\"" in l][-1])')
     cp "$test_exe" "$out/bin/cube-tests-$backend"
   done
+  # NCCL for the gradients (needs OpenMPI's libmpi at run time, so a binary of its own).
+  CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-12080}" cargo build --release -p aligner-cli --features nccl \
+    --manifest-path "$repo/Cargo.toml"
+  cp "$target/release/aligner" "$out/bin/aligner-nccl"
   strip "$out"/bin/* || true
   # LLVM is linked in statically (~150 MB stripped); xz brings each binary to ~35 MB.
   xz -T0 -6 -f "$out"/bin/*
@@ -65,6 +69,15 @@ run() {
     echo "== bench generate on $backend (16M)"
     "$aligner" --device "$device" bench --only random-16M generate --prompts 64 --new-tokens 128 --batch-sizes 64 || true
   done
+  if command -v mpirun >/dev/null && [ -x "$bin/aligner-nccl" ]; then
+    # One rank per GPU: on a one-GPU machine NCCL has one rank, which still runs its init, the
+    # device copies and every collective of a training step.
+    local gpus
+    gpus=$(nvidia-smi -L | wc -l)
+    echo "== bench train over NCCL ($gpus rank(s), 16M, ZeRO-2)"
+    ALIGNER_COMM=nccl mpirun --allow-run-as-root -np "$gpus" -x ALIGNER_COMM "$bin/aligner-nccl" --device cuda \
+      bench --only random-16M train --batch $((16 * gpus)) --seq 256 --steps 5 --sharding gradients || true
+  fi
   echo "== bench train on cuda (random ~1B Llama, bf16 with f32 master weights)"
   "$bin/aligner-cuda" --device cuda:0 bench --only random-1B --dtype bf16 train --batch 8 --seq 1024 --steps 3 --peak-tflops "$peak" || true
   echo "== the same with Burn's attention instead of aligner's flash-attention kernels"

@@ -1035,3 +1035,30 @@ fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
     let (ok, _, stderr) = plan(&["--gpus", "2", "--gpu-memory", "80XB"]);
     assert!(!ok && stderr.contains("80XB"), "{stderr}");
 }
+
+/// `ALIGNER_COMM` names the transport of the gradients' collectives: `nccl` needs a build with
+/// the `nccl` feature and an MPI launcher; anything else is refused naming the variable.
+#[test]
+fn an_unavailable_transport_is_refused_naming_it() {
+    let run = |value: &str| {
+        Command::new(common::aligner_exe())
+            .env("ALIGNER_COMM", value)
+            .args(["plan", "--gpus", "1"])
+            .output()
+            .unwrap()
+    };
+    let out = run("nccl");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("ALIGNER_COMM=nccl: this build has no NCCL") || err.contains("run under `mpirun`"),
+        "{err}"
+    );
+    let out = run("gloo");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("ALIGNER_COMM=\"gloo\": expected mpi"),
+        "{err}"
+    );
+    assert!(run("mpi").status.success());
+}

@@ -7,6 +7,9 @@
 //! trait, its all-reduce on device buffers: trainers call [`Communicator::all_reduce`] on
 //! flattened gradient buckets and never name the transport.
 //!
+//! `Nccl` (cargo feature `nccl`, `ALIGNER_COMM=nccl` under `mpirun`) moves the gradients'
+//! all-reduce and reduce-scatter between GPUs on NCCL and leaves the rest on MPI.
+//!
 //! A program starts the group once with [`launch`], which returns a guard to keep until the
 //! end of `main` (MPI must be finalised before the process exits), and reads it anywhere with
 //! [`world`]. Without the `mpi` feature, or when no MPI launcher started the process, the
@@ -14,6 +17,8 @@
 
 #[cfg(feature = "mpi")]
 mod mpi_world;
+#[cfg(feature = "nccl")]
+mod nccl_world;
 mod queue;
 
 use std::ops::Range;
@@ -191,9 +196,35 @@ pub fn launch() -> CommResult<Launch> {
 }
 
 fn start_world() -> CommResult<Arc<dyn Communicator>> {
+    let nccl = match std::env::var("ALIGNER_COMM").ok().as_deref() {
+        None | Some("" | "mpi") => false,
+        Some("nccl") if cfg!(feature = "nccl") => true,
+        Some("nccl") => {
+            return Err(CommError::Failed(
+                "ALIGNER_COMM=nccl: this build has no NCCL: build with `--features nccl` (which \
+                 brings `cuda` and `mpi`)"
+                    .into(),
+            ));
+        }
+        Some(other) => {
+            return Err(CommError::Failed(format!(
+                "ALIGNER_COMM={other:?}: expected mpi (the default) or nccl"
+            )));
+        }
+    };
     #[cfg(feature = "mpi")]
     if launched_by_mpi() {
-        return Ok(Arc::new(mpi_world::Mpi::init()?));
+        let mpi: Arc<dyn Communicator> = Arc::new(mpi_world::Mpi::init()?);
+        #[cfg(feature = "nccl")]
+        if nccl {
+            return Ok(Arc::new(nccl_world::Nccl::init(mpi)?));
+        }
+        return Ok(mpi);
+    }
+    if nccl {
+        return Err(CommError::Failed(
+            "ALIGNER_COMM=nccl: NCCL joins the ranks an MPI launcher started: run under `mpirun`".into(),
+        ));
     }
     if let Some(size) = launcher_world_size().filter(|&n| n > 1) {
         // N copies of a one-process build would each train alone into the same run folder.
