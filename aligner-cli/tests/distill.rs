@@ -25,17 +25,20 @@ fn first_and_last(run: &Path, key: &str) -> (f64, f64) {
 fn every_mode_moves_the_student_to_the_dpo_teacher() {
     let dir = tempfile::tempdir().unwrap();
     let teacher = dir.path().join("supervised/teacher/final");
-    for mode in ["supervised", "gkd", "on_policy"] {
+    // `supervised-top16`: supervised from the teacher's cached 16 most likely tokens.
+    for mode in ["supervised", "gkd", "on_policy", "supervised-top16"] {
         let run = dir.path().join(mode);
         let mut args = vec!["distill".to_string(), "--out".into(), run.display().to_string()];
+        let (mode, top_k) = mode.split_once("-top").unwrap_or((mode, "0"));
         let mut sets = vec![
+            format!("distill.top_k={top_k}"),
             format!("distill.mode={mode}"),
             "train.max_steps=40".into(),
             "train.eval_every=0".into(),
             "train.save_every=0".into(),
             "frontier.max_prompts=16".into(),
         ];
-        if mode != "supervised" {
+        if run.file_name().is_some_and(|n| n != "supervised") {
             sets.push(format!("distill.teacher={}", teacher.display()));
         }
         for set in sets {
@@ -276,4 +279,110 @@ fn a_resumed_gkd_run_ends_where_the_uninterrupted_one_does() {
     assert!(ok, "{err}");
     let diff = common::weights_diff(&whole.join("final"), &cut.join("final"));
     assert!(diff <= 1e-6, "the resumed run ends {diff} away");
+}
+
+/// `distill.top_k`: the teacher's top-k log-probs are computed once into the run folder and
+/// read back by every step and by a resumed run; with k the whole vocabulary the student
+/// trains exactly as from the teacher's full distribution every step.
+#[test]
+fn cached_top_k_teacher_log_probs_train_as_the_teacher_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = repo().join("tests/reference/hf_random/gemma2_capped");
+    let teacher = format!("distill.teacher={}", teacher.display());
+    let run = |name: &str, sets: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = vec!["distill", "--out", out.to_str().unwrap(), "--set", &teacher];
+        for set in ["train.max_steps=6", "train.save_every=3", "frontier.prompts=''"]
+            .iter()
+            .chain(sets)
+        {
+            args.extend(["--set", set]);
+        }
+        let (ok, err) = aligner(&args);
+        assert!(ok, "{name}: {err}");
+        out
+    };
+    let full = run("full", &[]);
+    // 512: the shipped tokenizer's whole vocabulary.
+    let cached = run("cached", &["distill.top_k=512"]);
+    let cache = cached.join("teacher_top_k_train.safetensors");
+    assert!(cache.exists() && cached.join("teacher_top_k_train.safetensors.key").exists());
+    let diff = common::weights_diff(&full.join("final"), &cached.join("final"));
+    assert!(
+        diff <= 1e-5,
+        "cached top-512 ends {diff} from the teacher every step"
+    );
+    let kl = |run: &Path| {
+        metrics(run)
+            .iter()
+            .filter_map(|r| r["kl"].as_f64())
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (kl(&full), kl(&cached));
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4),
+        "{a:?} against {b:?}"
+    );
+
+    // A few tokens: a stopped run resumes from the same cache (not computed again).
+    let top = dir.path().join("top8");
+    let (ok, err) = aligner(&[
+        "distill",
+        "--out",
+        top.to_str().unwrap(),
+        "--set",
+        &teacher,
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.save_every=3",
+        "--set",
+        "frontier.prompts=''",
+        "--set",
+        "distill.top_k=8",
+        "--stop-after",
+        "3",
+    ]);
+    assert!(ok, "{err}");
+    assert!(!top.join("final").exists());
+    let written = std::fs::metadata(top.join("teacher_top_k_train.safetensors"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    let (ok, err) = aligner(&["distill", "--resume", top.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let again = std::fs::metadata(top.join("teacher_top_k_train.safetensors"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    assert_eq!(written, again, "the resumed run computed the cache again");
+    let rows: Vec<f64> = kl(&top);
+    assert!(rows.iter().all(|&k| k.is_finite() && k > 0.0), "{rows:?}");
+
+    // Only supervised distillation reads the data's responses the cache was made from.
+    let (ok, err) = aligner(&[
+        "distill",
+        "--out",
+        dir.path().join("bad").to_str().unwrap(),
+        "--set",
+        &teacher,
+        "--set",
+        "distill.mode=gkd",
+        "--set",
+        "distill.top_k=8",
+    ]);
+    assert!(!ok && err.contains("distill.top_k = 8"), "{err}");
+    let (ok, err) = aligner(&[
+        "distill",
+        "--out",
+        dir.path().join("bad2").to_str().unwrap(),
+        "--set",
+        &teacher,
+        "--set",
+        "distill.top_k=513",
+    ]);
+    assert!(
+        !ok && err.contains("distill.top_k = 513 is more than the 512 tokens"),
+        "{err}"
+    );
 }

@@ -100,15 +100,23 @@ pub fn key_path(file: &Path) -> PathBuf {
 /// The text of `file` when its key is `key`; `None` when it is missing or was computed from
 /// something else (logged).
 pub fn read_fresh(file: &Path, key: &CacheKey) -> Option<String> {
-    if !file.exists() {
+    if !is_fresh(file, key) {
         return None;
+    }
+    std::fs::read_to_string(file).ok()
+}
+
+/// Whether `file` exists and was computed under `key` (a stale one is logged).
+pub fn is_fresh(file: &Path, key: &CacheKey) -> bool {
+    if !file.exists() {
+        return false;
     }
     let kept = std::fs::read_to_string(key_path(file)).ok();
     if kept.as_deref().map(str::trim) != Some(key.as_str()) {
         tracing::info!(cache = %file.display(), "cache computed from other weights, data or settings; computing it again");
-        return None;
+        return false;
     }
-    std::fs::read_to_string(file).ok()
+    true
 }
 
 /// Writes `text` to `file` and then its key, each atomically ([`write_with`]).

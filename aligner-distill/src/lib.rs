@@ -30,6 +30,8 @@
 //! trained first into `<run>/teacher` and distilled into the start model. [`train`] is
 //! `aligner distill` as a library call.
 
+pub mod top_k;
+
 use std::cell::RefCell;
 use std::path::PathBuf;
 
@@ -46,6 +48,8 @@ use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Distribution, Int, Tensor};
 use serde::{Deserialize, Serialize};
+
+pub use top_k::{TeacherTopK, forward_kl_top_k};
 
 /// What can stop a distillation run.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +110,12 @@ pub struct DistillSection {
     pub sample_temperature: f32,
     /// Engine rows decoded together.
     pub slots: usize,
+    /// `supervised`: learn from the teacher's `top_k` most likely next tokens (renormalised
+    /// over them), computed once over the training data and cached in the run folder
+    /// (`teacher_top_k_train.safetensors`, keyed by the teacher's weights, the data and these
+    /// settings) instead of running the teacher every step; 0 = the whole vocabulary, the
+    /// teacher every step. Validation always measures against the whole distribution.
+    pub top_k: usize,
 }
 
 impl Default for DistillSection {
@@ -120,6 +130,7 @@ impl Default for DistillSection {
             max_new_tokens: 48,
             sample_temperature: 1.0,
             slots: 64,
+            top_k: 0,
         }
     }
 }
@@ -223,12 +234,15 @@ pub struct DistillObjective {
     pub tokenizer: TextTokenizer,
     /// The engine the student answers with, made at its first use and refit each step.
     pub engine: RefCell<Option<Engine>>,
+    /// `supervised` with `distill.top_k`: the teacher's cached top-k log-probs.
+    pub top_k: Option<TeacherTopK>,
 }
 
 /// Both models' logits on a batch (`[batch, seq − 1, vocab]`, position t predicting token
 /// t + 1), the tokens they predict, and the distilled positions.
 struct Logits {
-    teacher: Tensor<3>,
+    /// None when the step reads the teacher's cached top-k instead.
+    teacher: Option<Tensor<3>>,
     student: Tensor<3>,
     targets: Tensor<2, Int>,
     mask: Tensor<2>,
@@ -236,6 +250,13 @@ struct Logits {
 }
 
 impl Logits {
+    /// The teacher's logits (computed whenever the cache is not used).
+    fn teacher(&self) -> Tensor<3> {
+        self.teacher
+            .clone()
+            .expect("the teacher's logits are computed whenever its top-k cache is not used")
+    }
+
     /// Mean over the distilled positions.
     fn mean(&self, x: Tensor<2>) -> Tensor<1> {
         (x * self.mask.clone()).sum().div_scalar(self.n.max(1) as f64)
@@ -256,8 +277,9 @@ impl Logits {
 }
 
 impl DistillObjective {
-    /// The frozen teacher and the student (on `model`'s device) on `batch`.
-    fn logits(&self, model: &CausalLm, batch: &[&SftExample]) -> Logits {
+    /// The frozen teacher (unless `with_teacher` is false) and the student (on `model`'s
+    /// device) on `batch`.
+    fn logits(&self, model: &CausalLm, batch: &[&SftExample], with_teacher: bool) -> Logits {
         let device = model.model.embed_tokens.weight.device();
         let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
         let tokens = pad_right(&rows, 0, &device);
@@ -265,11 +287,12 @@ impl DistillObjective {
         let (mask, n) = trained_mask(batch, width, false, &device);
         let positions = [0..b, 0..width - 1, 0..self.vocab];
         let teacher_device = self.teacher.model.embed_tokens.weight.device();
-        let teacher = self
-            .teacher
-            .forward(tokens.clone().to_device(&teacher_device))
-            .slice(positions.clone())
-            .to_device(&device);
+        let teacher = with_teacher.then(|| {
+            self.teacher
+                .forward(tokens.clone().to_device(&teacher_device))
+                .slice(positions.clone())
+                .to_device(&device)
+        });
         let student = model.forward(tokens.clone()).slice(positions);
         Logits {
             teacher,
@@ -364,16 +387,26 @@ impl Objective<CausalLm> for DistillObjective {
             .answers(model, &batch[..own])
             .map_err(|e| CoreError::Invalid(format!("the student's answers: {e}")))?;
         let rows: Vec<&SftExample> = answers.iter().chain(batch[own..].iter().copied()).collect();
-        let l = self.logits(model, &rows);
+        let cached = self
+            .top_k
+            .as_ref()
+            .filter(|_| section.mode == DistillMode::Supervised);
+        let l = self.logits(model, &rows, cached.is_none());
         let scalar = |x: Tensor<1>| x.into_scalar::<f32>() as f64;
         let t2 = section.temperature * section.temperature;
         let (loss, mut metrics) = match section.mode {
             DistillMode::Supervised => {
-                let kl = l.mean(forward_kl(
-                    l.teacher.clone(),
-                    l.student.clone(),
-                    section.temperature,
-                ));
+                let per_position = match cached {
+                    Some(top) => {
+                        let [_, positions, _] = l.student.dims();
+                        let (ids, logprobs) = top
+                            .batch(&rows, positions + 1, &l.mask.device())
+                            .map_err(|e| CoreError::Invalid(e.to_string()))?;
+                        forward_kl_top_k(ids, logprobs, l.student.clone(), section.temperature)
+                    }
+                    None => forward_kl(l.teacher(), l.student.clone(), section.temperature),
+                };
+                let kl = l.mean(per_position);
                 let nll = l.mean(l.token_logprobs(l.student.clone()).neg());
                 let loss =
                     kl.clone().mul_scalar((1.0 - section.alpha) * t2) + nll.clone().mul_scalar(section.alpha);
@@ -384,7 +417,7 @@ impl Objective<CausalLm> for DistillObjective {
             }
             DistillMode::Gkd => {
                 let jsd = l.mean(generalized_jsd(
-                    l.teacher.clone(),
+                    l.teacher(),
                     l.student.clone(),
                     section.beta,
                     section.temperature,
@@ -393,7 +426,7 @@ impl Objective<CausalLm> for DistillObjective {
             }
             DistillMode::OnPolicy => {
                 let student = l.token_logprobs(l.student.clone());
-                let teacher = l.token_logprobs(l.teacher.clone());
+                let teacher = l.token_logprobs(l.teacher());
                 // Each token's reward is −(log π_S − log π_T): the policy gradient of this
                 // loss is the reverse KL's.
                 let log_ratio = student.clone().detach() - teacher;
@@ -426,9 +459,9 @@ impl Objective<CausalLm> for DistillObjective {
     /// sft` reports it, `nll_response` without the appended EOS (a teacher that never ends
     /// there teaches the student not to either).
     fn evaluate(&self, model: &CausalLm, batch: &[&SftExample]) -> aligner_core::Result<Vec<EvalSum>> {
-        let l = self.logits(model, batch);
-        let forward = forward_kl(l.teacher.clone(), l.student.clone(), self.section.temperature);
-        let reverse = reverse_kl(l.teacher.clone(), l.student.clone());
+        let l = self.logits(model, batch, true);
+        let forward = forward_kl(l.teacher(), l.student.clone(), self.section.temperature);
+        let reverse = reverse_kl(l.teacher(), l.student.clone());
         let nll = l.token_logprobs(l.student.clone()).neg();
         let [_, positions] = l.mask.dims();
         let (response, n_response) = trained_mask(batch, positions + 1, true, &l.mask.device());
@@ -510,6 +543,13 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
             section.alpha
         )));
     }
+    if section.top_k > 0 && section.mode != DistillMode::Supervised {
+        return Err(DistillError::Invalid(format!(
+            "distill.top_k = {} caches the teacher on the data's responses; distill.mode = {mode} \
+             distils on the student's own answers, which change every step: leave it at 0",
+            section.top_k
+        )));
+    }
     if section.mode == DistillMode::OnPolicy && section.temperature != 1.0 {
         return Err(DistillError::Invalid(format!(
             "distill.temperature = {} softens the KL over the vocabulary; distill.mode = \"on_policy\" \
@@ -549,7 +589,32 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
         "distillation"
     );
     let vocab = teacher.config.vocab_size.min(student.config.vocab_size);
+    if section.top_k > vocab {
+        return Err(DistillError::Invalid(format!(
+            "distill.top_k = {} is more than the {vocab} tokens the two models share",
+            section.top_k
+        )));
+    }
+    let top_k = match section.top_k {
+        0 => None,
+        k => {
+            let key = aligner_core::cache::CacheKey::builder("distill-teacher-top-k")
+                .weights(&teacher.model)
+                .value(&(k, section.temperature.to_bits(), vocab))
+                .value(&train.iter().map(|e| e.ids.as_slice()).collect::<Vec<_>>())
+                .finish();
+            let comm = run.comm();
+            Some(TeacherTopK::load_or_compute(
+                &run.join(top_k::TOP_K_FILE),
+                &key,
+                comm.is_root(),
+                || Ok(comm.barrier().map_err(CoreError::from)?),
+                || TeacherTopK::compute(&teacher.model, &train, vocab, k, section.temperature),
+            )?)
+        }
+    };
     let objective = DistillObjective {
+        top_k,
         vocab,
         teacher: teacher.model,
         section: section.clone(),
@@ -615,6 +680,43 @@ mod tests {
         let reverse = reverse_kl(logits(&teacher, 3), logits(&student, 3)).into_scalar::<f32>();
         let swapped = forward_kl(logits(&student, 3), logits(&teacher, 3), 1.0).into_scalar::<f32>();
         assert_eq!(reverse, swapped);
+    }
+
+    /// The top-k KL by hand: the teacher's two most likely of four tokens, renormalised,
+    /// against the student's full softmax at τ = 2; with every token it is the forward KL.
+    #[test]
+    fn top_k_kl_by_hand_and_with_the_whole_vocabulary() {
+        let teacher = [1.5f32, -0.5, 0.0, 0.7];
+        let student = [0.2f32, 0.4, -1.0, 0.0];
+        let tau = 2.0;
+        let (p, q) = (softmax(&teacher, tau), softmax(&student, tau));
+        let ids = |v: &[i64]| {
+            Tensor::<3, Int>::from_data(TensorData::new(v.to_vec(), [1, 1, v.len()]), &Device::flex())
+        };
+        let teacher_logprobs = |ids: &[usize]| {
+            logits(
+                &ids.iter().map(|&i| p[i].ln() as f32).collect::<Vec<_>>(),
+                ids.len(),
+            )
+        };
+        // Tokens 0 and 3 are the teacher's top two.
+        let z = p[0] + p[3];
+        let want = [0, 3]
+            .iter()
+            .map(|&i| (p[i] / z) * ((p[i] / z) / q[i]).ln())
+            .sum::<f64>();
+        let got = forward_kl_top_k(ids(&[0, 3]), teacher_logprobs(&[0, 3]), logits(&student, 4), tau)
+            .into_scalar::<f32>() as f64;
+        assert!((got - want).abs() < 1e-6, "{got} against {want}");
+        let all = forward_kl_top_k(
+            ids(&[0, 1, 2, 3]),
+            teacher_logprobs(&[0, 1, 2, 3]),
+            logits(&student, 4),
+            tau,
+        )
+        .into_scalar::<f32>();
+        let full = forward_kl(logits(&teacher, 4), logits(&student, 4), tau).into_scalar::<f32>();
+        assert!((all - full).abs() < 1e-6, "{all} against {full}");
     }
 
     /// The generalized JSD by hand at β = 0.3 and τ = 1.5; its ends are the forward and the
