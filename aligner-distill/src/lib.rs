@@ -25,6 +25,11 @@
 //! (`eval_kl`, `eval_reverse_kl`) beside the student's NLL of the data (`eval_nll`) and, with
 //! `[frontier]`, the reward–KL figures of its own samples against the start model.
 //!
+//! `distill.teacher_weight` λ < 1 makes the target the geometric mixture of the start model
+//! and the teacher (logits `λ·z_T + (1 − λ)·z_start`: for a DPO teacher, the policy DPO would
+//! reach at β/λ), which keeps most of the teacher's reward at a lower KL to the start;
+//! `distill.top_k` caches the teacher's top-k log-probs once for `supervised` ([`top_k`]).
+//!
 //! Teacher and student may differ in size and depth but must share a tokenizer (refused
 //! naming both folders otherwise). Without `distill.teacher`, the default `aligner dpo` run is
 //! trained first into `<run>/teacher` and distilled into the start model. [`train`] is
@@ -116,6 +121,12 @@ pub struct DistillSection {
     /// settings) instead of running the teacher every step; 0 = the whole vocabulary, the
     /// teacher every step. Validation always measures against the whole distribution.
     pub top_k: usize,
+    /// λ in (0, 1]: the student learns the geometric mixture `p_start^(1−λ) · p_teacher^λ`
+    /// (logits `λ·z_teacher + (1 − λ)·z_start`, the start model's) instead of the teacher
+    /// itself (1). For a teacher aligned by DPO from the same start (`π_T ∝ π_start ·
+    /// exp(r/β)`) the mixture is the policy DPO would reach at β/λ: λ < 1 buys most of the
+    /// teacher's reward at a smaller KL to the start.
+    pub teacher_weight: f64,
 }
 
 impl Default for DistillSection {
@@ -131,6 +142,7 @@ impl Default for DistillSection {
             sample_temperature: 1.0,
             slots: 64,
             top_k: 0,
+            teacher_weight: 1.0,
         }
     }
 }
@@ -225,6 +237,8 @@ pub fn reverse_kl(teacher_logits: Tensor<3>, student_logits: Tensor<3>) -> Tenso
 pub struct DistillObjective {
     /// The frozen teacher (on the inference device; its logits move to the student's).
     pub teacher: CausalLm,
+    /// With `distill.teacher_weight` λ < 1: the frozen start model and λ.
+    pub start: Option<(CausalLm, f64)>,
     pub section: DistillSection,
     /// The logits compared: the first `vocab` of each model's (the smaller `vocab_size` of
     /// the two, which holds every token id of the shared tokenizer).
@@ -241,8 +255,11 @@ pub struct DistillObjective {
 /// Both models' logits on a batch (`[batch, seq − 1, vocab]`, position t predicting token
 /// t + 1), the tokens they predict, and the distilled positions.
 struct Logits {
-    /// None when the step reads the teacher's cached top-k instead.
+    /// The target's logits (the teacher's, or its mixture with the start model); None when
+    /// the step reads the cached top-k instead.
     teacher: Option<Tensor<3>>,
+    /// The teacher's own logits when the target is a mixture.
+    teacher_alone: Option<Tensor<3>>,
     student: Tensor<3>,
     targets: Tensor<2, Int>,
     mask: Tensor<2>,
@@ -277,7 +294,24 @@ impl Logits {
 }
 
 impl DistillObjective {
-    /// The frozen teacher (unless `with_teacher` is false) and the student (on `model`'s
+    /// The target's logits on `tokens` (`[batch, width − 1, vocab]`, on the teacher's device):
+    /// the teacher's, or `λ·z_teacher + (1 − λ)·z_start`; with the teacher's own beside a
+    /// mixture.
+    pub fn target_logits(&self, tokens: Tensor<2, Int>) -> (Tensor<3>, Option<Tensor<3>>) {
+        let [b, width] = tokens.dims();
+        let positions = [0..b, 0..width - 1, 0..self.vocab];
+        let teacher = self.teacher.forward(tokens.clone()).slice(positions.clone());
+        match &self.start {
+            None => (teacher, None),
+            Some((start, weight)) => {
+                let start = start.forward(tokens).slice(positions);
+                let target = teacher.clone().mul_scalar(*weight) + start.mul_scalar(1.0 - weight);
+                (target, Some(teacher))
+            }
+        }
+    }
+
+    /// The frozen target (unless `with_teacher` is false) and the student (on `model`'s
     /// device) on `batch`.
     fn logits(&self, model: &CausalLm, batch: &[&SftExample], with_teacher: bool) -> Logits {
         let device = model.model.embed_tokens.weight.device();
@@ -287,15 +321,20 @@ impl DistillObjective {
         let (mask, n) = trained_mask(batch, width, false, &device);
         let positions = [0..b, 0..width - 1, 0..self.vocab];
         let teacher_device = self.teacher.model.embed_tokens.weight.device();
-        let teacher = with_teacher.then(|| {
-            self.teacher
-                .forward(tokens.clone().to_device(&teacher_device))
-                .slice(positions.clone())
-                .to_device(&device)
-        });
+        let (teacher, teacher_alone) = match with_teacher {
+            true => {
+                let (target, alone) = self.target_logits(tokens.clone().to_device(&teacher_device));
+                (
+                    Some(target.to_device(&device)),
+                    alone.map(|t| t.to_device(&device)),
+                )
+            }
+            false => (None, None),
+        };
         let student = model.forward(tokens.clone()).slice(positions);
         Logits {
             teacher,
+            teacher_alone,
             student,
             targets: tokens.slice([0..b, 1..width]),
             mask,
@@ -465,7 +504,15 @@ impl Objective<CausalLm> for DistillObjective {
         let nll = l.token_logprobs(l.student.clone()).neg();
         let [_, positions] = l.mask.dims();
         let (response, n_response) = trained_mask(batch, positions + 1, true, &l.mask.device());
-        let mut sums: Vec<EvalSum> = [("kl", forward), ("reverse_kl", reverse), ("nll", nll.clone())]
+        let mut named = vec![("kl", forward), ("reverse_kl", reverse), ("nll", nll.clone())];
+        if let Some(teacher) = &l.teacher_alone {
+            // With a mixture target: how far the student is from the teacher itself.
+            named.push((
+                "reverse_kl_teacher",
+                reverse_kl(teacher.clone(), l.student.clone()),
+            ));
+        }
+        let mut sums: Vec<EvalSum> = named
             .into_iter()
             .map(|(name, x)| EvalSum {
                 name: name.into(),
@@ -522,6 +569,12 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
         ("distill.alpha", section.alpha, Range::Fraction),
         ("distill.temperature", section.temperature, Range::Positive),
     ])?;
+    if !(section.teacher_weight > 0.0 && section.teacher_weight <= 1.0) {
+        return Err(DistillError::Invalid(format!(
+            "distill.teacher_weight = {}: must be in (0, 1] (1 = the teacher itself)",
+            section.teacher_weight
+        )));
+    }
     check_values(&[
         ("distill.lambda", section.lambda, Range::Fraction),
         ("distill.beta", section.beta, Range::Fraction),
@@ -580,6 +633,8 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
     let max_len = config.data.max_len(&student.config)?;
     let (train, validation) =
         data_files(&config.data)?.load(|path, _| load_sft_examples(path, &student.tokenizer, max_len))?;
+    // The start model, frozen, when the target mixes it in (taken before training moves it).
+    let start = (section.teacher_weight < 1.0).then(|| (student.model.clone(), section.teacher_weight));
     let mut model = student.model;
     let store = policy_store(&mut model, &config.model, &student.config, &student.dir, device);
     tracing::info!(
@@ -595,26 +650,9 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
             section.top_k
         )));
     }
-    let top_k = match section.top_k {
-        0 => None,
-        k => {
-            let key = aligner_core::cache::CacheKey::builder("distill-teacher-top-k")
-                .weights(&teacher.model)
-                .value(&(k, section.temperature.to_bits(), vocab))
-                .value(&train.iter().map(|e| e.ids.as_slice()).collect::<Vec<_>>())
-                .finish();
-            let comm = run.comm();
-            Some(TeacherTopK::load_or_compute(
-                &run.join(top_k::TOP_K_FILE),
-                &key,
-                comm.is_root(),
-                || Ok(comm.barrier().map_err(CoreError::from)?),
-                || TeacherTopK::compute(&teacher.model, &train, vocab, k, section.temperature),
-            )?)
-        }
-    };
-    let objective = DistillObjective {
-        top_k,
+    let mut objective = DistillObjective {
+        top_k: None,
+        start,
         vocab,
         teacher: teacher.model,
         section: section.clone(),
@@ -622,6 +660,41 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
         tokenizer: student.tokenizer.clone(),
         engine: RefCell::new(None),
     };
+    if section.top_k > 0 {
+        let k = section.top_k;
+        let mut key = aligner_core::cache::CacheKey::builder("distill-teacher-top-k")
+            .weights(&objective.teacher)
+            .value(&(
+                k,
+                section.temperature.to_bits(),
+                vocab,
+                section.teacher_weight.to_bits(),
+            ));
+        if let Some((start, _)) = &objective.start {
+            key = key.weights(start);
+        }
+        let key = key
+            .value(&train.iter().map(|e| e.ids.as_slice()).collect::<Vec<_>>())
+            .finish();
+        let comm = run.comm();
+        let cache = TeacherTopK::load_or_compute(
+            &run.join(top_k::TOP_K_FILE),
+            &key,
+            comm.is_root(),
+            || Ok(comm.barrier().map_err(CoreError::from)?),
+            || {
+                let device = objective.teacher.model.embed_tokens.weight.device();
+                TeacherTopK::compute(
+                    |tokens| objective.target_logits(tokens).0,
+                    &device,
+                    &train,
+                    k,
+                    section.temperature,
+                )
+            },
+        )?;
+        objective.top_k = Some(cache);
+    }
     Ok(aligner_core::train::fit_evaluated(
         model,
         &objective,

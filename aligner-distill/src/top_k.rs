@@ -10,7 +10,7 @@ use std::path::Path;
 use aligner_core::cache::{self, CacheKey};
 use aligner_core::score::pad_right;
 use aligner_core::sft::SftExample;
-use aligner_core::{CausalLm, CoreError, Device};
+use aligner_core::{CoreError, Device};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use safetensors::tensor::{Dtype, TensorView};
@@ -50,15 +50,15 @@ pub struct TeacherTopK {
 }
 
 impl TeacherTopK {
-    /// Runs `teacher` over `examples`, 16 at a time.
+    /// Runs `target` (the target's logits, `[batch, width − 1, vocab]`, of right-padded tokens
+    /// on `device`) over `examples`, 16 at a time.
     pub fn compute(
-        teacher: &CausalLm,
+        target: impl Fn(Tensor<2, Int>) -> Tensor<3>,
+        device: &Device,
         examples: &[SftExample],
-        vocab: usize,
         k: usize,
         temperature: f64,
     ) -> Self {
-        let device = teacher.model.embed_tokens.weight.device();
         let mut out = Self {
             k,
             rows: HashMap::new(),
@@ -67,12 +67,9 @@ impl TeacherTopK {
         };
         for chunk in examples.chunks(16) {
             let rows: Vec<&[u32]> = chunk.iter().map(|e| e.ids.as_slice()).collect();
-            let tokens = pad_right(&rows, 0, &device);
-            let [b, width] = tokens.dims();
-            let logits = teacher
-                .forward(tokens)
-                .slice([0..b, 0..width - 1, 0..vocab])
-                .div_scalar(temperature);
+            let tokens = pad_right(&rows, 0, device);
+            let [_, width] = tokens.dims();
+            let logits = target(tokens).div_scalar(temperature);
             let (values, indices) = log_softmax(logits, 2).topk_with_indices(k, 2);
             let values: Vec<f32> = values.into_data().iter::<f32>().collect();
             let indices: Vec<u32> = indices.into_data().iter::<i64>().map(|i| i as u32).collect();
