@@ -252,28 +252,50 @@ pub struct DistillObjective {
     pub top_k: Option<TeacherTopK>,
 }
 
-/// Both models' logits on a batch (`[batch, seq − 1, vocab]`, position t predicting token
-/// t + 1), the tokens they predict, and the distilled positions.
+/// Positions per chunk when the target's distributions are compared with the student's: the
+/// target's logits exist a chunk of rows at a time, so `[batch, seq, vocab]` logits never
+/// exist for both models at once.
+pub const CHUNK_POSITIONS: usize = 1024;
+
+/// A batch as the losses see it: the student's logits (`[batch, seq − 1, vocab]`, position t
+/// predicting token t + 1), the target's hidden states (projected to logits a chunk at a
+/// time), the tokens predicted and the distilled positions.
 struct Logits {
-    /// The target's logits (the teacher's, or its mixture with the start model); None when
-    /// the step reads the cached top-k instead.
-    teacher: Option<Tensor<3>>,
-    /// The teacher's own logits when the target is a mixture.
-    teacher_alone: Option<Tensor<3>>,
+    /// The teacher's and, for a mixture, the start model's last hidden states at the
+    /// predicting positions (on the teacher's device); None when the step reads the cached
+    /// top-k instead.
+    target: Option<(Tensor<3>, Option<Tensor<3>>)>,
     student: Tensor<3>,
     targets: Tensor<2, Int>,
     mask: Tensor<2>,
     n: usize,
 }
 
-impl Logits {
-    /// The teacher's logits (computed whenever the cache is not used).
-    fn teacher(&self) -> Tensor<3> {
-        self.teacher
-            .clone()
-            .expect("the teacher's logits are computed whenever its top-k cache is not used")
-    }
+/// One chunk of rows: the target's logits and, for a mixture, the teacher's own (on the
+/// student's device), the student's logits and the tokens they predict.
+struct Chunk {
+    target: Tensor<3>,
+    teacher: Option<Tensor<3>>,
+    student: Tensor<3>,
+    targets: Tensor<2, Int>,
+}
 
+impl Chunk {
+    /// Log-probabilities of the predicted tokens under `logits`, `[rows, seq − 1]`.
+    fn token_logprobs(&self, logits: Tensor<3>) -> Tensor<2> {
+        token_logprobs(logits, self.targets.clone())
+    }
+}
+
+/// Log-probabilities of `targets` under `logits` (`[b, s, vocab]` → `[b, s]`).
+fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
+    let [b, s, _] = logits.dims();
+    log_softmax(logits, 2)
+        .gather(2, targets.reshape([b, s, 1]))
+        .reshape([b, s])
+}
+
+impl Logits {
     /// Mean over the distilled positions.
     fn mean(&self, x: Tensor<2>) -> Tensor<1> {
         (x * self.mask.clone()).sum().div_scalar(self.n.max(1) as f64)
@@ -284,35 +306,103 @@ impl Logits {
         (x * self.mask.clone()).sum().into_scalar::<f32>() as f64
     }
 
-    /// Log-probabilities of the predicted tokens under `logits`, `[batch, seq − 1]`.
-    fn token_logprobs(&self, logits: Tensor<3>) -> Tensor<2> {
-        let [b, s, _] = logits.dims();
-        log_softmax(logits, 2)
-            .gather(2, self.targets.clone().reshape([b, s, 1]))
-            .reshape([b, s])
+    /// Log-probabilities of the predicted tokens under the student, `[batch, seq − 1]`.
+    fn student_logprobs(&self) -> Tensor<2> {
+        token_logprobs(self.student.clone(), self.targets.clone())
+    }
+
+    /// `measure` of each chunk of rows (`[rows, seq − 1]` per value), the chunks' values
+    /// joined back into `[batch, seq − 1]`: the target's logits of a chunk are made from its
+    /// hidden states and dropped before the next.
+    fn per_position(
+        &self,
+        objective: &DistillObjective,
+        measure: impl Fn(&Chunk) -> Vec<Tensor<2>>,
+    ) -> Vec<Tensor<2>> {
+        let [b, s, _] = self.student.dims();
+        let (teacher, start) = self
+            .target
+            .as_ref()
+            .expect("the target's hidden states are computed whenever its top-k cache is not used");
+        let device = self.student.device();
+        let rows = (CHUNK_POSITIONS / s.max(1)).max(1);
+        let mut parts: Vec<Vec<Tensor<2>>> = Vec::new();
+        for first in (0..b).step_by(rows) {
+            let range = first..(first + rows).min(b);
+            let hidden = |h: &Tensor<3>| {
+                let [_, _, d] = h.dims();
+                h.clone().slice([range.clone(), 0..s, 0..d])
+            };
+            let (target, alone) = objective.target_from_hidden(hidden(teacher), start.as_ref().map(hidden));
+            let chunk = Chunk {
+                target: target.to_device(&device),
+                teacher: alone.map(|t| t.to_device(&device)),
+                student: self
+                    .student
+                    .clone()
+                    .slice([range.clone(), 0..s, 0..objective.vocab]),
+                targets: self.targets.clone().slice([range.clone(), 0..s]),
+            };
+            parts.push(measure(&chunk));
+        }
+        let count = parts.first().map_or(0, Vec::len);
+        (0..count)
+            .map(|i| Tensor::cat(parts.iter().map(|p| p[i].clone()).collect(), 0))
+            .collect()
     }
 }
 
 impl DistillObjective {
+    /// The target's logits of the teacher's (and the start model's) hidden states: the
+    /// teacher's, or `λ·z_teacher + (1 − λ)·z_start`, with the teacher's own beside a mixture.
+    fn target_from_hidden(
+        &self,
+        teacher: Tensor<3>,
+        start: Option<Tensor<3>>,
+    ) -> (Tensor<3>, Option<Tensor<3>>) {
+        let vocab = |logits: Tensor<3>| {
+            let [b, s, _] = logits.dims();
+            logits.slice([0..b, 0..s, 0..self.vocab])
+        };
+        let teacher_logits = vocab(self.teacher.logits_from_hidden(teacher));
+        match (&self.start, start) {
+            (Some((model, weight)), Some(hidden)) => {
+                let start_logits = vocab(model.logits_from_hidden(hidden));
+                let target =
+                    teacher_logits.clone().mul_scalar(*weight) + start_logits.mul_scalar(1.0 - weight);
+                (target, Some(teacher_logits))
+            }
+            _ => (teacher_logits, None),
+        }
+    }
+
+    /// The teacher's (and the start model's) last hidden states at the predicting positions
+    /// of `tokens` (`[batch, width − 1, d]`, on the teacher's device).
+    fn target_hidden(&self, tokens: Tensor<2, Int>) -> (Tensor<3>, Option<Tensor<3>>) {
+        let positions = aligner_core::model::default_positions(&tokens);
+        let [b, width] = tokens.dims();
+        let last = |h: Tensor<3>| {
+            let [_, _, d] = h.dims();
+            h.slice([0..b, 0..width - 1, 0..d])
+        };
+        let teacher = last(self.teacher.model.forward(tokens.clone(), &positions, None, None));
+        let start = self
+            .start
+            .as_ref()
+            .map(|(model, _)| last(model.model.forward(tokens, &positions, None, None)));
+        (teacher, start)
+    }
+
     /// The target's logits on `tokens` (`[batch, width − 1, vocab]`, on the teacher's device):
     /// the teacher's, or `λ·z_teacher + (1 − λ)·z_start`; with the teacher's own beside a
     /// mixture.
     pub fn target_logits(&self, tokens: Tensor<2, Int>) -> (Tensor<3>, Option<Tensor<3>>) {
-        let [b, width] = tokens.dims();
-        let positions = [0..b, 0..width - 1, 0..self.vocab];
-        let teacher = self.teacher.forward(tokens.clone()).slice(positions.clone());
-        match &self.start {
-            None => (teacher, None),
-            Some((start, weight)) => {
-                let start = start.forward(tokens).slice(positions);
-                let target = teacher.clone().mul_scalar(*weight) + start.mul_scalar(1.0 - weight);
-                (target, Some(teacher))
-            }
-        }
+        let (teacher, start) = self.target_hidden(tokens);
+        self.target_from_hidden(teacher, start)
     }
 
-    /// The frozen target (unless `with_teacher` is false) and the student (on `model`'s
-    /// device) on `batch`.
+    /// The frozen target's hidden states (unless `with_teacher` is false) and the student's
+    /// logits (on `model`'s device) on `batch`.
     fn logits(&self, model: &CausalLm, batch: &[&SftExample], with_teacher: bool) -> Logits {
         let device = model.model.embed_tokens.weight.device();
         let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
@@ -321,20 +411,10 @@ impl DistillObjective {
         let (mask, n) = trained_mask(batch, width, false, &device);
         let positions = [0..b, 0..width - 1, 0..self.vocab];
         let teacher_device = self.teacher.model.embed_tokens.weight.device();
-        let (teacher, teacher_alone) = match with_teacher {
-            true => {
-                let (target, alone) = self.target_logits(tokens.clone().to_device(&teacher_device));
-                (
-                    Some(target.to_device(&device)),
-                    alone.map(|t| t.to_device(&device)),
-                )
-            }
-            false => (None, None),
-        };
+        let target = with_teacher.then(|| self.target_hidden(tokens.clone().to_device(&teacher_device)));
         let student = model.forward(tokens.clone()).slice(positions);
         Logits {
-            teacher,
-            teacher_alone,
+            target,
             student,
             targets: tokens.slice([0..b, 1..width]),
             mask,
@@ -443,10 +523,18 @@ impl Objective<CausalLm> for DistillObjective {
                             .map_err(|e| CoreError::Invalid(e.to_string()))?;
                         forward_kl_top_k(ids, logprobs, l.student.clone(), section.temperature)
                     }
-                    None => forward_kl(l.teacher(), l.student.clone(), section.temperature),
+                    None => l
+                        .per_position(self, |c| {
+                            vec![forward_kl(
+                                c.target.clone(),
+                                c.student.clone(),
+                                section.temperature,
+                            )]
+                        })
+                        .remove(0),
                 };
                 let kl = l.mean(per_position);
-                let nll = l.mean(l.token_logprobs(l.student.clone()).neg());
+                let nll = l.mean(l.student_logprobs().neg());
                 let loss =
                     kl.clone().mul_scalar((1.0 - section.alpha) * t2) + nll.clone().mul_scalar(section.alpha);
                 (
@@ -455,17 +543,24 @@ impl Objective<CausalLm> for DistillObjective {
                 )
             }
             DistillMode::Gkd => {
-                let jsd = l.mean(generalized_jsd(
-                    l.teacher(),
-                    l.student.clone(),
-                    section.beta,
-                    section.temperature,
-                ));
+                let jsd = l.mean(
+                    l.per_position(self, |c| {
+                        vec![generalized_jsd(
+                            c.target.clone(),
+                            c.student.clone(),
+                            section.beta,
+                            section.temperature,
+                        )]
+                    })
+                    .remove(0),
+                );
                 (jsd.clone().mul_scalar(t2), vec![("jsd".to_string(), scalar(jsd))])
             }
             DistillMode::OnPolicy => {
-                let student = l.token_logprobs(l.student.clone());
-                let teacher = l.token_logprobs(l.teacher());
+                let student = l.student_logprobs();
+                let teacher = l
+                    .per_position(self, |c| vec![c.token_logprobs(c.target.clone())])
+                    .remove(0);
                 // Each token's reward is −(log π_S − log π_T): the policy gradient of this
                 // loss is the reverse KL's.
                 let log_ratio = student.clone().detach() - teacher;
@@ -499,18 +594,25 @@ impl Objective<CausalLm> for DistillObjective {
     /// there teaches the student not to either).
     fn evaluate(&self, model: &CausalLm, batch: &[&SftExample]) -> aligner_core::Result<Vec<EvalSum>> {
         let l = self.logits(model, batch, true);
-        let forward = forward_kl(l.teacher(), l.student.clone(), self.section.temperature);
-        let reverse = reverse_kl(l.teacher(), l.student.clone());
-        let nll = l.token_logprobs(l.student.clone()).neg();
+        let temperature = self.section.temperature;
+        let mut measured = l.per_position(self, |c| {
+            let mut values = vec![
+                forward_kl(c.target.clone(), c.student.clone(), temperature),
+                reverse_kl(c.target.clone(), c.student.clone()),
+            ];
+            if let Some(teacher) = &c.teacher {
+                // With a mixture target: how far the student is from the teacher itself.
+                values.push(reverse_kl(teacher.clone(), c.student.clone()));
+            }
+            values
+        });
+        let nll = l.student_logprobs().neg();
         let [_, positions] = l.mask.dims();
         let (response, n_response) = trained_mask(batch, positions + 1, true, &l.mask.device());
+        let (forward, reverse) = (measured.remove(0), measured.remove(0));
         let mut named = vec![("kl", forward), ("reverse_kl", reverse), ("nll", nll.clone())];
-        if let Some(teacher) = &l.teacher_alone {
-            // With a mixture target: how far the student is from the teacher itself.
-            named.push((
-                "reverse_kl_teacher",
-                reverse_kl(teacher.clone(), l.student.clone()),
-            ));
+        if let Some(teacher) = measured.pop() {
+            named.push(("reverse_kl_teacher", teacher));
         }
         let mut sums: Vec<EvalSum> = named
             .into_iter()
