@@ -96,12 +96,9 @@ pub enum BenchCommand {
 
 /// `--sharding`'s value, as `train.sharding` spells it.
 fn parse_sharding(value: &str) -> std::result::Result<Sharding, String> {
-    match value {
-        "none" => Ok(Sharding::None),
-        "optimizer" => Ok(Sharding::Optimizer),
-        "gradients" => Ok(Sharding::Gradients),
-        other => Err(format!("{other:?}: expected none, optimizer or gradients")),
-    }
+    // As `train.sharding` reads it (serde's names), like `--dtype`.
+    serde_json::from_value(serde_json::Value::String(value.to_string()))
+        .map_err(|_| format!("{value:?}: expected none, optimizer or gradients"))
 }
 
 /// The ~16M-parameter Llama of the benchmarks: hidden 256, 4 layers, 4 heads, 2 KV heads,

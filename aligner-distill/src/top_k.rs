@@ -189,16 +189,26 @@ impl TeacherTopK {
         barrier: impl Fn() -> Result<()>,
         compute: impl FnOnce() -> Self,
     ) -> Result<Self> {
-        if is_root && !cache::is_fresh(run_file, key) {
-            let top = compute();
-            let bytes = top.to_bytes()?;
-            cache::write_with(run_file, key, |path| {
-                aligner_core::checkpoint::write_atomic(path, &bytes).map_err(DistillError::from)
-            })?;
-            tracing::info!(cache = %run_file.display(), k = top.k, "cached the teacher's top-k log-probs");
-        }
+        // Rank 0 keeps what it computed; only a rank that did not compute it reads the file.
+        let computed = match is_root && !cache::is_fresh(run_file, key) {
+            true => {
+                let top = compute();
+                let bytes = top.to_bytes()?;
+                cache::write_with(run_file, key, |path| {
+                    aligner_core::checkpoint::write_atomic(path, &bytes).map_err(DistillError::from)
+                })?;
+                tracing::info!(cache = %run_file.display(), k = top.k, "cached the teacher's top-k log-probs");
+                Some(top)
+            }
+            false => None,
+        };
         barrier()?;
-        let bytes = std::fs::read(run_file).map_err(|e| CoreError::io(run_file, e))?;
-        Self::from_bytes(&bytes, run_file)
+        match computed {
+            Some(top) => Ok(top),
+            None => {
+                let bytes = std::fs::read(run_file).map_err(|e| CoreError::io(run_file, e))?;
+                Self::from_bytes(&bytes, run_file)
+            }
+        }
     }
 }
