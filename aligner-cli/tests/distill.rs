@@ -139,11 +139,51 @@ fn the_loss_follows_alpha_and_temperature_and_lora_students_train() {
         assert!((loss - 4.0 * jsd).abs() < 1e-4 * (1.0 + loss.abs()), "{row}");
         assert!(jsd > 0.0 && number(&row, "own_answer_tokens") > 0.0, "{row}");
     }
-    // On-policy: every answer the student's own, the sampled tokens' reverse KL logged.
+    // On-policy: every answer the student's own, the sampled tokens' reverse KL logged. GRPO's
+    // clipped loss with the engine's log-probs as the behaviour policy: on the CPU the engine
+    // and the trainer agree, so the ratio is 1, nothing clips and the token-mean loss is the
+    // mean advantage's negative, the reverse KL itself (γ = 0).
     for row in run("on-policy", &["distill.mode=on_policy", "train.batch_size=4"]) {
-        assert!(number(&row, "reverse_kl") > 0.1, "{row}");
+        let reverse_kl = number(&row, "reverse_kl");
+        assert!(reverse_kl > 0.1, "{row}");
         assert!(number(&row, "own_answer_tokens") > 0.0, "{row}");
+        assert!(number(&row, "logprob_mismatch_max") < 1e-3, "{row}");
+        assert_eq!(number(&row, "clip_fraction"), 0.0, "{row}");
+        assert!((number(&row, "loss") - reverse_kl).abs() < 1e-3, "{row}");
     }
+    // The GRPO family's variations run: GSPO's sequence ratio, clip-higher, a sequence-level
+    // aggregation and γ = 1 (each token's advantage the reverse KL of the rest of the answer).
+    for row in run(
+        "on-policy-gspo",
+        &[
+            "distill.mode=on_policy",
+            "train.batch_size=4",
+            "distill.importance_ratio=sequence",
+            "distill.clip_eps_high=0.28",
+            "distill.loss_agg=seq-mean-token-sum-norm",
+            "distill.gamma=1.0",
+        ],
+    ) {
+        assert!(
+            number(&row, "loss").is_finite() && number(&row, "reverse_kl") > 0.1,
+            "{row}"
+        );
+    }
+    // ... and are refused where no policy gradient is taken.
+    let out = dir.path().join("refused");
+    let (ok, err) = aligner(&[
+        "distill",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        &teacher,
+        "--set",
+        "distill.gamma=0.5",
+    ]);
+    assert!(
+        !ok && err.contains("distill.clip_eps") && err.contains("gamma"),
+        "{err}"
+    );
     assert!(
         dir.path()
             .join("lora/final/adapter/adapter_model.safetensors")

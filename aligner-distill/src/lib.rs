@@ -9,8 +9,11 @@
 //!   is the student's own answers (the engine, refit to its weights each step), the rest the
 //!   data's; the loss is [`generalized_jsd`] with `distill.beta` over the whole vocabulary.
 //! - `on_policy` (NeMo-RL's and verl's on-policy distillation): the student answers every
-//!   prompt, the teacher scores the sampled tokens, and the per-token reverse KL
-//!   `log π_S(y_t) − log π_T(y_t)` is minimised as a dense reward by its policy gradient.
+//!   prompt, the teacher scores the sampled tokens, and the per-token reverse KL is minimised
+//!   as a dense reward through GRPO's clipped loss ([`aligner_loss::policy::policy_loss`]): each
+//!   token's reward is `log π_T(y_t) − log π_old(y_t)` (the engine's log-probs are the
+//!   behaviour policy), its advantage [`reverse_kl_advantages`], with `[ppo]`'s clip ranges,
+//!   importance ratio and loss aggregation; the engine/trainer log-prob mismatch is logged.
 //! - `supervised` (Hinton et al., 2015; TRL's and NeMo's supervised KD) minimises, per
 //!   response token of the data,
 //!
@@ -49,6 +52,7 @@ use aligner_core::train::{
 };
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, LoadedModel, TextTokenizer};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
+use aligner_loss::policy::{ImportanceRatio, LossAgg, PolicyLossOptions, logprob_mismatch, policy_loss};
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Distribution, Int, Tensor};
@@ -127,6 +131,33 @@ pub struct DistillSection {
     /// exp(r/β)`) the mixture is the policy DPO would reach at β/λ: λ < 1 buys most of the
     /// teacher's reward at a smaller KL to the start.
     pub teacher_weight: f64,
+    /// `on_policy`, as `ppo.clip_eps`: the ratio `π / π_old` to the engine's (the behaviour
+    /// policy's) log-probs may fall to `1 − clip_eps`...
+    pub clip_eps: f64,
+    /// ... and rise to `1 + clip_eps_high` (DAPO's clip-higher; empty = `clip_eps`).
+    pub clip_eps_high: Option<f64>,
+    /// `on_policy`, as `ppo.importance_ratio`: per token, or GSPO's per sequence.
+    pub importance_ratio: ImportanceRatio,
+    /// `on_policy`, as `ppo.loss_agg`: how the per-token losses of a batch are averaged.
+    pub loss_agg: LossAgg,
+    /// `on_policy`: the discount of later tokens' rewards in each token's advantage, `A_t =
+    /// Σ_{k≥t} γ^(k−t) r_k` with `r_k = log π_T(y_k) − log π_old(y_k)`; 0 (NeMo-RL's and
+    /// Tinker's choice) makes each token's advantage its own reward, 1 the reverse KL of the
+    /// rest of the answer.
+    pub gamma: f64,
+}
+
+impl DistillSection {
+    /// `on_policy`'s settings of GRPO's clipped policy loss.
+    pub fn policy_loss(&self) -> PolicyLossOptions {
+        PolicyLossOptions {
+            clip_low: self.clip_eps,
+            clip_high: self.clip_eps_high.unwrap_or(self.clip_eps),
+            ratio: self.importance_ratio,
+            agg: self.loss_agg,
+            max_tokens: self.max_new_tokens,
+        }
+    }
 }
 
 impl Default for DistillSection {
@@ -143,6 +174,11 @@ impl Default for DistillSection {
             slots: 64,
             top_k: 0,
             teacher_weight: 1.0,
+            clip_eps: 0.2,
+            clip_eps_high: None,
+            importance_ratio: ImportanceRatio::Token,
+            loss_agg: LossAgg::TokenMean,
+            gamma: 0.0,
         }
     }
 }
@@ -192,6 +228,24 @@ pub fn forward_kl(teacher_logits: Tensor<3>, student_logits: Tensor<3>, temperat
     (teacher.clone().exp() * (teacher - student))
         .sum_dim(2)
         .reshape([b, s])
+}
+
+/// On-policy distillation's advantages of one answer's tokens: each token's reward is the
+/// negative reverse KL of the token it sampled, `r_t = log π_T(y_t) − log π_old(y_t)` (the
+/// engine's log-prob is the behaviour policy's), and `A_t = Σ_{k≥t} γ^(k−t) r_k`.
+pub fn reverse_kl_advantages(behaviour: &[f32], teacher: &[f32], gamma: f64) -> Vec<f32> {
+    let mut ahead = 0.0f64;
+    let mut out: Vec<f32> = behaviour
+        .iter()
+        .zip(teacher)
+        .rev()
+        .map(|(&old, &t)| {
+            ahead = (t - old) as f64 + gamma * ahead;
+            ahead as f32
+        })
+        .collect();
+    out.reverse();
+    out
 }
 
 /// Per-position generalized Jensen–Shannon divergence (Agarwal et al.) at temperature
@@ -256,6 +310,48 @@ pub struct DistillObjective {
 /// target's logits exist a chunk of rows at a time, so `[batch, seq, vocab]` logits never
 /// exist for both models at once.
 pub const CHUNK_POSITIONS: usize = 1024;
+
+/// One of the student's own answers: the example it trains on (the prompt, then the answer's
+/// tokens as the trained ones) and the engine's log-prob of each answer token.
+struct Answer {
+    example: SftExample,
+    behaviour: Vec<f32>,
+}
+
+/// The values of `x` (`[batch, width − 1]`, position t predicting token t + 1) at each row's
+/// trained tokens, in order.
+fn answer_columns(x: Tensor<2>, rows: &[&SftExample]) -> Vec<Vec<f32>> {
+    let [_, positions] = x.dims();
+    let values: Vec<f32> = x.into_data().convert::<f32>().try_to_vec().unwrap_or_default();
+    rows.iter()
+        .enumerate()
+        .map(|(i, e)| {
+            (1..e.ids.len())
+                .filter(|&t| e.trained[t])
+                .map(|t| values[i * positions + t - 1])
+                .collect()
+        })
+        .collect()
+}
+
+/// The inverse of [`answer_columns`]: each row's values at the positions predicting its
+/// trained tokens, zero elsewhere, `[batch, width − 1]`.
+fn placed(
+    values: &[impl AsRef<[f32]>],
+    rows: &[&SftExample],
+    dims: [usize; 2],
+    device: &Device,
+) -> Tensor<2> {
+    let [b, positions] = dims;
+    let mut out = vec![0f32; b * positions];
+    for (i, (e, row)) in rows.iter().zip(values).enumerate() {
+        let targets = (1..e.ids.len()).filter(|&t| e.trained[t]);
+        for (t, &v) in targets.zip(row.as_ref()) {
+            out[i * positions + t - 1] = v;
+        }
+    }
+    Tensor::from_data(burn::tensor::TensorData::new(out, [b, positions]), device)
+}
 
 /// A batch as the losses see it: the student's logits (`[batch, seq − 1, vocab]`, position t
 /// predicting token t + 1), the target's hidden states (projected to logits a chunk at a
@@ -426,7 +522,7 @@ impl DistillObjective {
     /// its first trained one), drawn by the engine refit to `model`. The seeds come from the
     /// device's generator, which the loop seeds from `train.seed` and the step: a resumed run
     /// draws what the uninterrupted one did.
-    fn answers(&self, model: &CausalLm, examples: &[&SftExample]) -> Result<Vec<SftExample>> {
+    fn answers(&self, model: &CausalLm, examples: &[&SftExample]) -> Result<Vec<Answer>> {
         if examples.is_empty() {
             return Ok(Vec::new());
         }
@@ -480,11 +576,14 @@ impl DistillObjective {
                 let mut trained = vec![false; ids.len()];
                 ids.extend(&out.token_ids);
                 trained.resize(ids.len(), true);
-                SftExample {
-                    ids,
-                    trained,
-                    starts: Vec::new(),
-                    end: Vec::new(),
+                Answer {
+                    example: SftExample {
+                        ids,
+                        trained,
+                        starts: Vec::new(),
+                        end: Vec::new(),
+                    },
+                    behaviour: out.token_logprobs,
                 }
             })
             .collect())
@@ -505,7 +604,11 @@ impl Objective<CausalLm> for DistillObjective {
         let answers = self
             .answers(model, &batch[..own])
             .map_err(|e| CoreError::Invalid(format!("the student's answers: {e}")))?;
-        let rows: Vec<&SftExample> = answers.iter().chain(batch[own..].iter().copied()).collect();
+        let rows: Vec<&SftExample> = answers
+            .iter()
+            .map(|a| &a.example)
+            .chain(batch[own..].iter().copied())
+            .collect();
         let cached = self
             .top_k
             .as_ref()
@@ -561,15 +664,47 @@ impl Objective<CausalLm> for DistillObjective {
                 let teacher = l
                     .per_position(self, |c| vec![c.token_logprobs(c.target.clone())])
                     .remove(0);
-                // Each token's reward is −(log π_S − log π_T): the policy gradient of this
-                // loss is the reverse KL's.
-                let log_ratio = student.clone().detach() - teacher;
-                let loss = l.mean(log_ratio.clone() * student);
-                (loss, vec![("reverse_kl".to_string(), scalar(l.mean(log_ratio)))])
+                // The engine's log-probs of its own tokens are the behaviour policy: each
+                // token's reward −(log π_old − log π_T) and the clipped ratio π / π_old are
+                // GRPO's, so the update is a policy-gradient step on the reverse KL.
+                let [b, positions] = student.dims();
+                let device = student.device();
+                let behaviour: Vec<&[f32]> = answers.iter().map(|a| a.behaviour.as_slice()).collect();
+                let teacher_rows = answer_columns(teacher, &rows);
+                let advantages: Vec<Vec<f32>> = behaviour
+                    .iter()
+                    .zip(&teacher_rows)
+                    .map(|(old, teacher)| reverse_kl_advantages(old, teacher, section.gamma))
+                    .collect();
+                let old = placed(&behaviour, &rows, [b, positions], &device);
+                let trainer_rows = answer_columns(student.clone().detach(), &rows);
+                let out = policy_loss(
+                    student,
+                    old,
+                    placed(&advantages, &rows, [b, positions], &device),
+                    &l.mask,
+                    &section.policy_loss(),
+                );
+                let mismatch = logprob_mismatch(&behaviour, &trainer_rows);
+                let reverse_kl: f64 = behaviour
+                    .iter()
+                    .zip(&teacher_rows)
+                    .flat_map(|(o, t)| o.iter().zip(t.iter()).map(|(o, t)| (o - t) as f64))
+                    .sum::<f64>()
+                    / l.n.max(1) as f64;
+                (
+                    out.loss,
+                    vec![
+                        ("reverse_kl".to_string(), reverse_kl),
+                        ("clip_fraction".into(), out.clip_fraction),
+                        ("logprob_mismatch".into(), mismatch.mean),
+                        ("logprob_mismatch_max".into(), mismatch.max),
+                    ],
+                )
             }
         };
         if own > 0 {
-            let tokens: usize = answers.iter().map(SftExample::n_trained).sum();
+            let tokens: usize = answers.iter().map(|a| a.example.n_trained()).sum();
             metrics.push(("own_answer_tokens".into(), tokens as f64 / own as f64));
         }
         Ok(StepOutput {
@@ -711,6 +846,26 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
              scores the sampled tokens themselves: leave it at 1 (distill.sample_temperature sets the \
              sampling's)",
             section.temperature
+        )));
+    }
+    check_values(&[
+        ("distill.clip_eps", section.clip_eps, Range::Positive),
+        ("distill.gamma", section.gamma, Range::Fraction),
+    ])?;
+    if let Some(high) = section.clip_eps_high {
+        check_values(&[("distill.clip_eps_high", high, Range::Positive)])?;
+    }
+    let unset = DistillSection::default();
+    let policy_keys_set = section.clip_eps != unset.clip_eps
+        || section.clip_eps_high.is_some()
+        || section.importance_ratio != unset.importance_ratio
+        || section.loss_agg != unset.loss_agg
+        || section.gamma != unset.gamma;
+    if section.mode != DistillMode::OnPolicy && policy_keys_set {
+        return Err(DistillError::Invalid(format!(
+            "distill.clip_eps, clip_eps_high, importance_ratio, loss_agg and gamma shape the policy \
+             gradient of distill.mode = \"on_policy\"; distill.mode = {mode} learns the teacher's whole \
+             distributions: leave them unset"
         )));
     }
     config.train.check()?;
@@ -926,6 +1081,83 @@ mod tests {
         // Zero for one distribution, whatever β.
         let same = generalized_jsd(logits(&teacher, 4), logits(&teacher, 4), 0.5, 1.0).into_scalar::<f32>();
         assert!(same.abs() < 1e-6, "{same}");
+    }
+
+    /// `A_t = Σ_{k≥t} γ^(k−t) (log π_T − log π_old)` by hand at γ = 0, ½ and 1.
+    #[test]
+    fn reverse_kl_advantages_by_hand() {
+        let old = [-1.0f32, -2.0, -0.5];
+        let teacher = [-1.5f32, -1.0, -0.5];
+        // Rewards −0.5, 1.0, 0.0.
+        assert_eq!(reverse_kl_advantages(&old, &teacher, 0.0), vec![-0.5, 1.0, 0.0]);
+        assert_eq!(reverse_kl_advantages(&old, &teacher, 0.5), vec![0.0, 1.0, 0.0]);
+        assert_eq!(reverse_kl_advantages(&old, &teacher, 1.0), vec![0.5, 1.0, 0.0]);
+        assert!(reverse_kl_advantages(&[], &[], 1.0).is_empty());
+    }
+
+    /// On-policy, GRPO's clipped loss with the reverse-KL advantages (γ = 0, token mean) has
+    /// the gradient of the reverse KL's REINFORCE estimator `mean((log π_S − log π_T) · log
+    /// π_S)`: at ratio 1 nothing is clipped and `∇ = −mean(A_t ∇ log π_S(y_t))`.
+    #[test]
+    fn on_policy_loss_is_the_reverse_kl_policy_gradient() {
+        let device = Device::flex().autodiff();
+        let student_logits = [0.3f32, -0.2, 0.9, 0.0, 1.2, -1.0, 0.4, 0.1, -0.3, 0.8, 0.2, -0.6];
+        let teacher =
+            Tensor::<2>::from_data(TensorData::new(vec![-1.2f32, -0.4, -2.0, -0.9], [2, 2]), &device);
+        let targets = Tensor::<2, Int>::from_data(TensorData::new(vec![2i64, 0, 1, 2], [2, 2]), &device);
+        let mask = Tensor::<2>::from_data(TensorData::new(vec![1.0f32, 1.0, 1.0, 0.0], [2, 2]), &device);
+        let grad_of = |grpo: bool| {
+            let logits = Tensor::<3>::from_data(TensorData::new(student_logits.to_vec(), [2, 2, 3]), &device)
+                .require_grad();
+            let lp = token_logprobs(logits.clone(), targets.clone());
+            let loss = if grpo {
+                let old = lp.clone().detach();
+                let advantages = (teacher.clone() - old.clone()) * mask.clone();
+                let options = DistillSection::default().policy_loss();
+                policy_loss(lp, old, advantages, &mask, &options).loss
+            } else {
+                ((lp.clone().detach() - teacher.clone()) * lp * mask.clone())
+                    .sum()
+                    .div_scalar(3.0)
+            };
+            let grads = loss.backward();
+            logits
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        let (grpo, reinforce) = (grad_of(true), grad_of(false));
+        assert!(grpo.iter().any(|g| g.abs() > 1e-3), "{grpo:?}");
+        for (a, b) in grpo.iter().zip(&reinforce) {
+            assert!((a - b).abs() < 1e-6, "{grpo:?} against {reinforce:?}");
+        }
+    }
+
+    /// The answer tokens' columns of a `[batch, width − 1]` tensor and back.
+    #[test]
+    fn answer_columns_and_placed_invert_each_other() {
+        let example = |ids: Vec<u32>, first: usize| SftExample {
+            trained: (0..ids.len()).map(|t| t >= first).collect(),
+            ids,
+            starts: Vec::new(),
+            end: Vec::new(),
+        };
+        let (a, b) = (example(vec![1, 5, 6, 7], 2), example(vec![1, 2, 3], 1));
+        let rows = [&a, &b];
+        let device = Device::flex();
+        let x = Tensor::<2>::from_data(
+            TensorData::new(vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 3]),
+            &device,
+        );
+        let columns = answer_columns(x, &rows);
+        assert_eq!(columns, vec![vec![1.0, 2.0], vec![3.0, 4.0]]);
+        let back = placed(&columns, &rows, [2, 3], &device)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        assert_eq!(back, vec![0.0, 1.0, 2.0, 3.0, 4.0, 0.0]);
     }
 
     /// The gradient of the KL with respect to the student's logits is `(q − p) / τ` per

@@ -7,6 +7,11 @@
 //! so a variant crate (like `aligner-simpo`) compiles no model, engine or trainer;
 //! `aligner-dpo` trains with whatever the registry holds and re-exports all of this.
 //!
+//! [`policy`] holds the policy-gradient side: PPO's clipped objective with the GRPO family's
+//! variations (decoupled clip ranges, sequence-level ratios, the loss aggregations), the clipped
+//! value loss and the entropy, on `[batch, tokens]` log-probs. `aligner-ppo` trains with them and
+//! `aligner-distill`'s on-policy mode minimises the reverse KL to its teacher through them.
+//!
 //! Every loss sees a [`PreferenceBatch`]: the policy's and the reference's summed response
 //! log-probs for the chosen and rejected sides, the response lengths (so length-normalised
 //! losses can average), and optional ground-truth rewards (reward-aware losses).
@@ -96,6 +101,7 @@
 //! Then `dpo.loss = "margin_dpo"` with `dpo.params.margin = 1.0` trains with it.
 
 mod losses;
+pub mod policy;
 mod registry;
 
 pub use losses::{
