@@ -29,6 +29,7 @@
 //! ```
 
 mod engine;
+pub mod env;
 mod error;
 pub mod frontier;
 mod options;

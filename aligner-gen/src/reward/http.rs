@@ -112,7 +112,7 @@ impl Reward for HttpReward {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::reward::tests::inputs;
     use serde_json::Map;
@@ -121,7 +121,7 @@ mod tests {
 
     /// A one-thread HTTP server on loopback answering each request with the next of `replies`
     /// (status, body), and handing the request bodies back through the join handle.
-    fn serve(replies: Vec<(u16, String)>) -> (String, std::thread::JoinHandle<Vec<String>>) {
+    pub(crate) fn serve(replies: Vec<(u16, String)>) -> (String, std::thread::JoinHandle<Vec<String>>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/score", listener.local_addr().unwrap());
         let handle = std::thread::spawn(move || {

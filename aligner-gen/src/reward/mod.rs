@@ -18,7 +18,7 @@
 //! its place.
 
 mod command;
-mod http;
+pub(crate) mod http;
 mod rules;
 mod spec;
 

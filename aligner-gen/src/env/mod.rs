@@ -1,0 +1,533 @@
+//! Multi-turn episodes: the model acts, an [`Environment`] answers, the model goes on.
+//!
+//! An episode starts from a prompt row. Each turn the model's answer (sampled by whatever
+//! `generate` the caller hands in: an engine, a worker pool, the data-parallel ranks') is given
+//! to the environment, which replies with an observation, an optional reward for the turn and
+//! whether the episode is over. The observation's text is tokenized once and appended to the
+//! episode's tokens: the episode is one growing token sequence, so the tokens the model
+//! produced are exactly the tokens trained on and earlier turns are never re-tokenized. Each
+//! next turn is sampled from the whole sequence so far.
+//!
+//! Environments: [`CommandEnvironment`] (a persistent subprocess speaking JSON Lines, one
+//! episode id per line, many episodes in flight), [`HttpEnvironment`] (a JSON endpoint) and
+//! [`ToolEnvironment`] (the model's turn is parsed for a tool call, the tool, a subprocess or
+//! an endpoint, runs with a timeout and its output is the observation). A crash, a hang, a
+//! garbage reply or an unknown tool ends that episode with its reason ([`Episode::error`]),
+//! never the run.
+
+mod command;
+mod http;
+mod tools;
+
+use aligner_core::TextTokenizer;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::{Generation, GenerationRequest, Result, SamplingParams, StopReason};
+
+pub use command::CommandEnvironment;
+pub use http::HttpEnvironment;
+pub use tools::{ToolCallFormat, ToolEnvironment, ToolSpec, parse_tool_call};
+
+/// One model turn handed to an environment.
+#[derive(Debug, Clone, Serialize)]
+pub struct Turn<'a> {
+    /// The episode's id: unique within a run, the same on every turn of one episode.
+    pub episode: u64,
+    /// 0 for the model's first answer to the prompt.
+    pub turn: usize,
+    /// The prompt as the model saw it.
+    pub prompt: &'a str,
+    /// The model's answer this turn (its tokens decoded, EOS left out).
+    pub response: &'a str,
+    /// The prompt row's other fields.
+    pub metadata: &'a Map<String, Value>,
+}
+
+/// An environment's answer to one turn.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Reply {
+    /// Text appended to the episode after the model's turn (none: nothing to add).
+    #[serde(default)]
+    pub observation: Option<String>,
+    /// This turn's reward (added to the episode's).
+    #[serde(default)]
+    pub reward: Option<f64>,
+    /// The episode is over.
+    #[serde(default)]
+    pub done: bool,
+    /// Tool calls made this turn (a tool environment counts them).
+    #[serde(default)]
+    pub tool_calls: usize,
+}
+
+/// What ended an episode early: the reason, and whether a tool (rather than the environment
+/// itself) failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnError {
+    pub reason: String,
+    pub tool: bool,
+}
+
+impl TurnError {
+    pub fn env(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            tool: false,
+        }
+    }
+
+    pub fn tool(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            tool: true,
+        }
+    }
+}
+
+/// The outcome of one turn: the reply, or why the episode ends here.
+pub type TurnResult = std::result::Result<Reply, TurnError>;
+
+/// An environment the model acts in.
+pub trait Environment: Send + Sync {
+    /// Its name in metrics and errors.
+    fn name(&self) -> &str;
+
+    /// Answers `turns` (of different episodes), in order. An `Err` ends only its episode.
+    fn step(&self, turns: &[Turn<'_>]) -> Vec<TurnResult>;
+}
+
+/// How far an episode may run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EpisodeLimits {
+    /// Model turns at most.
+    pub max_turns: usize,
+    /// Tokens after the prompt (the model's and the observations') at most.
+    pub max_tokens: usize,
+    /// New tokens per model turn at most.
+    pub turn_max_new_tokens: usize,
+}
+
+/// Where an episode starts: the prompt row and how its turns are sampled (`params.seed` is
+/// the first turn's; later turns draw their own).
+#[derive(Debug, Clone)]
+pub struct EpisodeStart<'a> {
+    pub prompt_ids: &'a [u32],
+    pub prompt: &'a str,
+    pub metadata: &'a Map<String, Value>,
+    pub params: SamplingParams,
+}
+
+/// A finished episode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Episode {
+    /// Everything after the prompt, the model's tokens and the observations' interleaved;
+    /// `token_logprobs` is 0 on observation tokens; `stop_reason` the last model turn's.
+    pub generation: Generation,
+    /// `true` on observation tokens (not the model's: masked from every loss).
+    pub observed: Vec<bool>,
+    /// Model turns taken.
+    pub turns: usize,
+    /// Each turn's reward (0 where the environment gave none).
+    pub turn_rewards: Vec<f64>,
+    pub tool_calls: usize,
+    /// Why the episode ended early, when a turn failed.
+    pub error: Option<TurnError>,
+}
+
+impl Episode {
+    /// The sum of the turns' rewards.
+    pub fn reward(&self) -> f64 {
+        self.turn_rewards.iter().sum()
+    }
+
+    /// Observation tokens in the episode.
+    pub fn observation_tokens(&self) -> usize {
+        self.observed.iter().filter(|&&o| o).count()
+    }
+
+    /// The model's own tokens (`!observed`), the model turns' text joined.
+    pub fn model_token_ids(&self) -> Vec<u32> {
+        self.generation
+            .token_ids
+            .iter()
+            .zip(&self.observed)
+            .filter(|(_, o)| !**o)
+            .map(|(t, _)| *t)
+            .collect()
+    }
+}
+
+/// Episodes run in lock step: every episode still going samples its next turn in one batch
+/// (`generate`, in request order), then `step` answers every turn (the caller decides where
+/// the environment runs: data-parallel ranks share rank 0's replies). `first_id` numbers the
+/// episodes (`first_id + i`).
+pub fn run_episodes(
+    starts: &[EpisodeStart<'_>],
+    first_id: u64,
+    limits: &EpisodeLimits,
+    tokenizer: &TextTokenizer,
+    generate: &mut dyn FnMut(&[GenerationRequest]) -> Result<Vec<Generation>>,
+    step: &mut dyn FnMut(&[Turn<'_>]) -> Result<Vec<TurnResult>>,
+) -> Result<Vec<Episode>> {
+    let mut episodes: Vec<Episode> = starts
+        .iter()
+        .map(|_| Episode {
+            generation: Generation {
+                token_ids: Vec::new(),
+                token_logprobs: Vec::new(),
+                stop_reason: StopReason::MaxTokens,
+            },
+            observed: Vec::new(),
+            turns: 0,
+            turn_rewards: Vec::new(),
+            tool_calls: 0,
+            error: None,
+        })
+        .collect();
+    let mut going: Vec<usize> = (0..starts.len()).collect();
+    for turn in 0..limits.max_turns.max(1) {
+        going.retain(|&i| episodes[i].generation.token_ids.len() < limits.max_tokens);
+        if going.is_empty() {
+            break;
+        }
+        let requests: Vec<GenerationRequest> = going
+            .iter()
+            .map(|&i| {
+                let (start, episode) = (&starts[i], &episodes[i]);
+                let left = limits.max_tokens - episode.generation.token_ids.len();
+                let mut prompt_ids = start.prompt_ids.to_vec();
+                prompt_ids.extend(&episode.generation.token_ids);
+                GenerationRequest::new(
+                    prompt_ids,
+                    SamplingParams {
+                        max_new_tokens: limits.turn_max_new_tokens.min(left),
+                        // Each turn its own random stream.
+                        seed: start
+                            .params
+                            .seed
+                            .wrapping_add((turn as u64).wrapping_mul(0x9e37_79b9)),
+                        ..start.params.clone()
+                    },
+                )
+            })
+            .collect();
+        let outputs = generate(&requests)?;
+        let mut texts = Vec::with_capacity(going.len());
+        for (&i, out) in going.iter().zip(&outputs) {
+            let episode = &mut episodes[i];
+            let context: Vec<u32> = starts[i]
+                .prompt_ids
+                .iter()
+                .chain(&episode.generation.token_ids)
+                .copied()
+                .collect();
+            texts.push(tokenizer.decode_continuation(&context, &out.token_ids)?);
+            episode.generation.token_ids.extend(&out.token_ids);
+            episode.generation.token_logprobs.extend(&out.token_logprobs);
+            episode.observed.resize(episode.generation.token_ids.len(), false);
+            episode.generation.stop_reason = out.stop_reason;
+            episode.turns += 1;
+        }
+        let turns: Vec<Turn<'_>> = going
+            .iter()
+            .zip(&texts)
+            .map(|(&i, text)| Turn {
+                episode: first_id.wrapping_add(i as u64),
+                turn,
+                prompt: starts[i].prompt,
+                response: text,
+                metadata: starts[i].metadata,
+            })
+            .collect();
+        let replies = step(&turns)?;
+        let mut next = Vec::with_capacity(going.len());
+        for ((&i, reply), out) in going.iter().zip(replies).zip(&outputs) {
+            let episode = &mut episodes[i];
+            match reply {
+                Err(error) => {
+                    episode.turn_rewards.push(0.0);
+                    if error.tool {
+                        episode.tool_calls += 1;
+                    }
+                    episode.error = Some(error);
+                }
+                Ok(reply) => {
+                    episode.turn_rewards.push(reply.reward.unwrap_or(0.0));
+                    episode.tool_calls += reply.tool_calls;
+                    let observation = match reply.observation.as_deref() {
+                        Some(text) if !text.is_empty() => tokenizer.encode(text, false)?,
+                        _ => Vec::new(),
+                    };
+                    let room = limits
+                        .max_tokens
+                        .saturating_sub(episode.generation.token_ids.len());
+                    let observation = &observation[..observation.len().min(room)];
+                    episode.generation.token_ids.extend(observation);
+                    episode
+                        .generation
+                        .token_logprobs
+                        .extend(std::iter::repeat_n(0.0, observation.len()));
+                    episode.observed.resize(episode.generation.token_ids.len(), true);
+                    if !reply.done && out.stop_reason != StopReason::ContextFull {
+                        next.push(i);
+                    }
+                }
+            }
+        }
+        going = next;
+    }
+    Ok(episodes)
+}
+
+/// What a batch of episodes did, for a step's metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EpisodeStats {
+    pub turns: f64,
+    pub tool_calls: f64,
+    pub tool_errors: f64,
+    /// Episodes ended by a failing environment (not a tool).
+    pub env_errors: f64,
+    pub observation_tokens: f64,
+    /// The environment's reward per model turn.
+    pub reward_per_turn: f64,
+    /// The first error's reason, if any.
+    pub first_error: Option<String>,
+}
+
+impl EpisodeStats {
+    /// Means per episode (totals for the errors).
+    pub fn of(episodes: &[Episode]) -> Self {
+        let n = episodes.len().max(1) as f64;
+        let turns: usize = episodes.iter().map(|e| e.turns).sum();
+        Self {
+            turns: turns as f64 / n,
+            tool_calls: episodes.iter().map(|e| e.tool_calls).sum::<usize>() as f64 / n,
+            tool_errors: episodes
+                .iter()
+                .filter(|e| e.error.as_ref().is_some_and(|e| e.tool))
+                .count() as f64,
+            env_errors: episodes
+                .iter()
+                .filter(|e| e.error.as_ref().is_some_and(|e| !e.tool))
+                .count() as f64,
+            observation_tokens: episodes.iter().map(Episode::observation_tokens).sum::<usize>() as f64 / n,
+            reward_per_turn: episodes.iter().map(Episode::reward).sum::<f64>() / turns.max(1) as f64,
+            first_error: episodes
+                .iter()
+                .find_map(|e| e.error.as_ref().map(|e| e.reason.clone())),
+        }
+    }
+}
+
+/// `{"episode", "turn", "prompt", "response", "metadata"}`: what an external environment
+/// receives for one turn.
+pub(crate) fn turn_json(turn: &Turn<'_>) -> Value {
+    serde_json::to_value(turn).unwrap_or(Value::Null)
+}
+
+/// A reply object (`{"observation", "reward", "done"}` or `{"error": "..."}`) as a result.
+pub(crate) fn parse_reply(value: &Value) -> TurnResult {
+    let shown = |v: &Value| crate::reward::shown(&v.to_string(), 200);
+    let Value::Object(fields) = value else {
+        return Err(TurnError::env(format!(
+            "the reply {} is not a JSON object",
+            shown(value)
+        )));
+    };
+    if let Some(error) = fields.get("error") {
+        let reason = error.as_str().map_or_else(|| error.to_string(), str::to_string);
+        return Err(TurnError::env(format!("the environment says: {reason}")));
+    }
+    for key in fields.keys() {
+        if !["episode", "observation", "reward", "done", "tool_calls"].contains(&key.as_str()) {
+            return Err(TurnError::env(format!(
+                "the reply {} has an unknown key `{key}` (expected observation, reward, done)",
+                shown(value)
+            )));
+        }
+    }
+    let mut reply: Reply = serde_json::from_value(value.clone()).map_err(|e| {
+        TurnError::env(format!(
+            "the reply {} is not {{\"observation\": text, \"reward\": number, \"done\": bool}}: {e}",
+            shown(value)
+        ))
+    })?;
+    if reply.reward.is_some_and(|r| !r.is_finite()) {
+        return Err(TurnError::env(format!(
+            "the reply {} has a non-finite reward",
+            shown(value)
+        )));
+    }
+    reply.tool_calls = 0;
+    Ok(reply)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The shipped model's tokenizer.
+    pub(crate) fn tokenizer() -> TextTokenizer {
+        let dir = aligner_core::default_model_dir().expect("the shipped model unpacks");
+        TextTokenizer::from_dir(&dir).expect("the shipped tokenizer loads")
+    }
+
+    /// A fake model: each turn answers "a" then ends (EOS), logprob −1 per token.
+    fn generate(requests: &[GenerationRequest], tokenizer: &TextTokenizer) -> Vec<Generation> {
+        requests
+            .iter()
+            .map(|r| {
+                let mut ids = tokenizer.encode(" yes", false).unwrap();
+                ids.truncate(r.params.max_new_tokens);
+                Generation {
+                    token_logprobs: vec![-1.0; ids.len()],
+                    token_ids: ids,
+                    stop_reason: StopReason::Eos,
+                }
+            })
+            .collect()
+    }
+
+    /// Replies "ok" with reward 1 until the third turn; episode 1 fails on its second turn.
+    struct Echo;
+
+    impl Environment for Echo {
+        fn name(&self) -> &str {
+            "echo"
+        }
+
+        fn step(&self, turns: &[Turn<'_>]) -> Vec<TurnResult> {
+            turns
+                .iter()
+                .map(|t| {
+                    if t.episode == 11 && t.turn == 1 {
+                        return Err(TurnError::env("broken"));
+                    }
+                    Ok(Reply {
+                        observation: Some(" ok.".into()),
+                        reward: Some(1.0),
+                        done: t.turn == 2,
+                        tool_calls: 0,
+                    })
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn episodes_grow_turn_by_turn_with_observations_masked() {
+        let tok = tokenizer();
+        let prompt = tok.encode("Once upon a time", true).unwrap();
+        let metadata = Map::new();
+        let start = EpisodeStart {
+            prompt_ids: &prompt,
+            prompt: "Once upon a time",
+            metadata: &metadata,
+            params: SamplingParams::default(),
+        };
+        let limits = EpisodeLimits {
+            max_turns: 5,
+            max_tokens: 100,
+            turn_max_new_tokens: 8,
+        };
+        let (yes, ok) = (
+            tok.encode(" yes", false).unwrap(),
+            tok.encode(" ok.", false).unwrap(),
+        );
+        let mut calls = 0;
+        let episodes = run_episodes(
+            &[start.clone(), start],
+            10,
+            &limits,
+            &tok,
+            &mut |r| {
+                calls += 1;
+                // Every turn's prompt is the prompt and the episode so far, token for token.
+                for request in r {
+                    assert_eq!(&request.prompt_ids[..prompt.len()], &prompt[..]);
+                }
+                Ok(generate(r, &tok))
+            },
+            &mut |turns| {
+                // The environment reads the model's turn alone, decoded.
+                assert!(turns.iter().all(|t| t.response.trim() == "yes"));
+                Ok(Echo.step(turns))
+            },
+        )
+        .unwrap();
+        assert_eq!(calls, 3);
+        let e = &episodes[0];
+        assert_eq!(e.turns, 3);
+        assert_eq!(e.turn_rewards, vec![1.0; 3]);
+        let mut want: Vec<u32> = Vec::new();
+        let mut observed = Vec::new();
+        for _ in 0..3 {
+            want.extend(&yes);
+            observed.extend(std::iter::repeat_n(false, yes.len()));
+            want.extend(&ok);
+            observed.extend(std::iter::repeat_n(true, ok.len()));
+        }
+        assert_eq!(e.generation.token_ids, want);
+        assert_eq!(e.observed, observed);
+        assert_eq!(e.model_token_ids().len(), 3 * yes.len());
+        assert!(
+            e.generation
+                .token_logprobs
+                .iter()
+                .zip(&e.observed)
+                .all(|(&lp, &o)| (lp == 0.0) == o)
+        );
+        // The second episode ended at its failing turn, the others untouched.
+        let broken = &episodes[1];
+        assert_eq!(broken.turns, 2);
+        assert_eq!(broken.error, Some(TurnError::env("broken")));
+        let stats = EpisodeStats::of(&episodes);
+        assert_eq!(stats.env_errors, 1.0);
+        assert_eq!(stats.turns, 2.5);
+        assert!((stats.reward_per_turn - 4.0 / 5.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_token_budget_ends_an_episode() {
+        let tok = tokenizer();
+        let prompt = tok.encode("Once", true).unwrap();
+        let metadata = Map::new();
+        let start = EpisodeStart {
+            prompt_ids: &prompt,
+            prompt: "Once",
+            metadata: &metadata,
+            params: SamplingParams::default(),
+        };
+        let yes = tok.encode(" yes", false).unwrap().len();
+        let ok = tok.encode(" ok.", false).unwrap().len();
+        let limits = EpisodeLimits {
+            max_turns: 10,
+            max_tokens: yes + ok + 1,
+            turn_max_new_tokens: 8,
+        };
+        let episodes = run_episodes(
+            &[start],
+            0,
+            &limits,
+            &tok,
+            &mut |r| Ok(generate(r, &tok)),
+            &mut |turns| Ok(Echo.step(turns)),
+        )
+        .unwrap();
+        assert_eq!(episodes[0].turns, 2);
+        assert_eq!(episodes[0].generation.token_ids.len(), limits.max_tokens);
+    }
+
+    #[test]
+    fn replies_parse_or_say_what_is_wrong() {
+        let ok = parse_reply(&serde_json::json!({"episode": 3, "observation": "x", "reward": 0.5})).unwrap();
+        assert_eq!(ok.observation.as_deref(), Some("x"));
+        assert!(!ok.done);
+        let err = |v: Value| parse_reply(&v).unwrap_err().reason;
+        assert!(err(serde_json::json!([1])).contains("not a JSON object"));
+        assert!(err(serde_json::json!({"observaton": "x"})).contains("unknown key `observaton`"));
+        assert!(err(serde_json::json!({"reward": "high"})).contains("not {"));
+        assert!(err(serde_json::json!({"error": "no such room"})).contains("no such room"));
+    }
+}
