@@ -61,6 +61,31 @@ pub fn gae(rewards: &[f32], values: &[f32], gamma: f32, lam: f32) -> (Vec<f32>, 
     (advantages, returns)
 }
 
+/// `gae` (per-token rewards from the KL and values in, advantages and returns out) over the
+/// model's own tokens of a multi-turn episode: the environment's tokens (`observed`) are
+/// skipped, so each model token's next state is the next model token's, and their entries
+/// are 0 (masked from the losses).
+pub fn gae_over_own_tokens(
+    observed: &[bool],
+    gae: impl Fn(&[f32], &[f32]) -> (Vec<f32>, Vec<f32>),
+    kl: &[f32],
+    values: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let own: Vec<usize> = (0..kl.len())
+        .filter(|&j| !observed.get(j).copied().unwrap_or(false))
+        .collect();
+    let pick = |x: &[f32]| own.iter().map(|&j| x[j]).collect::<Vec<f32>>();
+    let (advantages, returns) = gae(&pick(kl), &pick(values));
+    let place = |x: Vec<f32>| {
+        let mut out = vec![0.0; kl.len()];
+        for (&j, value) in own.iter().zip(x) {
+            out[j] = value;
+        }
+        out
+    };
+    (place(advantages), place(returns))
+}
+
 /// Shifts and scales every value of `rows` (all tokens of all responses together) to mean 0
 /// and standard deviation 1, as PPO whitens advantages over a rollout batch.
 pub fn whiten(rows: &mut [Vec<f32>]) {
@@ -239,6 +264,22 @@ mod tests {
     #[test]
     fn rewards_put_the_score_on_the_last_token() {
         close(&token_rewards(2.0, &[0.5, -1.0, 0.0], 0.1), &[-0.05, 0.1, 2.0]);
+    }
+
+    /// With observations between the model's tokens, GAE runs over the model's tokens as if
+    /// the observations were not there, and leaves them at 0.
+    #[test]
+    fn gae_skips_observation_tokens() {
+        let kl = [0.1f32, 9.0, 9.0, 0.2, 0.3];
+        let values = [0.5f32, 7.0, 7.0, 0.4, 0.2];
+        let observed = [false, true, true, false, false];
+        let run = |kl: &[f32], v: &[f32]| gae(&token_rewards(1.0, kl, 0.1), v, 0.9, 0.8);
+        let (adv, ret) = gae_over_own_tokens(&observed, run, &kl, &values);
+        let (want_adv, want_ret) = run(&[0.1, 0.2, 0.3], &[0.5, 0.4, 0.2]);
+        assert_eq!(adv, vec![want_adv[0], 0.0, 0.0, want_adv[1], want_adv[2]]);
+        assert_eq!(ret, vec![want_ret[0], 0.0, 0.0, want_ret[1], want_ret[2]]);
+        // Without observations it is GAE itself.
+        assert_eq!(gae_over_own_tokens(&[], run, &kl, &values), run(&kl, &values));
     }
 
     #[test]

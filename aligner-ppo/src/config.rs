@@ -285,6 +285,14 @@ pub struct PpoConfig {
     pub reward: aligner_gen::RewardSpecs,
     /// The reward–KL figures of the actor's own samples, at every validation.
     pub frontier: aligner_gen::FrontierSection,
+    /// Multi-turn episodes in an environment (a program, an endpoint or tools); off unless
+    /// set. With it and no `[reward]`, the environment's rewards are the only ones.
+    #[serde(skip_serializing_if = "environment_is_off")]
+    pub environment: aligner_gen::env::EnvironmentSection,
+}
+
+fn environment_is_off(section: &aligner_gen::env::EnvironmentSection) -> bool {
+    !section.enabled()
 }
 
 impl Default for PpoConfig {
@@ -297,6 +305,7 @@ impl Default for PpoConfig {
             ppo: PpoSection::default(),
             reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            environment: aligner_gen::env::EnvironmentSection::default(),
         }
     }
 }

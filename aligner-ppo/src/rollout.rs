@@ -11,11 +11,16 @@ use aligner_gen::{Generation, GenerationRequest};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-/// One prompt and the response sampled for it.
+/// One prompt and the response sampled for it (for a multi-turn episode, everything after
+/// the prompt: the model's turns and the environment's observations).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sequence {
     pub prompt_ids: Vec<u32>,
     pub response_ids: Vec<u32>,
+    /// `true` on the response tokens the environment wrote (masked from every loss and from
+    /// the KL); empty when every response token is the model's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub observed: Vec<bool>,
 }
 
 impl Sequence {
@@ -27,8 +32,14 @@ impl Sequence {
             .map(|(r, g)| Self {
                 prompt_ids: r.prompt_ids.clone(),
                 response_ids: g.token_ids.clone(),
+                observed: Vec::new(),
             })
             .collect()
+    }
+
+    /// Whether response token `j` is the environment's.
+    pub fn is_observed(&self, j: usize) -> bool {
+        self.observed.get(j).copied().unwrap_or(false)
     }
 }
 
@@ -37,7 +48,7 @@ pub struct Layout {
     pub tokens: Tensor<2, Int>,
     pub positions: Tensor<2, Int>,
     pub mask: Tensor<4, Bool>,
-    /// `[batch, T]`: 1 on real response tokens.
+    /// `[batch, T]`: 1 on the model's own response tokens (not padding, not observations).
     pub response_mask: Tensor<2>,
     /// `P`, the prompt width.
     pub prompt_width: usize,
@@ -72,7 +83,8 @@ impl Layout {
             ));
             row.extend(std::iter::repeat_n(false, tail));
             valid.push(row);
-            response_mask.extend((0..t).map(|j| (j < s.response_ids.len()) as u8 as f32));
+            response_mask
+                .extend((0..t).map(|j| (j < s.response_ids.len() && !s.is_observed(j)) as u8 as f32));
         }
         let (positions, mask) = left_padded_layout(&valid, width, device);
         Self {
@@ -111,5 +123,30 @@ impl Layout {
             flat[i * t..i * t + row.len()].copy_from_slice(row);
         }
         Tensor::from_data(TensorData::new(flat, [rows.len(), t]), device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The response mask covers the model's own tokens: not the padding, not the environment's.
+    #[test]
+    fn observations_are_outside_the_response_mask() {
+        let seqs = [
+            Sequence {
+                prompt_ids: vec![1, 5],
+                response_ids: vec![7, 8, 9, 10],
+                observed: vec![false, true, true, false],
+            },
+            Sequence {
+                prompt_ids: vec![1],
+                response_ids: vec![4, 2],
+                observed: Vec::new(),
+            },
+        ];
+        let layout = Layout::new(&seqs, &Device::flex());
+        let mask = layout.response_mask.into_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(mask, vec![1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]);
     }
 }

@@ -21,12 +21,13 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::advantages::{
-    Advantage, gae, group_advantages, kl_per_token, missing_signal, reinforce_pp, token_rewards, whiten,
+    Advantage, gae, gae_over_own_tokens, group_advantages, kl_per_token, missing_signal, reinforce_pp,
+    token_rewards, whiten,
 };
 use crate::config::{NonEos, PpoConfig};
 use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest};
 use crate::error::{PpoError, Result};
-use crate::losses::{LossAgg, entropy, masked_token_mean, policy_loss};
+use crate::losses::{LogprobMismatch, LossAgg, entropy, logprob_mismatch, masked_token_mean, policy_loss};
 use crate::rollout::{Layout, Sequence};
 use crate::sampler::{Rollout, Sampler};
 pub use crate::timing::StepTimes;
@@ -64,6 +65,8 @@ pub struct PpoRunner<'a> {
     /// The reward–KL figures of the actor's samples against the start model, at every
     /// validation (rank 0).
     pub frontier: Option<&'a aligner_gen::Frontier>,
+    /// `[environment]`: episodes of several turns instead of one answer per prompt.
+    pub env: Option<&'a dyn aligner_gen::env::Environment>,
 }
 
 /// What the actor's update reports (means over its mini-batches).
@@ -72,6 +75,9 @@ struct ActorStats {
     approx_kl: f64,
     policy_loss: f64,
     entropy: Option<f64>,
+    /// The engine's log-probs against the actor's before its first update (this rank's
+    /// first mini-batch).
+    mismatch: Option<LogprobMismatch>,
 }
 
 /// One-step-off sampling: the next step's samples, drawn on another thread from the weights
@@ -122,6 +128,7 @@ impl PpoRunner<'_> {
             tokenizer: self.tokenizer,
             train_prompts: self.train_prompts,
             reward: self.reward,
+            env: self.env,
             run: self.run,
         }
     }
@@ -294,18 +301,39 @@ impl PpoRunner<'_> {
             .map(|g| g.stop_reason == StopReason::Eos)
             .collect();
         let old_logprobs: Vec<Vec<f32>> = generations.iter().map(|g| g.token_logprobs.clone()).collect();
+        // The environment's tokens carry no KL: the model did not choose them.
         let kls: Vec<Vec<f32>> = old_logprobs
             .iter()
             .zip(ref_logprobs)
-            .map(|(lp, lr)| kl_per_token(lp, lr, cfg.kl_estimator))
+            .zip(&sequences)
+            .map(|((lp, lr), s)| {
+                let mut kl = kl_per_token(lp, lr, cfg.kl_estimator);
+                for (j, k) in kl.iter_mut().enumerate() {
+                    if s.is_observed(j) {
+                        *k = 0.0;
+                    }
+                }
+                kl
+            })
             .collect();
         let values = critic_out.values;
         let (mut advantages, returns): (Vec<Vec<f32>>, Vec<Vec<f32>>) = match cfg.advantage {
+            // GAE over the model's own tokens: an episode's observations are skipped (the
+            // next model token's value follows the last one's), their entries left at 0.
             Advantage::Gae => scores
                 .iter()
                 .zip(&kls)
                 .zip(&values)
-                .map(|((&s, kl), v)| gae(&token_rewards(s, kl, cfg.kl_coef), v, cfg.gamma, cfg.lam))
+                .zip(&sequences)
+                .map(|(((&s, kl), v), seq)| {
+                    let observed: Vec<bool> = (0..kl.len()).map(|j| seq.is_observed(j)).collect();
+                    gae_over_own_tokens(
+                        &observed,
+                        |kl, v| gae(&token_rewards(s, kl, cfg.kl_coef), v, cfg.gamma, cfg.lam),
+                        kl,
+                        v,
+                    )
+                })
                 .unzip(),
             // Normalised over the batch that trains (after non-EOS exclusion, below).
             Advantage::ReinforcePp => (Vec::new(), values.clone()),
@@ -385,6 +413,7 @@ impl PpoRunner<'_> {
         let tokens =
             |r: Range<usize>| -> usize { scored.sequences[r].iter().map(|s| s.response_ids.len()).sum() };
         let (mut clip, mut kl, mut loss_sum, mut batches) = (0.0, 0.0, 0.0, 0usize);
+        let mut mismatch = None;
         let mut entropy_sum = 0.0;
         for range in mini_batches(n, cfg.mini_batch, cfg.epochs) {
             let shard = shard_range(range.len(), rank, world);
@@ -401,8 +430,12 @@ impl PpoRunner<'_> {
             let mut stats = [0.0f64; 4];
             let mut grads = GradientsParams::new();
             if !mine.is_empty() {
-                let (loss, values) = self.actor_loss(&actor, scored, mine, &device)?;
+                // Before the first update the actor is the policy that sampled: its log-probs
+                // against the engine's are the rollout/trainer mismatch.
+                let measure = batches == 0;
+                let (loss, values, measured) = self.actor_loss(&actor, scored, mine, &device, measure)?;
                 stats = values;
+                mismatch = mismatch.or(measured);
                 let loss = if world > 1 { loss.mul_scalar(share) } else { loss };
                 grads = GradientsParams::from_grads(loss.backward(), &actor);
             }
@@ -431,6 +464,7 @@ impl PpoRunner<'_> {
             approx_kl: kl / b,
             policy_loss: loss_sum / b,
             entropy: (cfg.entropy_coef > 0.0).then_some(entropy_sum / b),
+            mismatch,
         };
         Ok((actor, stats))
     }
@@ -443,7 +477,8 @@ impl PpoRunner<'_> {
         scored: &Scored,
         rows: Range<usize>,
         device: &Device,
-    ) -> Result<(Tensor<1>, [f64; 4])> {
+        measure_mismatch: bool,
+    ) -> Result<(Tensor<1>, [f64; 4], Option<LogprobMismatch>)> {
         let cfg = &self.config.ppo;
         let (start, end) = (rows.start, rows.end);
         let layout = Layout::new(&scored.sequences[start..end], device);
@@ -460,14 +495,25 @@ impl PpoRunner<'_> {
             .narrow(1, 0, width - 1)
             .reshape([rows, width - 1, d]);
         let targets = layout.tokens.clone().narrow(1, 1, width - 1);
-        let lp = actor.token_logprobs_of_hidden(inputs, targets);
-        let mut out = policy_loss(
-            layout.response_columns(lp),
-            old,
-            adv,
-            &layout.response_mask,
-            &cfg.policy_loss(),
-        );
+        let lp = layout.response_columns(actor.token_logprobs_of_hidden(inputs, targets));
+        let mismatch = measure_mismatch.then(|| {
+            // The model's own tokens only: an observation's log-prob is no one's sample.
+            let own = |rows: &[Vec<f32>]| -> Vec<Vec<f32>> {
+                rows.iter()
+                    .zip(&scored.sequences[start..end])
+                    .map(|(row, s)| {
+                        row.iter()
+                            .enumerate()
+                            .filter(|(j, _)| !s.is_observed(*j))
+                            .map(|(_, &v)| v)
+                            .collect()
+                    })
+                    .collect()
+            };
+            let trainer = layout.ragged(lp.clone().detach());
+            logprob_mismatch(&own(&scored.old_logprobs[start..end]), &own(&trainer))
+        });
+        let mut out = policy_loss(lp, old, adv, &layout.response_mask, &cfg.policy_loss());
         let mut entropy_value = 0.0;
         if cfg.entropy_coef > 0.0 {
             let states = hidden.narrow(1, layout.prompt_width - 1, layout.response_width);
@@ -476,7 +522,11 @@ impl PpoRunner<'_> {
             out.loss = out.loss - h.mul_scalar(cfg.entropy_coef);
         }
         let value = out.loss.clone().into_scalar::<f32>() as f64;
-        Ok((out.loss, [value, out.clip_fraction, out.approx_kl, entropy_value]))
+        Ok((
+            out.loss,
+            [value, out.clip_fraction, out.approx_kl, entropy_value],
+            mismatch,
+        ))
     }
 
     /// Mean reward (the weighted sum of the rewards, unshaped) of the policy's samples on the
@@ -494,11 +544,11 @@ impl PpoRunner<'_> {
         pool.refit(actor)?;
         let prompts: Vec<&EncodedPrompt> = self.eval_prompts[..limit].iter().collect();
         let requests = self.sampler().requests(&prompts, 0, 0, true);
-        let (generations, _) = self.sampler().generate(pool, &requests)?;
-        let sequences = Sequence::from_generations(&requests, &generations);
-        let rewards = match self.reward {
-            Some(rewards) => self.sampler().rewards_of(rewards, &prompts, &generations)?.0,
+        let samples = self.sampler().sample(pool, &prompts, &requests, 1 << 60)?;
+        let rewards = match self.sampler().scores_of(&prompts, &samples)? {
+            Some((rewards, _)) => rewards,
             None => {
+                let sequences = samples.sequences(&requests);
                 let reply = critic.map(|c| c.infer(sequences).wait()).transpose()?;
                 self.shared_by_root(reply.map(|r| r.rewards))?
             }
@@ -697,6 +747,10 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         }
         if let Some(h) = stats.entropy {
             out.insert("entropy".into(), h.into());
+        }
+        if let Some(m) = stats.mismatch {
+            out.insert("logprob_mismatch".into(), m.mean.into());
+            out.insert("logprob_mismatch_max".into(), m.max.into());
         }
         if let Some(v) = value_loss {
             out.insert("value_loss".into(), v.into());

@@ -11,8 +11,9 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::{map_balanced, map_sharded};
 use aligner_core::run::RunDir;
 use aligner_core::train::EpochOrder;
+use aligner_gen::env::{Environment, Episode, EpisodeStart, EpisodeStats, run_episodes};
 use aligner_gen::{
-    Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason, WorkerPool,
+    GenError, Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason, WorkerPool,
 };
 use serde_json::{Map, Value};
 
@@ -41,9 +42,33 @@ pub(crate) struct Sampler<'a> {
     pub config: &'a PpoConfig,
     pub tokenizer: &'a TextTokenizer,
     pub train_prompts: &'a [EncodedPrompt],
-    /// The rewards the actor computes itself; `None` when the critic's process scores.
+    /// The rewards the actor computes itself; `None` when the critic's process scores (or,
+    /// with an environment, when its rewards are the only ones).
     pub reward: Option<&'a Rewards>,
+    /// Multi-turn episodes: the environment the model acts in.
+    pub env: Option<&'a dyn Environment>,
     pub run: &'a RunDir,
+}
+
+/// A batch's samples: single-turn generations, or whole episodes (`generations[i]` is then
+/// `episodes[i].generation`).
+pub(crate) struct Samples {
+    pub generations: Vec<Generation>,
+    pub episodes: Option<Vec<Episode>>,
+    pub per_rank: Vec<f64>,
+}
+
+impl Samples {
+    /// Each request's prompt with what was sampled for it, observations marked.
+    pub(crate) fn sequences(&self, requests: &[GenerationRequest]) -> Vec<Sequence> {
+        let mut sequences = Sequence::from_generations(requests, &self.generations);
+        if let Some(episodes) = &self.episodes {
+            for (s, e) in sequences.iter_mut().zip(episodes) {
+                s.observed = e.observed.clone();
+            }
+        }
+        sequences
+    }
 }
 
 impl Sampler<'_> {
@@ -116,29 +141,37 @@ impl Sampler<'_> {
         let mut raw_all: Vec<f32> = Vec::new();
         let mut parts_all: Vec<(String, Vec<f64>)> = Vec::new();
         let mut kept_scores = Vec::new();
+        let mut episodes_all: Vec<Episode> = Vec::new();
         let mut draws_made = 0;
         for draw in 0..draws {
             draws_made += 1;
             let prompts = self.step_prompts(step, draw);
             let requests = self.requests(&prompts, step, draw, false);
-            let (generations, per_rank) = self.generate(pool, &requests)?;
-            if out.per_rank.len() < per_rank.len() {
-                out.per_rank.resize(per_rank.len(), 0.0);
+            let first_episode = ((step as u64) << 24) | ((draw as u64) << 16);
+            let samples = self.sample(pool, &prompts, &requests, first_episode)?;
+            if out.per_rank.len() < samples.per_rank.len() {
+                out.per_rank.resize(samples.per_rank.len(), 0.0);
             }
-            out.per_rank.iter_mut().zip(&per_rank).for_each(|(a, b)| *a += b);
-            let sequences = Sequence::from_generations(&requests, &generations);
-            let Some(rewards) = self.reward else {
-                out.generations = generations;
-                out.sequences = sequences;
-                return Ok(out);
-            };
+            out.per_rank
+                .iter_mut()
+                .zip(&samples.per_rank)
+                .for_each(|(a, b)| *a += b);
+            let sequences = samples.sequences(&requests);
             let t = Instant::now();
             let owners: Vec<&EncodedPrompt> = prompts
                 .iter()
                 .flat_map(|p| std::iter::repeat_n(*p, group))
                 .collect();
-            let (raw, parts) = self.rewards_of(rewards, &owners, &generations)?;
+            let Some((raw, parts)) = self.scores_of(&owners, &samples)? else {
+                out.generations = samples.generations;
+                out.sequences = sequences;
+                return Ok(out);
+            };
             out.reward_seconds += t.elapsed().as_secs_f64();
+            if let Some(episodes) = &samples.episodes {
+                episodes_all.extend(episodes.iter().cloned());
+            }
+            let generations = samples.generations;
             raw_all.extend(&raw);
             for (name, scores) in parts {
                 match parts_all.iter_mut().find(|(n, _)| *n == name) {
@@ -174,6 +207,9 @@ impl Sampler<'_> {
                 out.metrics.insert(format!("reward/{name}"), m.into());
             }
         }
+        if self.env.is_some() {
+            episode_metrics(&mut out.metrics, &episodes_all);
+        }
         if cfg.dynamic_sampling {
             out.metrics
                 .insert("dynamic_sampling/draws".into(), draws_made.into());
@@ -184,6 +220,103 @@ impl Sampler<'_> {
         }
         out.scores = Some(kept_scores);
         Ok(out)
+    }
+
+    /// `requests` answered: by the engines, or (with an environment) as whole episodes,
+    /// numbered from `first_episode`. Data parallel: every rank samples with the others, the
+    /// environment answers on rank 0 and its replies are shared.
+    pub(crate) fn sample(
+        &self,
+        pool: &mut WorkerPool,
+        prompts: &[&EncodedPrompt],
+        requests: &[GenerationRequest],
+        first_episode: u64,
+    ) -> Result<Samples> {
+        let Some(env) = self.env else {
+            let (generations, per_rank) = self.generate(pool, requests)?;
+            return Ok(Samples {
+                generations,
+                episodes: None,
+                per_rank,
+            });
+        };
+        let section = &self.config.environment;
+        let group = requests.len() / prompts.len().max(1);
+        let starts: Vec<EpisodeStart<'_>> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let owner = prompts[(i / group.max(1)).min(prompts.len() - 1)];
+                EpisodeStart {
+                    prompt_ids: &r.prompt_ids,
+                    prompt: &owner.text,
+                    metadata: &owner.fields,
+                    params: SamplingParams {
+                        stop_strings: section.stop_strings.clone(),
+                        ..r.params.clone()
+                    },
+                }
+            })
+            .collect();
+        let mut per_rank: Vec<f64> = Vec::new();
+        let comm = self.run.comm();
+        let episodes = run_episodes(
+            &starts,
+            first_episode,
+            &section.limits(self.config.ppo.max_new_tokens),
+            self.tokenizer,
+            &mut |turn_requests| {
+                let (generations, seconds) = self
+                    .generate(pool, turn_requests)
+                    .map_err(|e| GenError::Core(aligner_core::CoreError::Invalid(e.to_string())))?;
+                if per_rank.len() < seconds.len() {
+                    per_rank.resize(seconds.len(), 0.0);
+                }
+                per_rank.iter_mut().zip(&seconds).for_each(|(a, b)| *a += b);
+                Ok(generations)
+            },
+            &mut |turns| {
+                let replies = comm.is_root().then(|| env.step(turns));
+                self.run.agree(&replies)?.ok_or_else(|| {
+                    GenError::Core(aligner_core::CoreError::Invalid(
+                        "rank 0 holds no environment replies".into(),
+                    ))
+                })
+            },
+        )?;
+        Ok(Samples {
+            generations: episodes.iter().map(|e| e.generation.clone()).collect(),
+            episodes: Some(episodes),
+            per_rank,
+        })
+    }
+
+    /// Each sample's score and each reward part's: the reward functions' (on the whole
+    /// episode's text) plus, with an environment, its turns' rewards (part `environment`)
+    /// and `environment.error_penalty` for an episode a failure ended. `None` when the
+    /// critic's process scores.
+    pub(crate) fn scores_of(
+        &self,
+        owners: &[&EncodedPrompt],
+        samples: &Samples,
+    ) -> Result<Option<(Vec<f32>, PartScores)>> {
+        let (mut raw, mut parts) = match (self.reward, &samples.episodes) {
+            (Some(rewards), _) => self.rewards_of(rewards, owners, &samples.generations)?,
+            (None, Some(episodes)) => (vec![0.0; episodes.len()], Vec::new()),
+            (None, None) => return Ok(None),
+        };
+        if let Some(episodes) = &samples.episodes {
+            let penalty = self.config.environment.error_penalty;
+            let env: Vec<f64> = episodes
+                .iter()
+                .map(|e| e.reward() + if e.error.is_some() { penalty } else { 0.0 })
+                .collect();
+            for (r, e) in raw.iter_mut().zip(&env) {
+                *r += *e as f32;
+            }
+            parts.push(("environment".into(), env));
+        }
+        Ok(Some((raw, parts)))
     }
 
     /// The rewards of `generations` (each answering the prompt in `owners` at the same
@@ -273,6 +406,28 @@ impl Sampler<'_> {
             Ok::<_, PpoError>(pool.generate(&requests[range], &|_| {})?.0)
         })?;
         Ok((generations, work.iter().map(|w| w.seconds).collect()))
+    }
+}
+
+/// A step's episode metrics: turns, tool calls and tool errors per episode, episodes a
+/// failing environment ended, observation tokens, the environment's reward per turn.
+pub(crate) fn episode_metrics(metrics: &mut Map<String, Value>, episodes: &[Episode]) {
+    let stats = EpisodeStats::of(episodes);
+    for (key, value) in [
+        ("env/turns", stats.turns),
+        ("env/tool_calls", stats.tool_calls),
+        ("env/tool_errors", stats.tool_errors),
+        ("env/errors", stats.env_errors),
+        ("env/observation_tokens", stats.observation_tokens),
+        ("env/reward_per_turn", stats.reward_per_turn),
+    ] {
+        metrics.insert(key.into(), value.into());
+    }
+    if let Some(why) = stats.first_error {
+        tracing::warn!(
+            errors = stats.env_errors + stats.tool_errors,
+            "episodes ended by a failure (their reward as configured by environment.error_penalty); the first: {why}"
+        );
     }
 }
 

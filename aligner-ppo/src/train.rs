@@ -93,6 +93,9 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     config.check()?;
     config.reward.check()?;
     let needs_critic = config.ppo.advantage.needs_critic();
+    let env = config.environment.build()?;
+    // The environment's rewards alone: no reward model scores.
+    let env_only = env.is_some() && config.reward.is_empty();
     if !needs_critic {
         config.reward.check_unused_model(
             config.reward_model.path.as_deref(),
@@ -107,7 +110,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     run.start_with_steps(config, &["reward_model"])?;
     // The critic's process scores with the reward model when the roles are combined and no
     // reward functions are configured; otherwise the actor scores.
-    let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty();
+    let combined = config.ppo.combine_rm_and_critic && needs_critic && config.reward.is_empty() && !env_only;
     let reward_device = config.ppo.reward_device(device);
     // The critic and the reward model compute in the actor's type, but on the host (an
     // offloaded reward model), which computes in f32.
@@ -120,7 +123,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     // is trained, so a bad one is refused in a second, not after the training.
     let spec_rewards = run_rewards(&config.reward, None, &reward_device, reward_precision)?;
     // A reward model is needed to score (no `[[reward]]`) or to start the critic (GAE).
-    let rm_dir = (config.reward.is_empty() || needs_critic)
+    let rm_dir = ((config.reward.is_empty() && !env_only) || needs_critic)
         .then(|| reward_model_dir(&config.reward_model, run, device))
         .transpose()?;
     let lm = load_model(&config.model, device)?;
@@ -128,6 +131,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let rewards = match spec_rewards {
         Some(rewards) => Some(rewards),
+        None if env_only => None,
         None => run_rewards(
             &config.reward,
             rm_dir.as_deref().filter(|_| !combined),
@@ -183,6 +187,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         device: device.clone(),
         reward: rewards.as_ref(),
         frontier: frontier.as_ref(),
+        env: env.as_deref(),
     };
     let summary = runner.run(model, critic.as_deref())?;
     run.write_shared(|| {

@@ -320,6 +320,142 @@ impl EpisodeStats {
     }
 }
 
+/// `[environment]`: where the model acts over several turns. Off unless `command`, `url` or
+/// `tools` is set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvironmentSection {
+    /// A persistent program speaking JSON Lines ([`CommandEnvironment`]).
+    pub command: Vec<String>,
+    /// Or an endpoint taking a batch of turns per POST ([`HttpEnvironment`]).
+    pub url: Option<String>,
+    /// Or tools the model calls ([`ToolEnvironment`]); the episode ends at a turn without a
+    /// call.
+    pub tools: Vec<ToolSpec>,
+    /// How a tool call is written: empty = Hermes / Qwen `<tool_call>{json}</tool_call>`, or a
+    /// regex with the named groups `name` and `arguments`.
+    pub tool_call_regex: String,
+    /// The observation after a tool call; `{name}` and `{result}` are replaced.
+    pub observation_template: String,
+    /// Model turns per episode at most.
+    pub max_turns: usize,
+    /// Tokens after the prompt (the model's and the observations') per episode at most.
+    pub max_tokens: usize,
+    /// New tokens per model turn at most (0 = the method's `max_new_tokens`).
+    pub turn_max_new_tokens: usize,
+    /// Strings that end a model turn (the engine's stop strings), e.g. `</tool_call>`.
+    pub stop_strings: Vec<String>,
+    /// How long the environment may take to answer a batch of turns.
+    pub timeout_seconds: f64,
+    /// Added to the reward of an episode a failing environment or tool ended (0: it keeps
+    /// the reward it had).
+    pub error_penalty: f64,
+}
+
+impl Default for EnvironmentSection {
+    fn default() -> Self {
+        Self {
+            command: Vec::new(),
+            url: None,
+            tools: Vec::new(),
+            tool_call_regex: String::new(),
+            observation_template: "<tool_response>\n{result}\n</tool_response>\n".into(),
+            max_turns: 4,
+            max_tokens: 256,
+            turn_max_new_tokens: 0,
+            stop_strings: Vec::new(),
+            timeout_seconds: 60.0,
+            error_penalty: 0.0,
+        }
+    }
+}
+
+impl EnvironmentSection {
+    /// Whether episodes are multi-turn.
+    pub fn enabled(&self) -> bool {
+        !self.command.is_empty() || self.url.is_some() || !self.tools.is_empty()
+    }
+
+    /// The environment, or `None` when the section is off; refuses settings it cannot run
+    /// with, naming the key.
+    pub fn build(&self) -> std::result::Result<Option<Box<dyn Environment>>, aligner_core::CoreError> {
+        let invalid = |m: String| Err(aligner_core::CoreError::Invalid(m));
+        if !self.enabled() {
+            return Ok(None);
+        }
+        let set = [
+            !self.command.is_empty(),
+            self.url.is_some(),
+            !self.tools.is_empty(),
+        ];
+        if set.iter().filter(|&&s| s).count() > 1 {
+            return invalid("environment.command, environment.url and environment.tools are three kinds of environment: set one".into());
+        }
+        if self.max_turns == 0 || self.max_tokens == 0 {
+            return invalid(format!(
+                "environment.max_turns = {} and environment.max_tokens = {} must both be at least 1",
+                self.max_turns, self.max_tokens
+            ));
+        }
+        if !(self.timeout_seconds.is_finite() && self.timeout_seconds > 0.0 && self.error_penalty.is_finite())
+        {
+            return invalid(format!(
+                "environment.timeout_seconds = {} must be a positive number and environment.error_penalty = {} finite",
+                self.timeout_seconds, self.error_penalty
+            ));
+        }
+        let timeout = std::time::Duration::from_secs_f64(self.timeout_seconds);
+        if !self.command.is_empty() {
+            return Ok(Some(Box::new(CommandEnvironment::new(
+                "environment",
+                self.command.clone(),
+                timeout,
+            ))));
+        }
+        if let Some(url) = &self.url {
+            return Ok(Some(Box::new(HttpEnvironment::new(
+                "environment",
+                url.clone(),
+                timeout,
+            ))));
+        }
+        for (i, tool) in self.tools.iter().enumerate() {
+            if tool.command.is_empty() == tool.url.is_none() {
+                return invalid(format!(
+                    "environment.tools[{i}] (`{}`) needs one of command and url",
+                    tool.name
+                ));
+            }
+            if self.tools[..i].iter().any(|t| t.name == tool.name) {
+                return invalid(format!("environment.tools declares `{}` twice", tool.name));
+            }
+        }
+        let format = match self.tool_call_regex.as_str() {
+            "" => ToolCallFormat::Hermes,
+            pattern => ToolCallFormat::Regex(regex::Regex::new(pattern).map_err(|e| {
+                aligner_core::CoreError::Invalid(format!("environment.tool_call_regex {pattern:?}: {e}"))
+            })?),
+        };
+        Ok(Some(Box::new(ToolEnvironment::new(
+            self.tools.clone(),
+            format,
+            self.observation_template.clone(),
+        ))))
+    }
+
+    /// The episode limits, with `max_new_tokens` (the method's) per turn unless set.
+    pub fn limits(&self, max_new_tokens: usize) -> EpisodeLimits {
+        EpisodeLimits {
+            max_turns: self.max_turns,
+            max_tokens: self.max_tokens,
+            turn_max_new_tokens: match self.turn_max_new_tokens {
+                0 => max_new_tokens,
+                n => n,
+            },
+        }
+    }
+}
+
 /// `{"episode", "turn", "prompt", "response", "metadata"}`: what an external environment
 /// receives for one turn.
 pub(crate) fn turn_json(turn: &Turn<'_>) -> Value {

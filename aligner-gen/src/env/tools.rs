@@ -2,9 +2,10 @@
 //! its output comes back as the next observation.
 //!
 //! A turn without a call ends the episode (the model has answered). A call names a tool
-//! declared in the config ([`ToolSpec`]: a program, given the call's arguments as one JSON
-//! line on stdin and answering on stdout, or an HTTP endpoint, POSTed the arguments) and is
-//! run with the tool's timeout. An unknown tool, arguments that are not a JSON object or miss
+//! declared in the config ([`ToolSpec`]: a program, given `{"name", "arguments",
+//! "metadata"}` (the prompt row's fields, for tools that serve a task's own data) as one JSON
+//! line on stdin and answering on stdout, or an HTTP endpoint, POSTed the same) and is run
+//! with the tool's timeout. An unknown tool, arguments that are not a JSON object or miss
 //! a `required` key of the tool's schema, a crash, a non-zero exit or a hang end that episode
 //! with the reason, counted as a tool error.
 
@@ -28,13 +29,13 @@ pub struct ToolSpec {
     #[serde(default)]
     pub description: String,
     /// The arguments' JSON schema (`{"type": "object", "properties": ..., "required": [...]}`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Value::is_null")]
     pub parameters: Value,
     /// The program that runs one call: the arguments on stdin, the result on stdout.
     #[serde(default)]
     pub command: Vec<String>,
     /// Or an endpoint POSTed the arguments; the reply's body (or its `result`) is the result.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     /// How long one call may take.
     #[serde(default = "default_tool_timeout")]
@@ -158,7 +159,7 @@ impl ToolEnvironment {
     }
 
     /// Runs one call; the tool's output or why it failed.
-    fn call(&self, call: &ToolCall) -> Result<String, String> {
+    fn call(&self, call: &ToolCall, metadata: &Map<String, Value>) -> Result<String, String> {
         let tool = self.tools.iter().find(|t| t.name == call.name).ok_or_else(|| {
             let known: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
             format!("unknown tool `{}` (declared: {})", call.name, known.join(", "))
@@ -173,7 +174,12 @@ impl ToolEnvironment {
                 }
             }
         }
-        let input = Value::Object(call.arguments.clone()).to_string();
+        let input = serde_json::json!({
+            "name": call.name,
+            "arguments": call.arguments,
+            "metadata": metadata,
+        })
+        .to_string();
         let timeout = Duration::from_secs_f64(tool.timeout_seconds.max(0.0));
         let output = match (&tool.url, tool.command.as_slice()) {
             (Some(url), _) => self.post(url, &input, timeout),
@@ -276,7 +282,7 @@ impl Environment for ToolEnvironment {
                                 ..Reply::default()
                             });
                         };
-                        let result = self.call(&call).map_err(TurnError::tool)?;
+                        let result = self.call(&call, turn.metadata).map_err(TurnError::tool)?;
                         Ok(Reply {
                             observation: Some(
                                 self.observation_template
@@ -352,7 +358,7 @@ mod tests {
         let tools = vec![
             python_tool(
                 "lookup",
-                "import json,sys; a=json.loads(sys.stdin.readline()); print(a['word'].upper())",
+                "import json,sys; a=json.loads(sys.stdin.readline()); print(a['arguments']['word'].upper())",
                 5.0,
             ),
             python_tool(

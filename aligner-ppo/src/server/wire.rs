@@ -22,6 +22,8 @@ pub struct Sequence {
     pub prompt_ids: Vec<u32>,
     #[prost(uint32, repeated, tag = "2")]
     pub response_ids: Vec<u32>,
+    #[prost(bool, repeated, tag = "3")]
+    pub observed: Vec<bool>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -99,6 +101,7 @@ pub fn sequences(x: &[Seq]) -> Vec<Sequence> {
         .map(|s| Sequence {
             prompt_ids: s.prompt_ids.clone(),
             response_ids: s.response_ids.clone(),
+            observed: s.observed.clone(),
         })
         .collect()
 }
@@ -108,6 +111,7 @@ pub fn unsequences(x: Vec<Sequence>) -> Vec<Seq> {
         .map(|s| Seq {
             prompt_ids: s.prompt_ids,
             response_ids: s.response_ids,
+            observed: s.observed,
         })
         .collect()
 }
