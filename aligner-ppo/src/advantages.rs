@@ -61,6 +61,18 @@ pub fn gae(rewards: &[f32], values: &[f32], gamma: f32, lam: f32) -> (Vec<f32>, 
     (advantages, returns)
 }
 
+/// Truncated importance sampling's per-token weights, `min(π_trainer(y_t) / π_engine(y_t),
+/// cap)` from the two log-probs: how much more likely the trainer finds each sampled token
+/// than the engine that sampled it, capped so a token the engine drew unluckily cannot blow
+/// the update up.
+pub fn truncated_is_weights(trainer: &[f32], engine: &[f32], cap: f32) -> Vec<f32> {
+    trainer
+        .iter()
+        .zip(engine)
+        .map(|(&t, &e)| (t - e).exp().min(cap))
+        .collect()
+}
+
 /// `gae` (per-token rewards from the KL and values in, advantages and returns out) over the
 /// model's own tokens of a multi-turn episode: the environment's tokens (`observed`) are
 /// skipped, so each model token's next state is the next model token's, and their entries
@@ -264,6 +276,17 @@ mod tests {
     #[test]
     fn rewards_put_the_score_on_the_last_token() {
         close(&token_rewards(2.0, &[0.5, -1.0, 0.0], 0.1), &[-0.05, 0.1, 2.0]);
+    }
+
+    #[test]
+    fn truncated_is_weights_by_hand() {
+        // e^{0.1} = 1.10517, e^{-0.5} = 0.60653, e^{2} = 7.389 capped at 2.
+        let w = truncated_is_weights(&[-1.0, -2.0, -0.5], &[-1.1, -1.5, -2.5], 2.0);
+        let want = [1.105_171, 0.606_531, 2.0];
+        for (a, b) in w.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{w:?}");
+        }
+        assert_eq!(truncated_is_weights(&[-0.3], &[-0.3], 2.0), vec![1.0]);
     }
 
     /// With observations between the model's tokens, GAE runs over the model's tokens as if

@@ -76,6 +76,13 @@ pub struct PpoSection {
     /// overlong_buffer` tokens lose up to `overlong_penalty` linearly (0 = off).
     pub overlong_buffer: usize,
     pub overlong_penalty: f32,
+    /// Truncated importance sampling (verl's and TRL's fix of the rollout/trainer mismatch):
+    /// when > 0, the actor recomputes the sampled tokens' log-probs before its update and the
+    /// clipped loss takes those as `π_old`, each token's advantage weighted by
+    /// `min(π_old / π_engine, tis_cap)` (the engine's log-probs are the behaviour policy), so
+    /// an engine that computes differently (half precision, another kernel) does not bias
+    /// the update. 0 = off: the engine's log-probs are `π_old` themselves.
+    pub tis_cap: f64,
     pub value_clip_eps: f64,
     /// Weight of the entropy bonus (0 = off); computed exactly from the response positions'
     /// full distributions.
@@ -136,6 +143,12 @@ impl PpoSection {
     /// Refuses settings PPO cannot run with, naming the key.
     pub fn check(&self) -> Result<(), aligner_core::CoreError> {
         let invalid = |m: String| Err(aligner_core::CoreError::Invalid(m));
+        if !(self.tis_cap.is_finite() && self.tis_cap >= 0.0) {
+            return invalid(format!(
+                "ppo.tis_cap = {}: the largest importance weight, a number ≥ 1 (0 = off)",
+                self.tis_cap
+            ));
+        }
         if self.advantage.needs_groups() && self.samples_per_prompt < 2 {
             return invalid(format!(
                 "ppo.advantage = {:?} compares samples of one prompt: set ppo.samples_per_prompt to at least 2",
@@ -247,6 +260,7 @@ impl Default for PpoSection {
             stop_after_flat_steps: 4,
             overlong_buffer: 0,
             overlong_penalty: 1.0,
+            tis_cap: 0.0,
             value_clip_eps: 0.2,
             entropy_coef: 0.0,
             critic_lr: 3e-4,

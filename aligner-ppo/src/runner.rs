@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 
 use crate::advantages::{
     Advantage, gae, gae_over_own_tokens, group_advantages, kl_per_token, missing_signal, reinforce_pp,
-    token_rewards, whiten,
+    token_rewards, truncated_is_weights, whiten,
 };
 use crate::config::{NonEos, PpoConfig};
 use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest};
@@ -285,6 +285,7 @@ impl PpoRunner<'_> {
         sequences: Vec<Sequence>,
         generations: &[Generation],
         ref_logprobs: &[Vec<f32>],
+        trainer_old: Option<Vec<Vec<f32>>>,
         critic_out: InferReply,
         scores: Vec<f32>,
     ) -> Result<(Scored, Map<String, Value>, Option<String>)> {
@@ -300,7 +301,26 @@ impl PpoRunner<'_> {
             .iter()
             .map(|g| g.stop_reason == StopReason::Eos)
             .collect();
-        let old_logprobs: Vec<Vec<f32>> = generations.iter().map(|g| g.token_logprobs.clone()).collect();
+        let engine_logprobs: Vec<Vec<f32>> = generations.iter().map(|g| g.token_logprobs.clone()).collect();
+        // π_old: the engine's log-probs, or (truncated importance sampling) the actor's own,
+        // each token's advantage then weighted by min(π_old / π_engine, tis_cap).
+        let is_weights: Option<Vec<Vec<f32>>> = trainer_old.as_ref().map(|trainer| {
+            trainer
+                .iter()
+                .zip(&engine_logprobs)
+                .zip(&sequences)
+                .map(|((t, e), s)| {
+                    let mut w = truncated_is_weights(t, e, cfg.tis_cap as f32);
+                    for (j, w) in w.iter_mut().enumerate() {
+                        if s.is_observed(j) {
+                            *w = 1.0;
+                        }
+                    }
+                    w
+                })
+                .collect()
+        });
+        let old_logprobs = trainer_old.unwrap_or(engine_logprobs);
         // The environment's tokens carry no KL: the model did not choose them.
         let kls: Vec<Vec<f32>> = old_logprobs
             .iter()
@@ -362,8 +382,29 @@ impl PpoRunner<'_> {
             }
             advantages = kept_adv;
         }
+        let mut tis = Vec::new();
+        if let Some(weights) = &is_weights {
+            let kept = pick(weights);
+            for (adv, w) in advantages.iter_mut().zip(&kept) {
+                adv.iter_mut().zip(w).for_each(|(a, w)| *a *= w);
+            }
+            let own: Vec<f32> = keep
+                .iter()
+                .flat_map(|&i| {
+                    let sequence = &sequences[i];
+                    weights[i]
+                        .iter()
+                        .enumerate()
+                        .filter(move |(j, _)| !sequence.is_observed(*j))
+                        .map(|(_, &w)| w)
+                })
+                .collect();
+            let capped = own.iter().filter(|&&w| w >= cfg.tis_cap as f32).count();
+            tis.push(("tis/weight_mean", mean(&own)));
+            tis.push(("tis/capped_fraction", capped as f64 / own.len().max(1) as f64));
+        }
         let flat = missing_signal(&scores, keep.len(), cfg.samples_per_prompt, cfg.advantage);
-        let metrics = row(&[
+        let mut metrics = row(&[
             (
                 "kl",
                 mean(&kls.iter().map(|k| k.iter().sum::<f32>()).collect::<Vec<_>>()),
@@ -382,6 +423,7 @@ impl PpoRunner<'_> {
                 ended.iter().filter(|&&e| e).count() as f64 / ended.len().max(1) as f64,
             ),
         ]);
+        metrics.extend(row(&tis));
         let scored = Scored {
             sequences: keep.iter().map(|&i| sequences[i].clone()).collect(),
             old_logprobs: pick(&old_logprobs),
@@ -653,6 +695,11 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             .map(|c| c.infer(sequences.clone()));
         let t = Instant::now();
         let ref_logprobs = runner.reference_logprobs(&actor, self.reference.as_ref(), &sequences)?;
+        // Truncated importance sampling: the actor's own log-probs of what the engine sampled.
+        let trainer_old = match cfg.tis_cap > 0.0 {
+            true => Some(runner.reference_logprobs(&actor, Some(&actor.valid()), &sequences)?),
+            false => None,
+        };
         times.logprobs = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let critic_out: InferReply = if needs_critic {
@@ -679,8 +726,14 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
                 runner.sampler().shaped(&critic_out.rewards, &generations)
             }
         };
-        let (scored, more, flat) =
-            runner.score(sequences, &generations, &ref_logprobs, critic_out, scores)?;
+        let (scored, more, flat) = runner.score(
+            sequences,
+            &generations,
+            &ref_logprobs,
+            trainer_old,
+            critic_out,
+            scores,
+        )?;
         metrics.extend(more);
         match flat {
             Some(why) => {
