@@ -79,6 +79,26 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         steps: usize,
     },
+    /// An RL update's step time over a rollout whose responses differ in length (single-turn
+    /// answers that stop early, multi-turn episodes), padded (prompts and responses each to the
+    /// longest) against packed into rows (`ppo.pack_sequences`): the token slots computed, the
+    /// share that is padding and ms per step (the policy's log-probs of the response tokens,
+    /// backward, AdamW).
+    Rollout {
+        /// Sequences per step.
+        #[arg(long, default_value_t = 32)]
+        sequences: usize,
+        /// Prompt tokens of each sequence.
+        #[arg(long, default_value_t = 32)]
+        prompt: usize,
+        /// Response lengths are spread evenly from `min_response` to `max_response` tokens.
+        #[arg(long, default_value_t = 8)]
+        min_response: usize,
+        #[arg(long, default_value_t = 224)]
+        max_response: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
     /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
     Generate {
         #[arg(long, default_value_t = 64)]
@@ -221,6 +241,20 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             peak_tflops,
         ),
         BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
+        BenchCommand::Rollout {
+            sequences,
+            prompt,
+            min_response,
+            max_response,
+            steps,
+        } => rollout(
+            device,
+            only,
+            sequences,
+            prompt,
+            (min_response, max_response),
+            steps,
+        ),
         BenchCommand::Generate {
             prompts,
             new_tokens,
@@ -463,6 +497,112 @@ fn train(
                 tokens_per_s,
                 (after.seconds - before.seconds) / timed * 1e3,
                 (after.bytes - before.bytes) as f64 / timed / 1e6,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The policy-gradient shape of an RL update (every response token's log-prob, advantage 1)
+/// over a padded or a packed layout.
+struct RolloutObjective {
+    packed: bool,
+}
+
+impl RolloutObjective {
+    /// The response tokens' mean negative log-prob.
+    fn nll(&self, model: &CausalLm, batch: &[&aligner_ppo::rollout::Sequence]) -> Tensor<1> {
+        use aligner_ppo::rollout::{Layout, Packed};
+        let device = model.model.embed_tokens.weight.device();
+        let seqs: Vec<_> = batch.iter().map(|s| (*s).clone()).collect();
+        let layout = Layout::new(&seqs, &device);
+        let lp = if self.packed {
+            let p = Packed::new(&seqs, &device);
+            p.response_columns(model.token_logprobs_with(p.tokens.clone(), &p.positions, Some(&p.mask)))
+        } else {
+            layout.response_columns(model.token_logprobs_with(
+                layout.tokens.clone(),
+                &layout.positions,
+                Some(&layout.mask),
+            ))
+        };
+        aligner_ppo::losses::masked_token_mean(lp, &layout.response_mask).neg()
+    }
+}
+
+impl aligner_core::train::Objective<CausalLm> for RolloutObjective {
+    type Example = aligner_ppo::rollout::Sequence;
+
+    fn step(
+        &self,
+        model: &CausalLm,
+        batch: &[&Self::Example],
+    ) -> aligner_core::Result<aligner_core::train::StepOutput> {
+        Ok(aligner_core::train::StepOutput {
+            loss: self.nll(model, batch),
+            metrics: Vec::new(),
+            tokens: batch
+                .iter()
+                .map(|s| s.prompt_ids.len() + s.response_ids.len())
+                .sum(),
+        })
+    }
+
+    fn evaluate(
+        &self,
+        model: &CausalLm,
+        batch: &[&Self::Example],
+    ) -> aligner_core::Result<Vec<aligner_core::train::EvalSum>> {
+        Ok(vec![aligner_core::train::EvalSum {
+            name: "nll".into(),
+            sum: self.nll(model, batch).into_scalar::<f32>() as f64 * batch.len() as f64,
+            weight: batch.len() as f64,
+        }])
+    }
+}
+
+fn rollout(
+    device: &Device,
+    only: &Selection,
+    sequences: usize,
+    prompt: usize,
+    (min_response, max_response): (usize, usize),
+    steps: usize,
+) -> Result<()> {
+    use aligner_ppo::rollout::{Sequence, padding_fractions};
+    println!("| model | layout | sequences (response tokens) | token slots | padding | ms / step |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for (name, config, model) in models(device, only)? {
+        let span = max_response.saturating_sub(min_response);
+        let seqs: Vec<Sequence> = (0..sequences)
+            .map(|i| {
+                let response = min_response + span * i / sequences.saturating_sub(1).max(1);
+                let ids = synthetic_ids(i, prompt.max(1) + response, config.vocab_size);
+                Sequence {
+                    prompt_ids: ids[..prompt.max(1)].to_vec(),
+                    response_ids: ids[prompt.max(1)..].to_vec(),
+                    observed: Vec::new(),
+                }
+            })
+            .collect();
+        let real: usize = seqs
+            .iter()
+            .map(|s| s.prompt_ids.len() + s.response_ids.len())
+            .sum();
+        let (padded, packed) = padding_fractions(&seqs, sequences);
+        for (label, pack, padding) in [("padded", false, padded), ("packed", true, packed)] {
+            let per = seconds_per_step(
+                model.clone(),
+                device,
+                &RolloutObjective { packed: pack },
+                &seqs,
+                steps,
+            )?;
+            let slots = (real as f64 / (1.0 - padding)).round();
+            println!(
+                "| {name} | {label} | {sequences} ({min_response}–{max_response}) | {slots:.0} | {:.0}% | {:.1} |",
+                padding * 100.0,
+                per * 1e3
             );
         }
     }

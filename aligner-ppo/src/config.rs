@@ -83,6 +83,13 @@ pub struct PpoSection {
     /// an engine that computes differently (half precision, another kernel) does not bias
     /// the update. 0 = off: the engine's log-probs are `π_old` themselves.
     pub tis_cap: f64,
+    /// The actor's and the reference's passes over a rollout pack its sequences into rows
+    /// (first-fit, positions restarting, attention kept inside each sequence) instead of
+    /// left-padding prompts and right-padding responses to the longest of each (false):
+    /// responses of different lengths (multi-turn episodes above all) waste no compute on
+    /// padding. The log-probs are the padded layout's (tested to 1e-4); the critic's pass is
+    /// padded.
+    pub pack_sequences: bool,
     pub value_clip_eps: f64,
     /// Weight of the entropy bonus (0 = off); computed exactly from the response positions'
     /// full distributions.
@@ -261,6 +268,7 @@ impl Default for PpoSection {
             overlong_buffer: 0,
             overlong_penalty: 1.0,
             tis_cap: 0.0,
+            pack_sequences: true,
             value_clip_eps: 0.2,
             entropy_coef: 0.0,
             critic_lr: 3e-4,

@@ -126,9 +126,206 @@ impl Layout {
     }
 }
 
+/// Which sequences share each training row when they are packed: first-fit, longest first,
+/// into rows of `capacity` tokens (a longer sequence gets a row of its own). Each row lists
+/// its sequences in order.
+pub fn pack_rows(lengths: &[usize], capacity: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
+    for i in order {
+        match rows.iter_mut().find(|(used, _)| used + lengths[i] <= capacity) {
+            Some((used, members)) => {
+                *used += lengths[i];
+                members.push(i);
+            }
+            None => rows.push((lengths[i], vec![i])),
+        }
+    }
+    rows.into_iter().map(|(_, members)| members).collect()
+}
+
+/// The share of a pass's token slots that are padding, `(padded, packed)`, over `seqs` taken
+/// `chunk` at a time: [`Layout`]'s (prompts and responses each padded to the longest) and
+/// [`Packed`]'s (rows as wide as the fullest).
+pub fn padding_fractions(seqs: &[Sequence], chunk: usize) -> (f64, f64) {
+    let (mut real, mut padded, mut packed) = (0usize, 0usize, 0usize);
+    for part in seqs.chunks(chunk.max(1)) {
+        let lengths: Vec<usize> = part
+            .iter()
+            .map(|s| s.prompt_ids.len() + s.response_ids.len())
+            .collect();
+        let p = part.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(0);
+        let t = part
+            .iter()
+            .map(|s| s.response_ids.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        real += lengths.iter().sum::<usize>();
+        padded += part.len() * (p + t);
+        let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
+        let rows = pack_rows(&lengths, capacity);
+        let width = rows
+            .iter()
+            .map(|r| r.iter().map(|&i| lengths[i]).sum::<usize>())
+            .max()
+            .unwrap_or(1)
+            .max(2);
+        packed += rows.len() * width;
+    }
+    let share = |slots: usize| 1.0 - real as f64 / slots.max(1) as f64;
+    (share(padded), share(packed))
+}
+
+/// Sequences packed into rows (positions restarting and attention kept inside each
+/// sequence), with the map from the rows' shifted per-position values back to the padded
+/// `[batch, T]` response layout of [`Layout`]: what the forward pass sees instead of padding.
+pub struct Packed {
+    pub tokens: Tensor<2, Int>,
+    pub positions: Tensor<2, Int>,
+    pub mask: Tensor<4, Bool>,
+    /// `[batch · T]`: for response token `j` of sequence `b`, the flat index into the rows'
+    /// `[rows · (width − 1)]` shifted values that predicts it; padding points one past the
+    /// end (a zero appended there).
+    gather: Tensor<1, Int>,
+    batch: usize,
+    response_width: usize,
+    /// Tokens in the rows (real and padding), and real ones.
+    pub slots: usize,
+    pub real: usize,
+}
+
+impl Packed {
+    /// `seqs` packed into rows of at least the longest sequence's length.
+    pub fn new(seqs: &[Sequence], device: &Device) -> Self {
+        let lengths: Vec<usize> = seqs
+            .iter()
+            .map(|s| s.prompt_ids.len() + s.response_ids.len())
+            .collect();
+        let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
+        let rows = pack_rows(&lengths, capacity);
+        let width = rows
+            .iter()
+            .map(|r| r.iter().map(|&i| lengths[i]).sum::<usize>())
+            .max()
+            .unwrap_or(1)
+            .max(2);
+        let t = seqs
+            .iter()
+            .map(|s| s.response_ids.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let end = (rows.len() * (width - 1)) as i64;
+        let mut flat = vec![0i64; rows.len() * width];
+        let mut segments = vec![vec![None; width]; rows.len()];
+        let mut gather = vec![end; seqs.len() * t];
+        for (r, members) in rows.iter().enumerate() {
+            let mut offset = 0;
+            for &i in members {
+                let s = &seqs[i];
+                for (k, &token) in s.prompt_ids.iter().chain(&s.response_ids).enumerate() {
+                    flat[r * width + offset + k] = token as i64;
+                    segments[r][offset + k] = Some(i);
+                }
+                for j in 0..s.response_ids.len() {
+                    let column = offset + s.prompt_ids.len() + j - 1;
+                    gather[i * t + j] = (r * (width - 1) + column) as i64;
+                }
+                offset += lengths[i];
+            }
+        }
+        let (positions, mask) = aligner_core::model::packed_layout(&segments, device);
+        Self {
+            tokens: Tensor::from_data(TensorData::new(flat, [rows.len(), width]), device),
+            positions,
+            mask,
+            gather: Tensor::from_data(TensorData::new(gather, [seqs.len() * t]), device),
+            batch: seqs.len(),
+            response_width: t,
+            slots: rows.len() * width,
+            real: lengths.iter().sum(),
+        }
+    }
+
+    /// `[rows, width − 1]` shifted values (position t predicting token t + 1) → `[batch, T]`
+    /// per response token, as [`Layout::response_columns`] gives them (0 on padding).
+    pub fn response_columns(&self, x: Tensor<2>) -> Tensor<2> {
+        let [rows, w] = x.dims();
+        let flat = Tensor::cat(
+            vec![x.reshape([rows * w]), Tensor::zeros([1], &self.gather.device())],
+            0,
+        );
+        flat.select(0, self.gather.clone())
+            .reshape([self.batch, self.response_width])
+    }
+
+    /// `[rows, width − 1, d]` states at the predicting positions → `[batch, T, d]`.
+    pub fn response_states(&self, x: Tensor<3>) -> Tensor<3> {
+        let [rows, w, d] = x.dims();
+        let flat = Tensor::cat(
+            vec![
+                x.reshape([rows * w, d]),
+                Tensor::zeros([1, d], &self.gather.device()),
+            ],
+            0,
+        );
+        flat.select(0, self.gather.clone())
+            .reshape([self.batch, self.response_width, d])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_pack_first_fit_longest_first() {
+        assert_eq!(
+            pack_rows(&[5, 3, 2, 4, 1], 6),
+            vec![vec![0, 4], vec![3, 2], vec![1]]
+        );
+        assert_eq!(pack_rows(&[7], 6), vec![vec![0]]);
+    }
+
+    /// Packed rows give the padded layout's per-token log-probs of the shipped model.
+    #[test]
+    fn packed_log_probs_are_the_padded_ones() {
+        let device = Device::flex();
+        let model = aligner_core::LoadedModel::from_dir(&aligner_core::default_model_dir().unwrap(), &device)
+            .unwrap()
+            .model;
+        let seqs: Vec<Sequence> = [(3usize, 5usize), (6, 2), (2, 7), (4, 1)]
+            .iter()
+            .enumerate()
+            .map(|(n, &(p, r))| Sequence {
+                prompt_ids: std::iter::once(1)
+                    .chain((0..p as u32 - 1).map(|k| 20 + k + n as u32))
+                    .collect(),
+                response_ids: (0..r as u32).map(|k| 100 + 7 * k + n as u32).collect(),
+                observed: Vec::new(),
+            })
+            .collect();
+        let layout = Layout::new(&seqs, &device);
+        let padded = layout.response_columns(model.token_logprobs_with(
+            layout.tokens.clone(),
+            &layout.positions,
+            Some(&layout.mask),
+        ));
+        let packed = Packed::new(&seqs, &device);
+        assert!(packed.slots < seqs.len() * (layout.prompt_width + layout.response_width));
+        let lp = packed.response_columns(model.token_logprobs_with(
+            packed.tokens.clone(),
+            &packed.positions,
+            Some(&packed.mask),
+        ));
+        let (a, b) = (layout.ragged(padded), layout.ragged(lp));
+        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+            assert!((x - y).abs() < 1e-4, "{a:?} against {b:?}");
+        }
+        assert_eq!(a.iter().flatten().count(), 15);
+    }
 
     /// The response mask covers the model's own tokens: not the padding, not the environment's.
     #[test]

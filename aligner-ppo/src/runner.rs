@@ -28,7 +28,7 @@ use crate::config::{NonEos, PpoConfig};
 use crate::critic::{CriticClient, CriticSettings, InferReply, TrainRequest};
 use crate::error::{PpoError, Result};
 use crate::losses::{LogprobMismatch, LossAgg, entropy, logprob_mismatch, masked_token_mean, policy_loss};
-use crate::rollout::{Layout, Sequence};
+use crate::rollout::{Layout, Packed, Sequence, padding_fractions};
 use crate::sampler::{Rollout, Sampler};
 pub use crate::timing::StepTimes;
 use aligner_parallel::{ReduceOp, shard_range};
@@ -263,9 +263,22 @@ impl PpoRunner<'_> {
             let mut out = Vec::with_capacity(mine.len());
             for chunk in mine.chunks(self.config.ppo.mini_batch.max(1)) {
                 let layout = Layout::new(chunk, &device);
-                let lp =
-                    model.token_logprobs_with(layout.tokens.clone(), &layout.positions, Some(&layout.mask));
-                out.extend(layout.ragged(layout.response_columns(lp)));
+                let lp = match self.config.ppo.pack_sequences {
+                    true => {
+                        let packed = Packed::new(chunk, &device);
+                        packed.response_columns(model.token_logprobs_with(
+                            packed.tokens.clone(),
+                            &packed.positions,
+                            Some(&packed.mask),
+                        ))
+                    }
+                    false => layout.response_columns(model.token_logprobs_with(
+                        layout.tokens.clone(),
+                        &layout.positions,
+                        Some(&layout.mask),
+                    )),
+                };
+                out.extend(layout.ragged(lp));
             }
             Ok::<_, PpoError>(out)
         })
@@ -424,6 +437,8 @@ impl PpoRunner<'_> {
             ),
         ]);
         metrics.extend(row(&tis));
+        let (padded, packed) = padding_fractions(&sequences, cfg.mini_batch);
+        metrics.extend(row(&[("padding/padded", padded), ("padding/packed", packed)]));
         let scored = Scored {
             sequences: keep.iter().map(|&i| sequences[i].clone()).collect(),
             old_logprobs: pick(&old_logprobs),
@@ -527,17 +542,26 @@ impl PpoRunner<'_> {
         let old = layout.padded(&scored.old_logprobs[start..end], device);
         let adv = layout.padded(&scored.advantages[start..end], device);
         // One trunk pass serves the log-probs and, with an entropy bonus, the entropy of the
-        // response positions' full distributions.
-        let hidden = actor
-            .model
-            .forward(layout.tokens.clone(), &layout.positions, Some(&layout.mask), None);
+        // response positions' full distributions; over packed rows or the padded layout.
+        let packed = cfg
+            .pack_sequences
+            .then(|| Packed::new(&scored.sequences[start..end], device));
+        let (tokens, positions, mask) = match &packed {
+            Some(p) => (&p.tokens, &p.positions, &p.mask),
+            None => (&layout.tokens, &layout.positions, &layout.mask),
+        };
+        let hidden = actor.model.forward(tokens.clone(), positions, Some(mask), None);
         let [rows, width, d] = hidden.dims();
         let inputs = hidden
             .clone()
             .narrow(1, 0, width - 1)
             .reshape([rows, width - 1, d]);
-        let targets = layout.tokens.clone().narrow(1, 1, width - 1);
-        let lp = layout.response_columns(actor.token_logprobs_of_hidden(inputs, targets));
+        let targets = tokens.clone().narrow(1, 1, width - 1);
+        let lp = actor.token_logprobs_of_hidden(inputs.clone(), targets);
+        let lp = match &packed {
+            Some(p) => p.response_columns(lp),
+            None => layout.response_columns(lp),
+        };
         let mismatch = measure_mismatch.then(|| {
             // The model's own tokens only: an observation's log-prob is no one's sample.
             let own = |rows: &[Vec<f32>]| -> Vec<Vec<f32>> {
@@ -558,7 +582,10 @@ impl PpoRunner<'_> {
         let mut out = policy_loss(lp, old, adv, &layout.response_mask, &cfg.policy_loss());
         let mut entropy_value = 0.0;
         if cfg.entropy_coef > 0.0 {
-            let states = hidden.narrow(1, layout.prompt_width - 1, layout.response_width);
+            let states = match &packed {
+                Some(p) => p.response_states(inputs),
+                None => hidden.narrow(1, layout.prompt_width - 1, layout.response_width),
+            };
             let h = masked_token_mean(entropy(actor.logits_from_hidden(states)), &layout.response_mask);
             entropy_value = h.clone().into_scalar::<f32>() as f64;
             out.loss = out.loss - h.mul_scalar(cfg.entropy_coef);
