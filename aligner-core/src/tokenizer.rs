@@ -44,6 +44,9 @@ pub struct TextTokenizer {
     bos_token: String,
     eos_token: String,
     chat_template: Option<String>,
+    /// The tools rendered into every chat prompt (the template's `tools`), for a run whose
+    /// model calls them.
+    tools: Option<Value>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -135,7 +138,15 @@ impl TextTokenizer {
             bos_id,
             eos_ids,
             chat_template,
+            tools: None,
         })
+    }
+
+    /// This tokenizer rendering `tools` (the OpenAI-style list HF chat templates take as
+    /// `tools`) into every chat prompt, as TRL and transformers do for a model that calls them.
+    pub fn with_tools(mut self, tools: Value) -> Self {
+        self.tools = Some(tools);
+        self
     }
 
     /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds (BOS
@@ -203,12 +214,13 @@ impl TextTokenizer {
         add_generation_prompt: bool,
     ) -> Result<String> {
         let template = self.chat_template.as_deref().unwrap_or(FALLBACK_CHAT_TEMPLATE);
-        render_chat_template(
+        render_chat_template_with_tools(
             template,
             messages,
             add_generation_prompt,
             &self.bos_token,
             &self.eos_token,
+            self.tools.as_ref(),
         )
     }
 }
@@ -222,6 +234,26 @@ pub fn render_chat_template(
     add_generation_prompt: bool,
     bos_token: &str,
     eos_token: &str,
+) -> Result<String> {
+    render_chat_template_with_tools(
+        template,
+        messages,
+        add_generation_prompt,
+        bos_token,
+        eos_token,
+        None,
+    )
+}
+
+/// [`render_chat_template`] with the template's `tools` variable set (undefined when `None`,
+/// so `{% if tools %}` is false).
+pub fn render_chat_template_with_tools(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+    tools: Option<&Value>,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -241,6 +273,7 @@ pub fn render_chat_template(
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token,
         eos_token => eos_token,
+        tools => tools.map(minijinja::Value::from_serialize),
     })
     .map_err(|e| CoreError::ChatTemplate(e.to_string()))
 }
@@ -248,6 +281,21 @@ pub fn render_chat_template(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tools reach the template as Qwen2.5's and Hermes' templates read them.
+    #[test]
+    fn tools_are_rendered_into_the_template() {
+        let template = "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\
+                        {% endif %}{% for m in messages %}[{{ m.content }}]{% endfor %}";
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "lookup"}}]);
+        let with = render_chat_template_with_tools(template, &msgs(), false, "", "", Some(&tools)).unwrap();
+        assert!(
+            with.starts_with("<tools>{") && with.contains(r#""name":"lookup""#),
+            "{with}"
+        );
+        let without = render_chat_template(template, &msgs(), false, "", "").unwrap();
+        assert_eq!(without, "[Hi][ Hello ]");
+    }
 
     fn msgs() -> Vec<ChatMessage> {
         vec![

@@ -34,6 +34,7 @@ mod error;
 pub mod frontier;
 mod options;
 mod pool;
+mod process;
 pub mod reward;
 mod runner;
 pub mod sampling;

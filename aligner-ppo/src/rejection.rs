@@ -13,6 +13,7 @@ use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::sft::{SftExample, SftObjective, SftRow};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
+use aligner_gen::env::{EpisodeStart, run_episodes};
 use aligner_gen::{Engine, GenerationRequest, RewardInput, Rewards, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
@@ -71,6 +72,15 @@ pub struct RsConfig {
     pub reward: aligner_gen::RewardSpecs,
     /// The reward–KL figures of the policy's own samples after each round.
     pub frontier: aligner_gen::FrontierSection,
+    /// Multi-turn episodes (as `aligner ppo`'s): each sample is a whole episode, scored by the
+    /// `[reward]` functions plus the environment's turn rewards; the best one's own tokens are
+    /// trained on, its observations masked.
+    #[serde(skip_serializing_if = "environment_is_off")]
+    pub environment: aligner_gen::env::EnvironmentSection,
+}
+
+fn environment_is_off(section: &aligner_gen::env::EnvironmentSection) -> bool {
+    !section.enabled()
 }
 
 impl Default for RsConfig {
@@ -90,6 +100,7 @@ impl Default for RsConfig {
             rs: RsSection::default(),
             reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            environment: aligner_gen::env::EnvironmentSection::default(),
         }
     }
 }
@@ -121,7 +132,10 @@ pub struct RejectionSampling<'a> {
     pub llama: &'a LlamaConfig,
     pub tokenizer: &'a TextTokenizer,
     pub store: &'a dyn ModelStore<CausalLm>,
-    pub reward: &'a Rewards,
+    /// The reward functions; `None` when an environment's rewards are the only ones.
+    pub reward: Option<&'a Rewards>,
+    /// `[environment]`: each sample a multi-turn episode.
+    pub env: Option<&'a dyn aligner_gen::env::Environment>,
     /// Prompts with their rows' fields.
     pub train_prompts: &'a [EncodedPrompt],
     pub eval_prompts: &'a [EncodedPrompt],
@@ -149,30 +163,34 @@ impl RejectionSampling<'_> {
             let seed = cfg.seed.wrapping_add(round as u64 * 10_000_000);
             let sampled = self.sample(&mut engine, &policy, self.train_prompts, cfg.n.max(1), seed)?;
             let (sample_reward, samples, refit) = (sampled.mean, sampled.samples, sampled.refit_seconds);
-            let mut rows = Vec::new();
+            let max_len = self.config.data.max_len(self.llama)?;
+            let mut train: Vec<SftExample> = Vec::new();
             let mut kept_sum = 0.0;
             for (prompt, group) in self.train_prompts.iter().zip(samples.chunks(cfg.n.max(1))) {
                 let best = best_of(group).expect("n >= 1");
                 if cfg.threshold.is_none_or(|t| best.reward >= t) {
                     kept_sum += best.reward as f64;
-                    rows.push(SftRow::PromptResponse {
-                        prompt: Prompt::Text(prompt.text.clone()),
-                        response: best.text.clone(),
+                    train.push(match &best.episode {
+                        // An episode trains on its own tokens as sampled, observations masked.
+                        Some(episode) => episode.example(&prompt.ids, max_len),
+                        None => SftExample::from_row(
+                            &SftRow::PromptResponse {
+                                prompt: Prompt::Text(prompt.text.clone()),
+                                response: best.text.clone(),
+                            },
+                            self.tokenizer,
+                            max_len,
+                        )?,
                     });
                 }
             }
-            let kept = rows.len();
+            let kept = train.len();
             let round_run = self.run.child(&format!("round-{round}"));
             let dir = round_run.path();
             if self.run.is_writer() {
                 std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
             }
             if kept > 0 {
-                let max_len = self.config.data.max_len(self.llama)?;
-                let train: Vec<SftExample> = rows
-                    .iter()
-                    .map(|r| SftExample::from_row(r, self.tokenizer, max_len))
-                    .collect::<Result<_, _>>()?;
                 let trainer = Trainer {
                     config: &self.config.train,
                     objective: &SftObjective,
@@ -253,8 +271,36 @@ impl RejectionSampling<'_> {
         let (samples, work) =
             aligner_core::parallel::map_balanced(self.run.comm(), requests.len(), chunk, |range| {
                 let owners: Vec<&EncodedPrompt> = range.clone().map(|i| &prompts[i / n]).collect();
+                let first = range.start as u64;
                 let requests = &requests[range];
-                let outputs = engine.generate(requests)?;
+                let (outputs, episodes) = match self.env {
+                    None => (engine.generate(requests)?, None),
+                    Some(env) => {
+                        let starts: Vec<EpisodeStart<'_>> = requests
+                            .iter()
+                            .zip(&owners)
+                            .map(|(r, p)| EpisodeStart {
+                                prompt_ids: &r.prompt_ids,
+                                prompt: &p.text,
+                                metadata: &p.fields,
+                                params: SamplingParams {
+                                    stop_strings: self.config.environment.stop_strings.clone(),
+                                    ..r.params.clone()
+                                },
+                            })
+                            .collect();
+                        let episodes = run_episodes(
+                            &starts,
+                            seed.wrapping_add(first),
+                            &self.config.environment.limits(cfg.max_new_tokens),
+                            self.tokenizer,
+                            &mut |r| engine.generate(r),
+                            &mut |turns| Ok(env.step(turns)),
+                        )?;
+                        let outputs = episodes.iter().map(|e| e.generation.clone()).collect();
+                        (outputs, Some(episodes))
+                    }
+                };
                 let texts: Vec<String> = requests
                     .iter()
                     .zip(&outputs)
@@ -273,14 +319,31 @@ impl RejectionSampling<'_> {
                         fields: &p.fields,
                     })
                     .collect();
-                let rewards = self.reward.score_parts(&inputs)?.total;
+                let mut rewards = match self.reward {
+                    Some(reward) => reward.score_parts(&inputs)?.total,
+                    None => vec![0.0; inputs.len()],
+                };
                 let drift = self.drift(requests, &outputs)?;
+                let penalty = self.config.environment.error_penalty;
+                let mut tokens: Vec<Option<EpisodeTokens>> = vec![None; outputs.len()];
+                if let Some(episodes) = episodes {
+                    for ((r, t), e) in rewards.iter_mut().zip(tokens.iter_mut()).zip(episodes) {
+                        *r += e.reward() + if e.error.is_some() { penalty } else { 0.0 };
+                        *t = Some(EpisodeTokens {
+                            ids: e.generation.token_ids,
+                            observed: e.observed,
+                        });
+                    }
+                }
                 texts
                     .into_iter()
                     .zip(rewards)
                     .zip(drift)
-                    .map(|((text, reward), drift)| {
-                        Ok(Candidate::new(text, reward as f32, drift, cfg.kl_coef))
+                    .zip(tokens)
+                    .map(|(((text, reward), drift), episode)| {
+                        let mut candidate = Candidate::new(text, reward as f32, drift, cfg.kl_coef);
+                        candidate.episode = episode;
+                        Ok(candidate)
                     })
                     .collect::<Result<Vec<_>, PpoError>>()
             })?;
@@ -303,6 +366,35 @@ struct Candidate {
     reward: f32,
     /// What the best of n is chosen by: the reward less the KL term.
     selection: f64,
+    /// A multi-turn episode's tokens after the prompt, as sampled.
+    episode: Option<EpisodeTokens>,
+}
+
+/// An episode's tokens after the prompt and which of them the environment wrote.
+#[derive(Clone, Serialize, Deserialize)]
+struct EpisodeTokens {
+    ids: Vec<u32>,
+    observed: Vec<bool>,
+}
+
+impl EpisodeTokens {
+    /// The SFT example of `prompt` and this episode: the model's own tokens trained, the
+    /// prompt and the observations not; cut to `max_len` tokens.
+    fn example(&self, prompt: &[u32], max_len: usize) -> SftExample {
+        let mut ids = prompt.to_vec();
+        ids.extend(&self.ids);
+        let mut trained = vec![false; prompt.len()];
+        trained.extend(self.observed.iter().map(|o| !o));
+        trained.resize(ids.len(), true);
+        ids.truncate(max_len);
+        trained.truncate(max_len);
+        SftExample {
+            ids,
+            trained,
+            starts: Vec::new(),
+            end: Vec::new(),
+        }
+    }
 }
 
 impl Candidate {
@@ -313,6 +405,7 @@ impl Candidate {
             text,
             reward,
             selection: reward as f64 - kl_coef * drift,
+            episode: None,
         }
     }
 }
@@ -353,5 +446,18 @@ mod tests {
         // 2.0: −35, −1, 1.
         assert_eq!(best_of(&group(2.0)).unwrap().text, "2");
         assert!(best_of(&[]).is_none());
+    }
+
+    /// A kept episode trains on the model's own tokens only.
+    #[test]
+    fn an_episode_trains_on_its_own_tokens() {
+        let episode = EpisodeTokens {
+            ids: vec![7, 8, 9, 10],
+            observed: vec![false, true, true, false],
+        };
+        let example = episode.example(&[1, 5], 16);
+        assert_eq!(example.ids, vec![1, 5, 7, 8, 9, 10]);
+        assert_eq!(example.trained, vec![false, false, true, false, false, true]);
+        assert_eq!(episode.example(&[1, 5], 4).ids, vec![1, 5, 7, 8]);
     }
 }

@@ -145,6 +145,16 @@ pub fn pack_rows(lengths: &[usize], capacity: usize) -> Vec<Vec<usize>> {
     rows.into_iter().map(|(_, members)| members).collect()
 }
 
+/// The width of packed `rows` of sequences of `lengths`: the fullest row's (at least 2, so
+/// there is a position to predict from).
+fn packed_width(rows: &[Vec<usize>], lengths: &[usize]) -> usize {
+    rows.iter()
+        .map(|r| r.iter().map(|&i| lengths[i]).sum::<usize>())
+        .max()
+        .unwrap_or(1)
+        .max(2)
+}
+
 /// The share of a pass's token slots that are padding, `(padded, packed)`, over `seqs` taken
 /// `chunk` at a time: [`Layout`]'s (prompts and responses each padded to the longest) and
 /// [`Packed`]'s (rows as wide as the fullest).
@@ -166,12 +176,7 @@ pub fn padding_fractions(seqs: &[Sequence], chunk: usize) -> (f64, f64) {
         padded += part.len() * (p + t);
         let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
         let rows = pack_rows(&lengths, capacity);
-        let width = rows
-            .iter()
-            .map(|r| r.iter().map(|&i| lengths[i]).sum::<usize>())
-            .max()
-            .unwrap_or(1)
-            .max(2);
+        let width = packed_width(&rows, &lengths);
         packed += rows.len() * width;
     }
     let share = |slots: usize| 1.0 - real as f64 / slots.max(1) as f64;
@@ -205,12 +210,7 @@ impl Packed {
             .collect();
         let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
         let rows = pack_rows(&lengths, capacity);
-        let width = rows
-            .iter()
-            .map(|r| r.iter().map(|&i| lengths[i]).sum::<usize>())
-            .max()
-            .unwrap_or(1)
-            .max(2);
+        let width = packed_width(&rows, &lengths);
         let t = seqs
             .iter()
             .map(|s| s.response_ids.len())

@@ -126,7 +126,11 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     let rm_dir = ((config.reward.is_empty() && !env_only) || needs_critic)
         .then(|| reward_model_dir(&config.reward_model, run, device))
         .transpose()?;
-    let lm = load_model(&config.model, device)?;
+    let mut lm = load_model(&config.model, device)?;
+    // Declared tools are rendered into the chat prompts (the template's `tools`).
+    if let Some(tools) = config.environment.tools_json() {
+        lm.tokenizer = lm.tokenizer.with_tools(tools);
+    }
     let frontier = config.frontier.for_start_model(&lm, device)?;
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let rewards = match spec_rewards {
@@ -223,16 +227,31 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     let start = aligner_core::start::model_config(&config.model)?;
     config.data.max_len(&start)?;
     aligner_core::train::check_new_tokens(&[("rs.max_new_tokens", config.rs.max_new_tokens)], &start)?;
+    let env = config.environment.build()?;
+    if env.is_some() && config.rs.kl_coef > 0.0 {
+        return Err(crate::PpoError::Invalid(format!(
+            "rs.kl_coef = {} weighs each sample's log-ratio to the start model; with [environment] \
+             the episodes' observations are not the model's to weigh: set rs.kl_coef = 0",
+            config.rs.kl_coef
+        )));
+    }
+    // The environment's rewards alone: no reward model scores.
+    let env_only = env.is_some() && config.reward.is_empty();
     // A finished `reward_model` step in the folder is this run's input.
     run.start_with_steps(config, &["reward_model"])?;
-    let rm_dir = config
-        .reward
-        .is_empty()
+    let rm_dir = (config.reward.is_empty() && !env_only)
         .then(|| reward_model_dir(&config.reward_model, run, device))
         .transpose()?;
-    let reward = run_rewards(&config.reward, rm_dir.as_deref(), device, config.model.dtype)?
-        .ok_or_else(|| crate::PpoError::Invalid("rejection sampling needs a reward".into()))?;
-    let lm = load_model(&config.model, device)?;
+    let reward = run_rewards(&config.reward, rm_dir.as_deref(), device, config.model.dtype)?;
+    if reward.is_none() && !env_only {
+        return Err(crate::PpoError::Invalid(
+            "rejection sampling needs a reward".into(),
+        ));
+    }
+    let mut lm = load_model(&config.model, device)?;
+    if let Some(tools) = config.environment.tools_json() {
+        lm.tokenizer = lm.tokenizer.with_tools(tools);
+    }
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.
@@ -244,7 +263,8 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         llama: &lm.config,
         tokenizer: &lm.tokenizer,
         store: store.as_ref(),
-        reward: &reward,
+        reward: reward.as_ref(),
+        env: env.as_deref(),
         train_prompts: &train_prompts,
         eval_prompts: &eval_prompts,
         run,

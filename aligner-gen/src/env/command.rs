@@ -11,19 +11,16 @@
 //! unanswered (with the end of its stderr) and the next batch starts a fresh process; so does
 //! a hang, after `timeout`.
 
-use std::collections::{HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use super::{Environment, Turn, TurnError, TurnResult, parse_reply, turn_json};
+use crate::process::LineProcess;
 use crate::reward::shown;
-
-const STDERR_LINES: usize = 20;
 
 /// `environment.command`: a persistent environment process.
 pub struct CommandEnvironment {
@@ -31,37 +28,7 @@ pub struct CommandEnvironment {
     argv: Vec<String>,
     /// How long a batch of turns may take to be answered.
     timeout: Duration,
-    process: Mutex<Option<Process>>,
-}
-
-struct Process {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<std::io::Result<String>>,
-    stderr: Arc<Mutex<VecDeque<String>>>,
-}
-
-impl Process {
-    fn stderr_tail(&self) -> String {
-        match self.stderr.lock().map(|l| l.iter().cloned().collect::<Vec<_>>()) {
-            Ok(lines) if !lines.is_empty() => format!("; its stderr ends:\n  {}", lines.join("\n  ")),
-            _ => String::new(),
-        }
-    }
-
-    /// Kills the process (if still running) and says how it ended.
-    fn end(mut self) -> String {
-        let status = match self.child.try_wait() {
-            Ok(Some(status)) => status.to_string(),
-            _ => {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                "still running; killed".to_string()
-            }
-        };
-        std::thread::sleep(Duration::from_millis(50));
-        format!("{status}{}", self.stderr_tail())
-    }
+    process: Mutex<Option<LineProcess>>,
 }
 
 impl CommandEnvironment {
@@ -79,55 +46,11 @@ impl CommandEnvironment {
         self.argv.join(" ")
     }
 
-    fn spawn(&self) -> Result<Process, String> {
-        let (program, args) = self
-            .argv
-            .split_first()
-            .ok_or_else(|| "environment.command is empty".to_string())?;
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start `{}`: {e}", self.command_line()))?;
-        let (stdin, stdout, stderr) = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
-            (Some(i), Some(o), Some(e)) => (i, o, e),
-            _ => return Err("the process's pipes could not be opened".into()),
-        };
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let kept = Arc::new(Mutex::new(VecDeque::new()));
-        let tail = kept.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(mut tail) = tail.lock() {
-                    if tail.len() == STDERR_LINES {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
-            }
-        });
-        Ok(Process {
-            child,
-            stdin,
-            lines,
-            stderr: kept,
-        })
-    }
-
     /// Writes `turns` and collects the replies; `Err` when the process cannot go on (it is
     /// then replaced), with what was answered before it stopped.
     fn exchange(
         &self,
-        process: &mut Process,
+        process: &mut LineProcess,
         turns: &[Turn<'_>],
         out: &mut [Option<TurnResult>],
     ) -> Result<(), String> {
@@ -136,21 +59,16 @@ impl CommandEnvironment {
             payload.push_str(&turn_json(turn).to_string());
             payload.push('\n');
         }
-        process
-            .stdin
-            .write_all(payload.as_bytes())
-            .and_then(|()| process.stdin.flush())
-            .map_err(|e| format!("could not write the turns (the process exited?): {e}"))?;
+        process.send(&payload)?;
         let waiting: HashMap<u64, usize> = turns.iter().enumerate().map(|(i, t)| (t.episode, i)).collect();
         let mut unanswered = turns.len();
         let mut garbage: Vec<String> = Vec::new();
         let deadline = Instant::now() + self.timeout;
         while unanswered > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
-            let line = match process.lines.recv_timeout(left) {
-                Ok(Ok(line)) => line,
-                Ok(Err(e)) => return Err(format!("reading its stdout failed: {e}")),
-                Err(RecvTimeoutError::Timeout) => {
+            let line = match process.recv(left) {
+                Ok(Some(line)) => line,
+                Ok(None) | Err(RecvTimeoutError::Timeout) => {
                     let mut why = format!(
                         "answered {} of {} turns within {:.1} s (environment.timeout_seconds)",
                         turns.len() - unanswered,
@@ -213,7 +131,7 @@ impl Environment for CommandEnvironment {
                 .collect();
         };
         if slot.is_none() {
-            match self.spawn() {
+            match LineProcess::spawn(&self.argv, "environment.command") {
                 Ok(p) => *slot = Some(p),
                 Err(why) => return turns.iter().map(|_| Err(fail(why.clone()))).collect(),
             }
@@ -225,7 +143,7 @@ impl Environment for CommandEnvironment {
         };
         if let Some(why) = stopped {
             // The process is not trusted with the next batch.
-            let ended = slot.take().map(Process::end).unwrap_or_default();
+            let ended = slot.take().map(LineProcess::end).unwrap_or_default();
             tracing::warn!(environment = %self.name, "{why} (process: {ended}); the next turns start a new one");
             for o in out.iter_mut().filter(|o| o.is_none()) {
                 *o = Some(Err(fail(format!("{why} (process: {ended})"))));
@@ -234,24 +152,6 @@ impl Environment for CommandEnvironment {
         out.into_iter()
             .map(|o| o.unwrap_or_else(|| Err(fail("no reply".into()))))
             .collect()
-    }
-}
-
-impl Drop for CommandEnvironment {
-    fn drop(&mut self) {
-        if let Some(process) = self.process.get_mut().ok().and_then(Option::take) {
-            drop(process.stdin);
-            let mut child = process.child;
-            let waited = Instant::now();
-            while waited.elapsed() < Duration::from_millis(500) {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 

@@ -27,7 +27,7 @@ use crate::{Generation, GenerationRequest, Result, SamplingParams, StopReason};
 
 pub use command::CommandEnvironment;
 pub use http::HttpEnvironment;
-pub use tools::{ToolCallFormat, ToolEnvironment, ToolSpec, parse_tool_call};
+pub use tools::{ToolCallFormat, ToolEnvironment, ToolSpec, parse_tool_call, tools_json};
 
 /// One model turn handed to an environment.
 #[derive(Debug, Clone, Serialize)]
@@ -441,6 +441,12 @@ impl EnvironmentSection {
             format,
             self.observation_template.clone(),
         ))))
+    }
+
+    /// The declared tools as chat templates take them (`None` without tools): a run renders
+    /// them into its chat prompts ([`aligner_core::TextTokenizer::with_tools`]).
+    pub fn tools_json(&self) -> Option<Value> {
+        (!self.tools.is_empty()).then(|| tools_json(&self.tools))
     }
 
     /// The episode limits, with `max_new_tokens` (the method's) per turn unless set.

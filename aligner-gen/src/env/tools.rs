@@ -122,6 +122,19 @@ pub fn parse_tool_call(
     }
 }
 
+/// `tools` as the OpenAI-style list chat templates take as `tools`.
+pub fn tools_json(tools: &[ToolSpec]) -> Value {
+    Value::Array(
+        tools
+            .iter()
+            .map(|t| {
+                serde_json::json!({"type": "function", "function": {
+                    "name": t.name, "description": t.description, "parameters": t.parameters}})
+            })
+            .collect(),
+    )
+}
+
 /// `[environment]` with `tools`: the model calls tools until it answers without one.
 pub struct ToolEnvironment {
     tools: Vec<ToolSpec>,
@@ -143,19 +156,6 @@ impl ToolEnvironment {
             observation_template: observation_template.into(),
             agent: ureq::Agent::config_builder().build().into(),
         }
-    }
-
-    /// The tools as the OpenAI-style list chat templates take as `tools`.
-    pub fn tools_json(&self) -> Value {
-        Value::Array(
-            self.tools
-                .iter()
-                .map(|t| {
-                    serde_json::json!({"type": "function", "function": {
-                        "name": t.name, "description": t.description, "parameters": t.parameters}})
-                })
-                .collect(),
-        )
     }
 
     /// Runs one call; the tool's output or why it failed.
@@ -320,6 +320,20 @@ mod tests {
             url: None,
             timeout_seconds: timeout,
         }
+    }
+
+    /// The declared tools as templates take them, from `[environment]`.
+    #[test]
+    fn tools_reach_chat_templates_in_the_openai_form() {
+        let section = super::super::EnvironmentSection {
+            tools: vec![python_tool("lookup", "", 1.0)],
+            ..Default::default()
+        };
+        let tools = section.tools_json().unwrap();
+        assert_eq!(tools[0]["type"], "function");
+        assert_eq!(tools[0]["function"]["name"], "lookup");
+        assert_eq!(tools[0]["function"]["parameters"]["required"][0], "word");
+        assert!(super::super::EnvironmentSection::default().tools_json().is_none());
     }
 
     #[test]

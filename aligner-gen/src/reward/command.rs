@@ -9,17 +9,12 @@
 //! shift every later score by one, so it is an error naming the program and the line: lines
 //! left over before a batch is sent, or arriving just after its answers were read.
 
-use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use super::{Reward, RewardError, RewardInput, parse_score, shown};
-
-/// Lines of the program's stderr kept for an error message.
-const STDERR_LINES: usize = 20;
+use crate::process::LineProcess;
 
 /// How long, after a batch's answers, a line the program was not asked for may take to be
 /// caught with that batch (later, it is caught before the next batch is sent).
@@ -33,63 +28,22 @@ pub struct CommandReward {
     timeout: Duration,
     /// How many times a failed batch is retried in a fresh process before the error stands.
     retries: usize,
-    process: Mutex<Option<Process>>,
+    process: Mutex<Option<LineProcess>>,
 }
 
-struct Process {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<std::io::Result<String>>,
-    /// Lines read from its stdout so far (an error names a line by its number).
-    lines_read: usize,
-    stderr: Arc<Mutex<VecDeque<String>>>,
+/// The next line of `process`'s stdout within `wait` (`None` when none came).
+fn next_line(process: &mut LineProcess, wait: Duration) -> Result<Option<String>, String> {
+    process.recv(wait).or(Ok(None))
 }
 
-impl Process {
-    /// The next line of its stdout within `wait` (`None` when none came).
-    fn next_line(&mut self, wait: Duration) -> Result<Option<String>, String> {
-        match self.lines.recv_timeout(wait) {
-            Ok(Ok(line)) => {
-                self.lines_read += 1;
-                Ok(Some(line))
-            }
-            Ok(Err(e)) => Err(format!("reading its stdout failed: {e}")),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => Ok(None),
-        }
-    }
-
-    /// The error for a line nobody asked for.
-    fn stray(&self, line: &str) -> String {
-        format!(
-            "printed a line it was not asked for (line {} of its output: {}); each request is \
-             answered by exactly one line, and an extra one would shift every later score",
-            self.lines_read,
-            shown(line, 200)
-        )
-    }
-
-    fn stderr_tail(&self) -> String {
-        let lines = self.stderr.lock().map(|l| l.iter().cloned().collect::<Vec<_>>());
-        match lines {
-            Ok(lines) if !lines.is_empty() => format!("; its stderr ends:\n  {}", lines.join("\n  ")),
-            _ => String::new(),
-        }
-    }
-
-    /// Kills the process (if still running) and says how it ended.
-    fn end(mut self) -> String {
-        let status = match self.child.try_wait() {
-            Ok(Some(status)) => status.to_string(),
-            _ => {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                "still running; killed".to_string()
-            }
-        };
-        // The stderr reader may still be taking the last lines.
-        std::thread::sleep(Duration::from_millis(50));
-        format!("{status}{}", self.stderr_tail())
-    }
+/// The error for a line nobody asked for.
+fn stray(process: &LineProcess, line: &str) -> String {
+    format!(
+        "printed a line it was not asked for (line {} of its output: {}); each request is \
+         answered by exactly one line, and an extra one would shift every later score",
+        process.lines_read,
+        shown(line, 200)
+    )
 }
 
 impl CommandReward {
@@ -108,77 +62,28 @@ impl CommandReward {
         self.argv.join(" ")
     }
 
-    fn spawn(&self) -> Result<Process, String> {
-        let (program, args) = self
-            .argv
-            .split_first()
-            .ok_or_else(|| "reward.command is empty".to_string())?;
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start `{}`: {e}", self.command_line()))?;
-        let (stdin, stdout, stderr) = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
-            (Some(i), Some(o), Some(e)) => (i, o, e),
-            _ => return Err("the process's pipes could not be opened".into()),
-        };
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let kept = Arc::new(Mutex::new(VecDeque::new()));
-        let tail = kept.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(mut tail) = tail.lock() {
-                    if tail.len() == STDERR_LINES {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
-            }
-        });
-        Ok(Process {
-            child,
-            stdin,
-            lines,
-            lines_read: 0,
-            stderr: kept,
-        })
+    fn spawn(&self) -> Result<LineProcess, String> {
+        LineProcess::spawn(&self.argv, "reward.command")
     }
 
     /// One attempt at a batch in `process`; the error says what went wrong.
-    fn attempt(&self, process: &mut Process, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, String> {
-        if let Some(line) = process.next_line(Duration::ZERO)? {
-            return Err(process.stray(&line));
+    fn attempt(&self, process: &mut LineProcess, batch: &[RewardInput<'_>]) -> Result<Vec<f64>, String> {
+        if let Some(line) = next_line(process, Duration::ZERO)? {
+            return Err(stray(process, &line));
         }
         let mut payload = String::new();
         for input in batch {
             payload.push_str(&input.to_json().to_string());
             payload.push('\n');
         }
-        process
-            .stdin
-            .write_all(payload.as_bytes())
-            .and_then(|()| process.stdin.flush())
-            .map_err(|e| format!("could not write requests (the process exited?): {e}"))?;
+        process.send(&payload)?;
         let deadline = Instant::now() + self.timeout;
         let mut scores = Vec::with_capacity(batch.len());
         for i in 0..batch.len() {
             let left = deadline.saturating_duration_since(Instant::now());
-            let line = match process.lines.recv_timeout(left) {
-                Ok(Ok(line)) => {
-                    process.lines_read += 1;
-                    line
-                }
-                Ok(Err(e)) => return Err(format!("reading its stdout failed: {e}")),
-                Err(RecvTimeoutError::Timeout) => {
+            let line = match process.recv(left) {
+                Ok(Some(line)) => line,
+                Ok(None) | Err(RecvTimeoutError::Timeout) => {
                     return Err(format!(
                         "answered {i} of {} requests within {:.1} s (reward.timeout_seconds)",
                         batch.len(),
@@ -205,8 +110,8 @@ impl CommandReward {
                 })?;
             scores.push(score);
         }
-        if let Some(line) = process.next_line(STRAY_LINE_GRACE)? {
-            return Err(process.stray(&line));
+        if let Some(line) = next_line(process, STRAY_LINE_GRACE)? {
+            return Err(stray(process, &line));
         }
         Ok(scores)
     }
@@ -237,7 +142,7 @@ impl Reward for CommandReward {
                 Err(why) => {
                     // A process that failed once is not trusted with the next batch: its
                     // answers could be out of step with the requests.
-                    let ended = slot.take().map(Process::end).unwrap_or_default();
+                    let ended = slot.take().map(LineProcess::end).unwrap_or_default();
                     last = format!("{why} (process: {ended})");
                     if attempt < self.retries {
                         tracing::warn!(reward = %self.name, attempt = attempt + 1, "{last}; retrying in a new process");
@@ -253,25 +158,6 @@ impl Reward for CommandReward {
                 String::new()
             }
         )))
-    }
-}
-
-impl Drop for CommandReward {
-    fn drop(&mut self) {
-        if let Some(process) = self.process.get_mut().ok().and_then(Option::take) {
-            drop(process.stdin);
-            let mut child = process.child;
-            // A well-behaved program exits when its stdin closes; one that does not is killed.
-            let waited = Instant::now();
-            while waited.elapsed() < Duration::from_millis(500) {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -306,10 +192,10 @@ for line in sys.stdin:
             reward.score(&inputs(&["ab", "abcd"], &fields)).unwrap(),
             vec![12.0, 14.0]
         );
-        let pid = reward.process.lock().unwrap().as_ref().unwrap().child.id();
+        let pid = reward.process.lock().unwrap().as_ref().unwrap().id();
         assert_eq!(reward.score(&inputs(&["a"], &fields)).unwrap(), vec![11.0]);
         // The same process answered both batches.
-        assert_eq!(reward.process.lock().unwrap().as_ref().unwrap().child.id(), pid);
+        assert_eq!(reward.process.lock().unwrap().as_ref().unwrap().id(), pid);
     }
 
     #[test]
