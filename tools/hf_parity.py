@@ -10,7 +10,9 @@
       its output norms, whole-projection q/k norms and attention biases; Gemma 2 with soft-capped
       attention and logits, a query pre-scale and alternating windows; Gemma 3 with q/k norms and
       local and global RoPE bases, the global one linearly scaled; Phi-3 with fused projections,
-      half of each head rotated, LongRoPE past a 32-token original context and a 24-token window),
+      half of each head rotated, LongRoPE past a 32-token original context and a 24-token window;
+      Mixtral with 4 experts, top-2 and a 12-token window; Qwen3-MoE with 6 unnormalised top-2
+      experts and a dense middle layer, both with their load-balancing loss on),
       saves them
       and writes transformers' logits of a 70-token input and its greedy continuation of a prompt
       (past the window) to OUT_DIR/<name>/expected_logits.json. They take the shipped model's
@@ -97,6 +99,17 @@ def architectures(out, *names):
             rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
                           "short_factor": [1.0, 1.5], "long_factor": [3.0, 7.0]},
             bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "mixtral_moe": transformers.MixtralConfig(
+            vocab_size=512, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=12,
+            max_position_embeddings=256, tie_word_embeddings=False, output_router_logits=True,
+            router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "qwen3_moe_dense_layer": transformers.Qwen3MoeConfig(
+            vocab_size=512, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=256,
+            tie_word_embeddings=True, output_router_logits=True, router_aux_loss_coef=0.01,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0),
     }
     if names:
         specs = {k: v for k, v in specs.items() if k in names}
@@ -121,15 +134,21 @@ def architectures(out, *names):
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/{name}", dtype=torch.float32).eval()
         reloaded.config._attn_implementation = "eager"
         with torch.no_grad():
-            logits = reloaded(torch.tensor(ids)).logits[0]
+            result = reloaded(torch.tensor(ids), labels=torch.tensor(ids))
+            logits = result.logits[0]
             greedy = reloaded.generate(torch.tensor(prompt), max_new_tokens=40, do_sample=False,
                                        eos_token_id=None, pad_token_id=0, min_new_tokens=40)
         for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"]:
             shutil.copy(f"assets/stories260K/{f}", f"{out}/{name}/{f}")
-        json.dump({"ids": ids[0], "logits": [[round(v, 6) for v in row] for row in logits.tolist()],
-                   "prompt": prompt[0],
-                   "greedy": greedy[0, len(prompt[0]):].tolist()},
-                  open(f"{out}/{name}/expected_logits.json", "w"))
+        expected = {"ids": ids[0], "logits": [[round(v, 6) for v in row] for row in logits.tolist()],
+                    "prompt": prompt[0],
+                    "greedy": greedy[0, len(prompt[0]):].tolist()}
+        if getattr(result, "aux_loss", None) is not None:
+            # Mixtures of experts: the load-balancing loss of the input (unscaled) and the
+            # training loss it joins (mean NLL + router_aux_loss_coef · aux).
+            expected["aux_loss"] = result.aux_loss.item()
+            expected["loss"] = result.loss.item()
+        json.dump(expected, open(f"{out}/{name}/expected_logits.json", "w"))
         print(name, "saved; greedy", greedy[0, len(prompt[0]):].tolist())
 
 

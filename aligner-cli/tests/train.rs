@@ -999,7 +999,9 @@ fn conversational_parquet_and_json_forms_train_dpo_alike() {
 /// norms, a head_dim of its own, sliding-window layers), Mistral (12-token window), OLMo 2
 /// (output norms), Gemma 2 (soft-capping, GeGLU, four norms a layer) and Gemma 3 (q/k norms,
 /// local RoPE) and Phi-3 (fused projections, partial rotary, LongRoPE: its LoRA adapts
-/// `qkv_proj` and `gate_up_proj`) models made by transformers (tools/hf_parity.py), whose windows are far
+/// `qkv_proj` and `gate_up_proj`), Mixtral (4 experts, top-2, a 12-token window) and Qwen3-MoE (6
+/// experts, a dense middle layer; both with the load-balancing loss on) models made by
+/// transformers (tools/hf_parity.py), whose windows are far
 /// shorter than the shipped stories, go through LoRA SFT on every projection (held-out NLL falls), a reward model with
 /// a score head, DPO from the SFT model and two GRPO steps, and every saved folder keeps its
 /// family: `model_type`, the window, the q/k and output norms, and the classifier architecture.
@@ -1013,6 +1015,8 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
         ("gemma2_capped", "Gemma2", Value::from(12)),
         ("gemma3_local_global", "Gemma3", Value::from(12)),
         ("phi3_longrope", "Phi3", Value::from(24)),
+        ("mixtral_moe", "Mixtral", Value::from(12)),
+        ("qwen3_moe_dense_layer", "Qwen3Moe", Value::Null),
     ] {
         let start = repo().join("tests/reference/hf_random").join(name);
         let model = format!("model.path={}", start.display());
@@ -1075,9 +1079,23 @@ fn qwen3_mistral_olmo2_and_gemma_models_train_with_every_method_and_keep_their_f
             phi3,
             "{name}: adapter targets {targets:?}"
         );
+        // The mixtures keep their experts under their own names; Mixtral's LoRA adapts them as
+        // `w1` / `w3` / `w2` (PEFT's names there), Qwen3-MoE's as Llama's.
+        let expert = match family {
+            "Mixtral" => Some(("block_sparse_moe.experts.3.w2", "w1")),
+            "Qwen3Moe" => Some(("mlp.experts.5.down_proj", "gate_proj")),
+            _ => None,
+        };
+        if let Some((weight, target)) = expert {
+            assert!(has(weight), "{name}: {weight} saved");
+            assert!(
+                targets.contains(&Value::from(target)),
+                "{name}: adapter targets {targets:?}"
+            );
+        }
         assert_eq!(
             has("self_attn.q_norm"),
-            ["Qwen3", "Olmo2", "Gemma3"].contains(&family),
+            ["Qwen3", "Olmo2", "Gemma3", "Qwen3Moe"].contains(&family),
             "{name}: q_norm saved for Qwen3, OLMo 2 and Gemma 3"
         );
         let gemma = family.starts_with("Gemma");

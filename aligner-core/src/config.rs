@@ -83,7 +83,8 @@ impl Precision {
 /// sliding window; Gemma 2 and 3 scale the embeddings, normalise both the inputs and the outputs
 /// of attention and MLP with `(1 + w)` weights, use GeGLU, a query pre-scale, soft-capping
 /// (Gemma 2) and q/k norms with separate local and global RoPE (Gemma 3); Phi-3 fuses the q/k/v
-/// and the gate/up projections and may rotate part of each head, with LongRoPE).
+/// and the gate/up projections and may rotate part of each head, with LongRoPE; Mixtral and
+/// Qwen3-MoE replace the MLP by a mixture of experts, see [`MoeSpec`]).
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "qwen2",
@@ -93,7 +94,31 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma2",
     "gemma3_text",
     "phi3",
+    "mixtral",
+    "qwen3_moe",
 ];
+
+/// A mixture-of-experts feed-forward block as the config describes it (Mixtral's
+/// `block_sparse_moe`, Qwen3-MoE's sparse `mlp`): a linear router over `experts`, each token
+/// sent to its `top_k` most probable experts, their outputs summed with the router's
+/// probabilities (renormalised over the chosen `top_k` when `normalize_top_k`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Renormalise the chosen experts' probabilities (Mixtral always; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub normalize_top_k: bool,
+    /// Each expert's hidden width (Mixtral's `intermediate_size`, Qwen3-MoE's
+    /// `moe_intermediate_size`).
+    pub expert_width: usize,
+    /// Which layers are sparse (Qwen3-MoE's `decoder_sparse_step` and `mlp_only_layers`; the
+    /// others keep a dense MLP of `intermediate_size`).
+    pub sparse_layers: Vec<bool>,
+    /// The load-balancing loss added in training, times `router_aux_loss_coef`, as transformers
+    /// adds it: only with `output_router_logits`.
+    pub aux_loss_coef: Option<f64>,
+}
 
 /// The MLP's gate activation (`hidden_act`; Gemma's `hidden_activation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -327,6 +352,7 @@ impl LlamaConfig {
         self.attention_scale().map_err(err)?;
         self.attention_softcap().map_err(err)?;
         self.final_softcap().map_err(err)?;
+        self.moe().map_err(err)?;
         if let Some(key) = self.unimplemented_key() {
             return Err(err(format!(
                 "{key} = {} asks for computation aligner does not implement for {:?} models; \
@@ -349,6 +375,8 @@ impl LlamaConfig {
             ("partial_rotary_factor", Some(1.0)),
             ("num_local_experts", Some(0.0)),
             ("num_experts", Some(0.0)),
+            // Mixtral's multiplicative noise on the router's input in training.
+            ("router_jitter_noise", Some(0.0)),
         ];
         // Gemma computes these (Gemma 3 keeps `attn_logit_softcapping` in its config but
         // transformers does not apply it, nor does aligner).
@@ -370,6 +398,9 @@ impl LlamaConfig {
                 return None;
             }
             if self.model_type == "phi3" && key == "partial_rotary_factor" {
+                return None;
+            }
+            if self.is_moe() && matches!(key, "num_local_experts" | "num_experts") {
                 return None;
             }
             let value = self.extra.get(key)?;
@@ -422,6 +453,107 @@ impl LlamaConfig {
             .is_some_and(|a| a.iter().any(|n| n.ends_with("ForSequenceClassification")))
     }
 
+    /// Mixtral or Qwen3-MoE: a mixture of experts in place of (some) MLPs.
+    pub fn is_moe(&self) -> bool {
+        matches!(self.model_type.as_str(), "mixtral" | "qwen3_moe")
+    }
+
+    /// The mixture of experts, as transformers reads it, or `None` for a dense model.
+    pub fn moe(&self) -> Result<Option<MoeSpec>, String> {
+        if !self.is_moe() {
+            return Ok(None);
+        }
+        let mixtral = self.model_type == "mixtral";
+        let count = |key: &str, default: u64| -> Result<usize, String> {
+            match self.extra.get(key) {
+                None | Some(Value::Null) => Ok(default as usize),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| n as usize)
+                    .ok_or_else(|| format!("{key} must be a non-negative integer, got {v}")),
+            }
+        };
+        let flag = |key: &str, default: bool| -> Result<bool, String> {
+            match self.extra.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| format!("{key} must be true or false, got {v}")),
+            }
+        };
+        let layers = self.num_hidden_layers;
+        let (experts, top_k) = if mixtral {
+            (count("num_local_experts", 8)?, count("num_experts_per_tok", 2)?)
+        } else {
+            // transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
+            let experts = match self.extra.get("num_experts") {
+                None | Some(Value::Null) => count("num_local_experts", 128)?,
+                Some(_) => count("num_experts", 128)?,
+            };
+            (experts, count("num_experts_per_tok", 8)?)
+        };
+        if experts == 0 {
+            let key = if mixtral {
+                "num_local_experts"
+            } else {
+                "num_experts"
+            };
+            return Err(format!("{key} must be positive"));
+        }
+        if top_k == 0 || top_k > experts {
+            return Err(format!(
+                "num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})"
+            ));
+        }
+        let (expert_width, sparse_layers, normalize_top_k) = if mixtral {
+            (self.intermediate_size, vec![true; layers], true)
+        } else {
+            let width = count("moe_intermediate_size", 768)?;
+            if width == 0 {
+                return Err("moe_intermediate_size must be positive".into());
+            }
+            let step = count("decoder_sparse_step", 1)?;
+            if step == 0 {
+                return Err("decoder_sparse_step must be positive".into());
+            }
+            let dense: Vec<usize> = match self.extra.get("mlp_only_layers") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|v| {
+                        v.as_u64()
+                            .map(|i| i as usize)
+                            .filter(|&i| i < layers)
+                            .ok_or_else(|| {
+                                format!("mlp_only_layers entry {v} is not a layer index below {layers}")
+                            })
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(v) => return Err(format!("mlp_only_layers must be a list, got {v}")),
+            };
+            let sparse = (0..layers)
+                .map(|i| !dense.contains(&i) && (i + 1).is_multiple_of(step))
+                .collect();
+            (width, sparse, flag("norm_topk_prob", false)?)
+        };
+        let coef = match self.extra.get("router_aux_loss_coef") {
+            None | Some(Value::Null) => 0.001,
+            Some(v) => v
+                .as_f64()
+                .filter(|c| c.is_finite() && *c >= 0.0)
+                .ok_or_else(|| format!("router_aux_loss_coef must be a number >= 0, got {v}"))?,
+        };
+        let aux_loss_coef = flag("output_router_logits", false)?.then_some(coef);
+        Ok(Some(MoeSpec {
+            experts,
+            top_k,
+            normalize_top_k,
+            expert_width,
+            sparse_layers,
+            aux_loss_coef,
+        }))
+    }
+
     /// Gemma 2 or Gemma 3 (text).
     pub fn is_gemma(&self) -> bool {
         matches!(self.model_type.as_str(), "gemma2" | "gemma3_text")
@@ -430,7 +562,7 @@ impl LlamaConfig {
     /// The RMSNorm on the queries and keys before RoPE (`q_norm`, `k_norm`).
     pub fn qk_norm(&self) -> QkNorm {
         match self.model_type.as_str() {
-            "qwen3" | "gemma3_text" => QkNorm::PerHead,
+            "qwen3" | "qwen3_moe" | "gemma3_text" => QkNorm::PerHead,
             "olmo2" => QkNorm::Whole,
             _ => QkNorm::None,
         }
@@ -626,8 +758,18 @@ impl LlamaConfig {
                     .map(|i| sliding.filter(|_| !(i + 1).is_multiple_of(every)))
                     .collect())
             }
-            // Phi-3: `sliding_window` (default none) on every layer.
-            "phi3" => Ok(vec![window(None)?; layers]),
+            // Phi-3 and Mixtral: `sliding_window` (default none) on every layer.
+            "phi3" | "mixtral" => Ok(vec![window(None)?; layers]),
+            // Qwen3-MoE: on every layer, with `use_sliding_window`.
+            "qwen3_moe" => {
+                let enabled = self
+                    .extra
+                    .get("use_sliding_window")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                let sliding = if enabled { window(Some(4096))? } else { None };
+                Ok(vec![sliding; layers])
+            }
             _ => Ok(vec![None; layers]),
         }
     }
@@ -742,7 +884,7 @@ impl LlamaConfig {
             self.rope_theta
         };
         let family = match self.model_type.as_str() {
-            "gemma3_text" if !sliding => 1_000_000.0,
+            "gemma3_text" | "mixtral" if !sliding => 1_000_000.0,
             _ => 10000.0,
         };
         let theta = nested.or(top).unwrap_or(family);
@@ -867,6 +1009,12 @@ fn is_supported_architecture(arch: &str) -> bool {
         "Phi3ForCausalLM",
         "Phi3ForSequenceClassification",
         "Phi3Model",
+        "MixtralForCausalLM",
+        "MixtralForSequenceClassification",
+        "MixtralModel",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeForSequenceClassification",
+        "Qwen3MoeModel",
     ];
     KNOWN.contains(&arch)
 }
@@ -1146,6 +1294,83 @@ mod tests {
         assert!(short.unwrap_err().to_string().contains("short_factor"));
         let odd = parse(&format!(r#"{{{base},"partial_rotary_factor":0.2}}"#));
         assert!(odd.unwrap_err().to_string().contains("partial_rotary_factor"));
+    }
+
+    #[test]
+    fn experts_as_transformers_reads_them() {
+        let base = r#""vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":4,"num_attention_heads":2"#;
+        let mixtral = parse(&format!(r#"{{{base},"model_type":"mixtral"}}"#)).unwrap();
+        let spec = mixtral.moe().unwrap().unwrap();
+        // transformers' defaults: 8 experts, top-2, renormalised, on every layer; no aux loss
+        // without output_router_logits; RoPE base 1e6.
+        assert_eq!(
+            (spec.experts, spec.top_k, spec.normalize_top_k, spec.expert_width),
+            (8, 2, true, 16)
+        );
+        assert_eq!(spec.sparse_layers, vec![true; 4]);
+        assert_eq!(spec.aux_loss_coef, None);
+        assert_eq!(mixtral.rope_theta_value().unwrap(), 1e6);
+        let qwen = parse(&format!(
+            r#"{{{base},"model_type":"qwen3_moe","num_experts":6,"num_experts_per_tok":3,"moe_intermediate_size":4,
+                "decoder_sparse_step":2,"mlp_only_layers":[3],"output_router_logits":true}}"#
+        ))
+        .unwrap();
+        let spec = qwen.moe().unwrap().unwrap();
+        assert_eq!(
+            (spec.experts, spec.top_k, spec.normalize_top_k, spec.expert_width),
+            (6, 3, false, 4)
+        );
+        // Every second layer is sparse, except those listed dense.
+        assert_eq!(spec.sparse_layers, vec![false, true, false, false]);
+        assert_eq!(spec.aux_loss_coef, Some(0.001));
+        assert_eq!(qwen.qk_norm(), QkNorm::PerHead);
+        // transformers 5 writes Qwen3-MoE's expert count as num_local_experts.
+        let renamed = parse(&format!(
+            r#"{{{base},"model_type":"qwen3_moe","num_local_experts":5,"num_experts_per_tok":2}}"#
+        ))
+        .unwrap();
+        assert_eq!(renamed.moe().unwrap().unwrap().experts, 5);
+        assert!(
+            parse(&format!(r#"{{{base},"model_type":"llama"}}"#))
+                .unwrap()
+                .moe()
+                .unwrap()
+                .is_none()
+        );
+        for (extra, key) in [
+            (
+                r#","model_type":"mixtral","num_experts_per_tok":9"#,
+                "num_experts_per_tok",
+            ),
+            (
+                r#","model_type":"mixtral","num_local_experts":0"#,
+                "num_local_experts",
+            ),
+            (
+                r#","model_type":"mixtral","router_jitter_noise":0.1"#,
+                "router_jitter_noise",
+            ),
+            (
+                r#","model_type":"qwen3_moe","num_experts":4,"num_experts_per_tok":2,"mlp_only_layers":[7]"#,
+                "mlp_only_layers",
+            ),
+            (
+                r#","model_type":"qwen3_moe","num_experts_per_tok":2,"decoder_sparse_step":0"#,
+                "decoder_sparse_step",
+            ),
+            (
+                r#","model_type":"qwen3_moe","num_experts_per_tok":2,"router_aux_loss_coef":-1"#,
+                "router_aux_loss_coef",
+            ),
+            // Experts on a dense family are refused, not ignored.
+            (
+                r#","model_type":"llama","num_local_experts":4"#,
+                "num_local_experts",
+            ),
+        ] {
+            let err = parse(&format!("{{{base}{extra}}}")).unwrap_err().to_string();
+            assert!(err.contains(key), "{extra}: {err}");
+        }
     }
 
     #[test]

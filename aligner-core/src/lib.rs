@@ -214,8 +214,7 @@ mod tests {
         let device = Device::flex();
         let dir = default_model_dir().unwrap();
         let weights = |lm: &LoadedModel, i: usize| {
-            lm.model.model.layers[i]
-                .mlp
+            lm.model.model.layers[i].mlp.mlps()[0]
                 .down_proj
                 .base
                 .weight

@@ -164,16 +164,25 @@ pub fn parameters(config: &LlamaConfig) -> Parameters {
         config.head_dim(),
     );
     let (q, k) = (heads * hd, kv * hd);
-    let f = config.intermediate_size;
-    let mut layer = h * (q + 2 * k) + q * h + 3 * h * f;
+    let mlp = |f: usize| 3 * h * f + if config.mlp_bias() { 2 * f + h } else { 0 };
+    // Each layer's feed-forward block: a dense MLP, or a router and its experts.
+    let ffn: Vec<usize> = match config.moe().ok().flatten() {
+        Some(spec) => spec
+            .sparse_layers
+            .iter()
+            .map(|&sparse| match sparse {
+                true => h * spec.experts + spec.experts * mlp(spec.expert_width),
+                false => mlp(config.intermediate_size),
+            })
+            .collect(),
+        None => vec![mlp(config.intermediate_size); config.num_hidden_layers],
+    };
+    let mut layer = h * (q + 2 * k) + q * h;
     if config.qkv_bias() {
         layer += q + 2 * k;
     }
     if config.o_bias() {
         layer += h;
-    }
-    if config.mlp_bias() {
-        layer += 2 * f + h;
     }
     let norms = config.norm_placement();
     layer += 2 * h * (norms.before as usize + norms.after as usize);
@@ -185,9 +194,10 @@ pub fn parameters(config: &LlamaConfig) -> Parameters {
     let heads_out = if config.tied_embeddings() { 1 } else { 2 };
     let vocabulary = config.vocab_size * h * heads_out;
     Parameters {
-        total: vocabulary + config.num_hidden_layers * layer + h,
+        total: vocabulary + config.num_hidden_layers * layer + ffn.iter().sum::<usize>() + h,
         vocabulary,
-        per_layer: layer,
+        // The largest layer (a mixture of experts' sparse one).
+        per_layer: layer + ffn.iter().copied().max().unwrap_or(0),
     }
 }
 
@@ -198,9 +208,21 @@ pub fn lora_parameters(config: &LlamaConfig, rank: usize) -> usize {
         config.num_attention_heads * config.head_dim(),
         config.num_kv_heads() * config.head_dim(),
     );
-    let f = config.intermediate_size;
-    let per_layer = rank * ((h + q) + 2 * (h + k) + (q + h) + 2 * (h + f) + (f + h));
-    config.num_hidden_layers * per_layer
+    let attention = rank * ((h + q) + 2 * (h + k) + (q + h));
+    let mlp = |f: usize| rank * (2 * (h + f) + (f + h));
+    // Every expert's projections are adapted (Mixtral's w1 / w3 / w2).
+    let ffn: usize = match config.moe().ok().flatten() {
+        Some(spec) => spec
+            .sparse_layers
+            .iter()
+            .map(|&sparse| match sparse {
+                true => spec.experts * mlp(spec.expert_width),
+                false => mlp(config.intermediate_size),
+            })
+            .sum(),
+        None => config.num_hidden_layers * mlp(config.intermediate_size),
+    };
+    config.num_hidden_layers * attention + ffn
 }
 
 /// Activation values autodiff keeps per token of one decoder layer, by what they scale with.
@@ -280,7 +302,11 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     let tokens = (work.batch * work.seq * work.method.sequences_per_example()) as f64;
     let h = config.hidden_size as f64;
     let proj = (config.num_attention_heads + 2 * config.num_kv_heads()) as f64 * config.head_dim() as f64;
-    let ffn = config.intermediate_size as f64;
+    // A token goes through `top_k` experts of a mixture's sparse layers.
+    let ffn = match config.moe().ok().flatten() {
+        Some(spec) => (spec.top_k * spec.expert_width).max(config.intermediate_size) as f64,
+        None => config.intermediate_size as f64,
+    };
     // A GPU's flash-attention kernels keep no score matrix; the CPU's attention does.
     let scores = match kind {
         DeviceKind::Cpu => config.num_attention_heads as f64 * work.seq as f64,
@@ -448,6 +474,8 @@ mod tests {
             r#""model_type": "gemma3_text", "head_dim": 16"#,
             r#""model_type": "olmo2""#,
             r#""model_type": "phi3""#,
+            r#""model_type": "mixtral", "num_local_experts": 3"#,
+            r#""model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [1]"#,
         ];
         for family in families {
             let text = format!(

@@ -155,6 +155,8 @@ pub fn sequence_classification_config(config: &LlamaConfig, labels: &[String]) -
         "gemma3_text" => "Gemma3TextForSequenceClassification",
         "phi3" => "Phi3ForSequenceClassification",
         "mistral" => "MistralForSequenceClassification",
+        "mixtral" => "MixtralForSequenceClassification",
+        "qwen3_moe" => "Qwen3MoeForSequenceClassification",
         _ => "LlamaForSequenceClassification",
     };
     config.architectures = Some(vec![arch.into()]);

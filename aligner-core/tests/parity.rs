@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use aligner_core::model::{FeedForward, with_router_loss};
 use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::{Device, LoadedModel};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -233,7 +234,7 @@ fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
         let worst = distance(&model);
         assert!(worst < 1e-3, "{name}: max |token log-prob difference| {worst}");
         let mut variants: Vec<(&str, aligner_core::CausalLm)> = Vec::new();
-        if name != "olmo2_bias" {
+        if name != "olmo2_bias" && name != "qwen3_moe_dense_layer" {
             let mut full = model.clone();
             for layer in &mut full.model.layers {
                 layer.self_attn.window = None;
@@ -269,9 +270,83 @@ fn sliding_windows_and_qk_norms_train_as_transformers_computes_them() {
             variant.model.rope = aligner_core::model::Rope::new(&short, &device);
             variants.push(("with the short factors and no attention factor", variant));
         }
+        if name.contains("moe") {
+            // Mixtral renormalises the chosen experts' probabilities; this Qwen3-MoE does not.
+            let mut flipped = model.clone();
+            for layer in &mut flipped.model.layers {
+                if let FeedForward::Sparse(moe) = &mut layer.mlp {
+                    moe.normalize_top_k = !moe.normalize_top_k;
+                }
+            }
+            variants.push(("with the top-k normalisation flipped", flipped));
+            let mut top1 = model.clone();
+            for layer in &mut top1.model.layers {
+                if let FeedForward::Sparse(moe) = &mut layer.mlp {
+                    moe.top_k = 1;
+                }
+            }
+            variants.push(("with one expert a token", top1));
+        }
         for (what, variant) in variants {
             let moved = distance(&variant);
             assert!(moved > 0.05, "{name}: {what} changes nothing ({moved})");
         }
+    }
+}
+
+/// Mixtral and Qwen3-MoE (tools/hf_parity.py, `output_router_logits` on) train with
+/// transformers' loss: the load-balancing loss of the input's routing equals transformers'
+/// `aux_loss` (1e-4), and the mean NLL plus `router_aux_loss_coef` times it equals transformers'
+/// training loss with labels = ids; the term reaches the routers' weights (a gradient on every
+/// sparse layer's router), while a dense layer (Qwen3-MoE's `mlp_only_layers`) stays an MLP.
+#[test]
+fn mixtures_of_experts_add_transformers_load_balancing_loss() {
+    let device = Device::flex().autodiff();
+    for (name, coef, dense_layers) in [
+        ("mixtral_moe", 0.02, vec![]),
+        ("qwen3_moe_dense_layer", 0.01, vec![1]),
+    ] {
+        let (model, expected) = hf_random(name, &device);
+        for (i, layer) in model.model.layers.iter().enumerate() {
+            let sparse = matches!(layer.mlp, FeedForward::Sparse(_));
+            assert_eq!(sparse, !dense_layers.contains(&i), "{name} layer {i}");
+        }
+        let ids = ids(&expected["ids"]);
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, ids.len()]),
+            &device,
+        );
+        let (logprobs, term) = with_router_loss(|| model.token_logprobs(tokens.clone()));
+        let term = term.expect("output_router_logits is on");
+        let aux = term.clone().into_scalar::<f32>() as f64 / coef;
+        let want = expected["aux_loss"].as_f64().unwrap();
+        assert!(
+            (aux - want).abs() < 1e-4,
+            "{name}: load-balancing loss {aux} against {want}"
+        );
+        let loss = logprobs.mean().neg() + term;
+        let got = loss.clone().into_scalar::<f32>() as f64;
+        let want = expected["loss"].as_f64().unwrap();
+        assert!(
+            (got - want).abs() < 1e-4,
+            "{name}: training loss {got} against {want}"
+        );
+        let grads = loss.backward();
+        for layer in &model.model.layers {
+            if let FeedForward::Sparse(moe) = &layer.mlp {
+                let grad = moe
+                    .router
+                    .weight
+                    .grad(&grads)
+                    .expect("the router takes gradients");
+                let norm: f32 = grad.abs().sum().into_scalar();
+                assert!(norm > 0.0, "{name}: a router without gradient");
+            }
+        }
+        // Outside a recording scope nothing is collected; a pass without gradients records
+        // nothing either.
+        let (_, none) =
+            with_router_loss(|| burn::module::Module::valid(&model).token_logprobs(tokens.clone().inner()));
+        assert!(none.is_none(), "{name}: routing recorded without gradients");
     }
 }

@@ -390,7 +390,9 @@ impl Method<CausalLm> for OnlineStep<'_> {
                 }
             }
             let batch: Vec<&DpoExample> = examples.iter().collect();
-            let out = self.objective.step(&policy, &batch)?;
+            let (out, router_loss) =
+                aligner_core::model::with_router_loss(|| self.objective.step(&policy, &batch));
+            let out = aligner_core::train::with_router_term(out?, router_loss);
             let value = out.loss.clone().into_scalar::<f32>() as f64;
             if !value.is_finite() {
                 return Err(non_finite(self.run, "online DPO loss", value, step, ONLINE_STATE).into());

@@ -647,11 +647,12 @@ impl Engine {
 pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
     let plain = model.valid();
     let has_adapters = plain.model.layers.iter().any(|layer| {
-        let (a, m) = (&layer.self_attn, &layer.mlp);
+        let a = &layer.self_attn;
+        let mlps = layer.mlp.mlps();
         a.qkv
             .iter()
-            .chain(&m.gate_up)
-            .chain([&a.o_proj, &m.down_proj])
+            .chain([&a.o_proj])
+            .chain(mlps.iter().flat_map(|m| m.gate_up.iter().chain([&m.down_proj])))
             .any(|p| p.lora.is_some())
     });
     if has_adapters { plain.merged() } else { plain }

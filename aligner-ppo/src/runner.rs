@@ -490,7 +490,14 @@ impl PpoRunner<'_> {
                 // Before the first update the actor is the policy that sampled: its log-probs
                 // against the engine's are the rollout/trainer mismatch.
                 let measure = batches == 0;
-                let (loss, values, measured) = self.actor_loss(&actor, scored, mine, &device, measure)?;
+                // A mixture of experts' load-balancing term joins the loss, as in training.
+                let (result, router_loss) = aligner_core::model::with_router_loss(|| {
+                    self.actor_loss(&actor, scored, mine, &device, measure)
+                });
+                let (mut loss, values, measured) = result?;
+                if let Some(term) = router_loss {
+                    loss = loss + term;
+                }
                 stats = values;
                 mismatch = mismatch.or(measured);
                 let loss = if world > 1 { loss.mul_scalar(share) } else { loss };

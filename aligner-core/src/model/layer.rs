@@ -9,6 +9,7 @@ use burn::tensor::{Bool, Device, Tensor};
 use super::attention::Attention;
 use super::cache::LayerCache;
 use super::lora::LoraLinear;
+use super::moe::FeedForward;
 use super::norm::RmsNorm;
 use super::rope::RotaryAngles;
 use crate::config::{Activation, LlamaConfig};
@@ -24,8 +25,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(config: &LlamaConfig, device: &Device) -> Self {
-        let (h, f, bias) = (config.hidden_size, config.intermediate_size, config.mlp_bias());
+    /// A gated MLP of hidden width `width` (`intermediate_size`, or an expert's width).
+    pub fn new(config: &LlamaConfig, width: usize, device: &Device) -> Self {
+        let (h, f, bias) = (config.hidden_size, width, config.mlp_bias());
         let proj =
             |d_in, d_out| LoraLinear::from(LinearConfig::new(d_in, d_out).with_bias(bias).init(device));
         let gate_up = if config.fused_projections() {
@@ -81,7 +83,8 @@ pub struct DecoderLayer {
     pub attn_norm_out: Option<RmsNorm>,
     /// Llama's `post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`.
     pub mlp_norm_in: Option<RmsNorm>,
-    pub mlp: Mlp,
+    /// A gated MLP, or (Mixtral, Qwen3-MoE) a mixture of experts.
+    pub mlp: FeedForward,
     /// OLMo 2's and Gemma's `post_feedforward_layernorm`.
     pub mlp_norm_out: Option<RmsNorm>,
 }
@@ -128,7 +131,7 @@ impl DecoderLayer {
             self_attn: Attention::new(config, index, device),
             attn_norm_out: norm(placement.after),
             mlp_norm_in: norm(placement.before),
-            mlp: Mlp::new(config, device),
+            mlp: FeedForward::new(config, index, device),
             mlp_norm_out: norm(placement.after),
         }
     }

@@ -9,6 +9,7 @@ mod attention;
 mod cache;
 mod layer;
 mod lora;
+mod moe;
 mod norm;
 mod rope;
 
@@ -20,6 +21,7 @@ pub use attention::Attention;
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};
+pub use moe::{ExpertNaming, FeedForward, SparseMoe, load_balancing_loss, top_k_rows, with_router_loss};
 pub use norm::RmsNorm;
 pub use rope::{Rope, RotaryAngles, inverse_frequencies, long_context_frequencies};
 
@@ -217,6 +219,10 @@ impl LoraSpec {
     /// `up_proj` mean `gate_up_proj` (what PEFT's `target_modules` must then say).
     pub fn for_model(&self, model: &LlamaModel) -> LoraSpec {
         let fused = model.layers.first().is_some_and(|l| l.self_attn.qkv.len() == 1);
+        let experts = model.layers.iter().find_map(|l| match &l.mlp {
+            FeedForward::Sparse(moe) => Some(moe.naming),
+            FeedForward::Dense(_) => None,
+        });
         let mut targets: Vec<String> = Vec::new();
         for target in &self.targets {
             let name = match target.as_str() {
@@ -224,6 +230,14 @@ impl LoraSpec {
                 "gate_proj" | "up_proj" if fused => "gate_up_proj",
                 other => other,
             };
+            // Mixtral's experts call their projections w1 / w3 / w2: both names are
+            // adapted (a Qwen3-MoE model's dense layers and experts share Llama's).
+            if let Some(naming) = experts {
+                let renamed = naming.rename(name);
+                if renamed != name && !targets.iter().any(|t| t == renamed) {
+                    targets.push(renamed.to_string());
+                }
+            }
             if !targets.iter().any(|t| t == name) {
                 targets.push(name.to_string());
             }
@@ -246,12 +260,12 @@ pub fn projections(model: &mut LlamaModel) -> Vec<(String, &mut LoraLinear)> {
             out.push((format!("{p}.self_attn.{name}"), proj));
         }
         out.push((format!("{p}.self_attn.o_proj"), &mut attn.o_proj));
-        let mlp = &mut layer.mlp;
-        let names = mlp.projection_names();
-        for (name, proj) in names.iter().zip(mlp.gate_up.iter_mut()) {
-            out.push((format!("{p}.mlp.{name}"), proj));
+        for (prefix, names, down, mlp) in layer.mlp.named_mlps_mut() {
+            for (name, proj) in names.iter().zip(mlp.gate_up.iter_mut()) {
+                out.push((format!("{p}.{prefix}.{name}"), proj));
+            }
+            out.push((format!("{p}.{prefix}.{down}"), &mut mlp.down_proj));
         }
-        out.push((format!("{p}.mlp.down_proj"), &mut mlp.down_proj));
     }
     out
 }

@@ -85,6 +85,18 @@ pub struct StepOutput {
     pub tokens: usize,
 }
 
+/// `out` with a mixture of experts' load-balancing term (see
+/// [`crate::model::with_router_loss`]) added to its loss and logged as `router_aux_loss`, as
+/// transformers adds it.
+pub fn with_router_term(mut out: StepOutput, router_loss: Option<Tensor<1>>) -> StepOutput {
+    if let Some(term) = router_loss {
+        let value = term.clone().into_scalar::<f32>() as f64;
+        out.metrics.push(("router_aux_loss".into(), value));
+        out.loss = out.loss + term;
+    }
+    out
+}
+
 /// A validation metric as a sum and a weight, so batches combine into an exact mean.
 pub struct EvalSum {
     pub name: String,
@@ -345,10 +357,11 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             if batch.is_empty() {
                 continue;
             }
-            let out = match totals.is_empty() {
-                true => self.objective.step(&model, &batch)?,
-                false => self.objective.step_with_totals(&model, &batch, &totals)?,
-            };
+            let (out, router_loss) = crate::model::with_router_loss(|| match totals.is_empty() {
+                true => self.objective.step(&model, &batch),
+                false => self.objective.step_with_totals(&model, &batch, &totals),
+            });
+            let out = with_router_term(out?, router_loss);
             let loss_value = out.loss.clone().into_scalar::<f32>() as f64;
             if world == 1 && !loss_value.is_finite() {
                 return Err(non_finite(self.run, "loss", loss_value, step, TRAINER_STATE));

@@ -13,7 +13,8 @@ use aligner_parallel::fused::infer::{
 };
 use rayon::prelude::*;
 
-use super::host::{HostCache, HostLayer, HostNorm, HostWeights};
+use super::host::{HostCache, HostFfn, HostLayer, HostMlp, HostMoe, HostNorm, HostWeights};
+use aligner_core::model::top_k_rows;
 
 /// Fewest tokens worth a group of their own (below it, one thread does all).
 const MIN_GROUP_TOKENS: usize = 8;
@@ -254,7 +255,7 @@ fn layer_forward(
     rows: &[(usize, usize)],
     s: &mut Scratch,
 ) {
-    let (n, d, hd, ffn) = (rows.len(), w.hidden, w.head_dim, w.ffn);
+    let (n, d, hd) = (rows.len(), w.hidden, w.head_dim);
     let (q_width, kv_width) = (w.heads * hd, w.kv_heads * hd);
     let qkv_width = q_width + 2 * kv_width;
     block_input(&mut s.normed, x, layer.attn_in.as_ref());
@@ -313,33 +314,100 @@ fn layer_forward(
         &mut s.normed,
     );
     block_input(&mut s.normed, x, layer.mlp_in.as_ref());
-    matmul(
-        &mut s.gate_up,
-        &s.normed,
-        &layer.gate_up,
-        n,
-        2 * ffn,
-        d,
-        false,
-        false,
-        false,
-    );
-    add_bias(&mut s.gate_up, &layer.gate_up_bias);
-    match w.activation {
-        Activation::Silu => swiglu_into(&mut s.act, &s.gate_up, ffn),
-        Activation::GeluTanh => geglu_into(&mut s.act, &s.gate_up, ffn),
+    match &layer.ffn {
+        HostFfn::Dense(mlp) => {
+            gated(w, mlp, &s.normed, n, &mut s.gate_up, &mut s.act);
+            let mlp_out = layer.mlp_out.as_ref();
+            let act = &s.act[..n * mlp.width];
+            residual(
+                x,
+                act,
+                &mlp.down,
+                &mlp.down_bias,
+                mlp_out,
+                mlp.width,
+                &mut s.out,
+                &mut s.normed,
+            );
+        }
+        HostFfn::Sparse(moe) => experts_forward(w, moe, x, n, s),
     }
-    let mlp_out = layer.mlp_out.as_ref();
-    residual(
-        x,
-        &s.act,
-        &layer.down,
-        &layer.down_bias,
-        mlp_out,
-        ffn,
-        &mut s.out,
-        &mut s.normed,
-    );
+}
+
+/// `act = act_fn(gate) ⊙ up` of `input: [n, hidden]` through `mlp`'s gate and up columns.
+fn gated(w: &HostWeights, mlp: &HostMlp, input: &[f32], n: usize, gate_up: &mut [f32], act: &mut [f32]) {
+    let (d, f) = (w.hidden, mlp.width);
+    let (gate_up, act) = (&mut gate_up[..n * 2 * f], &mut act[..n * f]);
+    matmul(gate_up, input, &mlp.gate_up, n, 2 * f, d, false, false, false);
+    add_bias(gate_up, &mlp.gate_up_bias);
+    match w.activation {
+        Activation::Silu => swiglu_into(act, gate_up, f),
+        Activation::GeluTanh => geglu_into(act, gate_up, f),
+    }
+}
+
+/// `x += Σ_k p_k · expert_k(normed)` for each of the `n` rows: the router's softmax in f32, each
+/// token's `top_k` experts (their probabilities renormalised when the model says so), each
+/// expert run once on the rows routed to it. (Mixtral and Qwen3-MoE have no output norms.)
+fn experts_forward(w: &HostWeights, moe: &HostMoe, x: &mut [f32], n: usize, s: &mut Scratch) {
+    let (d, e, k) = (w.hidden, moe.experts.len(), moe.top_k);
+    let mut probs = vec![0.0f32; n * e];
+    matmul(&mut probs, &s.normed, &moe.router, n, e, d, false, false, false);
+    for row in probs.chunks_mut(e) {
+        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for p in row.iter_mut() {
+            *p = (*p - max).exp();
+            sum += *p;
+        }
+        row.iter_mut().for_each(|p| *p /= sum);
+    }
+    let chosen = top_k_rows(&probs, e, k);
+    let weight = |slot: usize| {
+        let (t, p) = (slot / k, probs[slot / k * e + chosen[slot]]);
+        if moe.normalize_top_k {
+            p / chosen[t * k..(t + 1) * k]
+                .iter()
+                .map(|&c| probs[t * e + c])
+                .sum::<f32>()
+        } else {
+            p
+        }
+    };
+    let mut routed: Vec<Vec<usize>> = vec![Vec::new(); e];
+    for (slot, &expert) in chosen.iter().enumerate() {
+        routed[expert].push(slot);
+    }
+    let mut input = Vec::new();
+    let mut out = Vec::new();
+    for (expert, slots) in moe.experts.iter().zip(&routed) {
+        if slots.is_empty() {
+            continue;
+        }
+        let m = slots.len();
+        input.clear();
+        for &slot in slots {
+            input.extend_from_slice(&s.normed[slot / k * d..][..d]);
+        }
+        gated(w, expert, &input, m, &mut s.gate_up, &mut s.act);
+        out.clear();
+        out.resize(m * d, 0.0);
+        project_into(
+            &mut out,
+            &s.act[..m * expert.width],
+            &expert.down,
+            &expert.down_bias,
+            m,
+            d,
+            expert.width,
+        );
+        for (row, &slot) in out.chunks(d).zip(slots) {
+            let p = weight(slot);
+            for (x, y) in x[slot / k * d..][..d].iter_mut().zip(row) {
+                *x += p * y;
+            }
+        }
+    }
 }
 
 /// A block's input: `x` normalised, or `x` itself where the block has no input norm.

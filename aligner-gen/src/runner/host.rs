@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use aligner_core::config::{Activation, RopeScaling};
-use aligner_core::model::{RmsNorm, inverse_frequencies, long_context_frequencies};
+use aligner_core::model::{FeedForward, Mlp, RmsNorm, inverse_frequencies, long_context_frequencies};
 use aligner_core::{CausalLm, LlamaConfig};
 use aligner_parallel::fused::infer::{CacheBuffer, CacheLayout, Scoring};
 use aligner_parallel::fused::panels::{ColumnPanels, DEFAULT_PANEL_WIDTH};
@@ -103,11 +103,86 @@ pub(super) struct HostLayer {
     pub(super) local_rope: bool,
     pub(super) o: Vec<f32>,
     pub(super) o_bias: Option<Vec<f32>>,
-    /// `[hidden, 2·ffn]`: gate, up columns.
+    pub(super) ffn: HostFfn,
+}
+
+/// A gated MLP as host buffers.
+#[derive(Clone)]
+pub(super) struct HostMlp {
+    /// `[hidden, 2·width]`: gate, up columns.
     pub(super) gate_up: Vec<f32>,
     pub(super) gate_up_bias: Option<Vec<f32>>,
+    /// `[width, hidden]`.
     pub(super) down: Vec<f32>,
     pub(super) down_bias: Option<Vec<f32>>,
+    pub(super) width: usize,
+}
+
+impl HostMlp {
+    fn new(mlp: &Mlp) -> Self {
+        // Fused (Phi-3) or side by side, the columns are gate, then up.
+        let merged: Vec<Linear> = mlp.gate_up.iter().map(|p| p.merged()).collect();
+        let (gate_up, gate_up_bias) = side_by_side(&merged);
+        let (down, down_bias) = side_by_side(&[mlp.down_proj.merged()]);
+        let width = mlp.down_proj.base.weight.dims()[0];
+        Self {
+            gate_up,
+            gate_up_bias,
+            down,
+            down_bias,
+            width,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.gate_up.len() + self.down.len()
+    }
+}
+
+/// A layer's feed-forward block on the host: one MLP, or a router and its experts.
+#[derive(Clone)]
+pub(super) enum HostFfn {
+    Dense(HostMlp),
+    Sparse(HostMoe),
+}
+
+/// A mixture of experts on the host.
+#[derive(Clone)]
+pub(super) struct HostMoe {
+    /// `[hidden, experts]`.
+    pub(super) router: Vec<f32>,
+    pub(super) experts: Vec<HostMlp>,
+    pub(super) top_k: usize,
+    pub(super) normalize_top_k: bool,
+}
+
+impl HostFfn {
+    fn new(block: &FeedForward) -> Self {
+        match block {
+            FeedForward::Dense(mlp) => HostFfn::Dense(HostMlp::new(mlp)),
+            FeedForward::Sparse(moe) => HostFfn::Sparse(HostMoe {
+                router: values(moe.router.weight.val()),
+                experts: moe.experts.iter().map(HostMlp::new).collect(),
+                top_k: moe.top_k,
+                normalize_top_k: moe.normalize_top_k,
+            }),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            HostFfn::Dense(mlp) => mlp.len(),
+            HostFfn::Sparse(moe) => moe.router.len() + moe.experts.iter().map(HostMlp::len).sum::<usize>(),
+        }
+    }
+
+    /// The widest hidden layer of the block's MLPs.
+    pub(super) fn width(&self) -> usize {
+        match self {
+            HostFfn::Dense(mlp) => mlp.width,
+            HostFfn::Sparse(moe) => moe.experts.iter().map(|e| e.width).max().unwrap_or(0),
+        }
+    }
 }
 
 /// The weights of a model as the host forward pass reads them.
@@ -135,6 +210,7 @@ pub(crate) struct HostWeights {
     pub(super) heads: usize,
     pub(super) kv_heads: usize,
     pub(super) head_dim: usize,
+    /// The widest MLP hidden layer (the scratch buffers' width).
     pub(super) ffn: usize,
     pub(super) vocab: usize,
 }
@@ -145,19 +221,15 @@ impl HostWeights {
         let m = &model.model;
         let head_dim = config.head_dim();
         let scale = config.attention_scale().unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let layers = m
+        let layers: Vec<HostLayer> = m
             .layers
             .iter()
             .map(|layer| {
-                let (a, p) = (&layer.self_attn, &layer.mlp);
-                // Fused (Phi-3) or side by side, the columns are q, k, v and gate, up.
-                let merged = |projections: &[aligner_core::model::LoraLinear]| -> Vec<_> {
-                    projections.iter().map(|p| p.merged()).collect()
-                };
-                let (qkv, qkv_bias) = side_by_side(&merged(&a.qkv));
-                let (gate_up, gate_up_bias) = side_by_side(&merged(&p.gate_up));
+                let a = &layer.self_attn;
+                // Fused (Phi-3) or side by side, the columns are q, k, v.
+                let merged: Vec<Linear> = a.qkv.iter().map(|p| p.merged()).collect();
+                let (qkv, qkv_bias) = side_by_side(&merged);
                 let (o, o_bias) = side_by_side(&[a.o_proj.merged()]);
-                let (down, down_bias) = side_by_side(&[p.down_proj.merged()]);
                 let norm = |n: &Option<RmsNorm>| n.as_ref().map(HostNorm::new);
                 HostLayer {
                     attn_in: norm(&layer.attn_norm_in),
@@ -176,13 +248,16 @@ impl HostWeights {
                     local_rope: m.rotates_locally(layer),
                     o,
                     o_bias,
-                    gate_up,
-                    gate_up_bias,
-                    down,
-                    down_bias,
+                    ffn: HostFfn::new(&layer.mlp),
                 }
             })
             .collect();
+        // The scratch buffers' width: the widest MLP of any layer.
+        let ffn = layers
+            .iter()
+            .map(|l: &HostLayer| l.ffn.width())
+            .max()
+            .unwrap_or(0);
         let theta = config.rope_theta_value().unwrap_or(10000.0);
         let scaling = config.rope_scaling_kind().unwrap_or(RopeScaling::Default);
         // The leading dimensions of each head that RoPE turns (Phi-3's partial rotary factor).
@@ -209,12 +284,16 @@ impl HostWeights {
             rope_factor: long.as_ref().map_or(1.0, |l| l.2 as f32),
             long_inv_freq: long.map(|(freq, original, _)| (freq, original)),
             local_inv_freq,
-            activation: m.layers.first().map_or(Activation::Silu, |l| l.mlp.activation),
+            activation: m
+                .layers
+                .first()
+                .and_then(|l| l.mlp.mlps().first().map(|mlp| mlp.activation))
+                .unwrap_or(Activation::Silu),
             hidden: config.hidden_size,
             heads: config.num_attention_heads,
             kv_heads: config.num_kv_heads(),
             head_dim,
-            ffn: config.intermediate_size,
+            ffn,
             vocab: config.vocab_size,
         }
     }
@@ -226,7 +305,7 @@ impl HostWeights {
                 + w.head.len()
                 + w.layers
                     .iter()
-                    .map(|l| l.qkv.len() + l.o.len() + l.gate_up.len() + l.down.len())
+                    .map(|l| l.qkv.len() + l.o.len() + l.ffn.len())
                     .sum::<usize>()
         };
         let (have, got) = (size(self), size(other));

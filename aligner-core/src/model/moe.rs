@@ -1,0 +1,338 @@
+//! A mixture of experts in place of the MLP (Mixtral's `block_sparse_moe`, Qwen3-MoE's sparse
+//! `mlp`): a linear router picks each token's `top_k` experts, whose outputs are summed with
+//! the router's probabilities. Experts run grouped: each one once, on the tokens routed to it.
+//!
+//! Training adds Switch Transformer's load-balancing loss, as transformers does when the config
+//! sets `output_router_logits`: the routing of every sparse layer is recorded while a step's
+//! loss is computed inside [`with_router_loss`], which returns the loss term to add.
+
+use std::cell::RefCell;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
+
+use super::layer::Mlp;
+use crate::config::{LlamaConfig, MoeSpec};
+
+/// How a family names its experts in checkpoints (and PEFT's `target_modules`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertNaming {
+    /// `block_sparse_moe.experts.E.{w1, w3, w2}` (gate, up, down).
+    Mixtral,
+    /// `mlp.experts.E.{gate_proj, up_proj, down_proj}`.
+    Qwen3Moe,
+}
+
+impl ExpertNaming {
+    /// The block's HF name under its layer (`block_sparse_moe`, `mlp`).
+    pub fn block(self) -> &'static str {
+        match self {
+            ExpertNaming::Mixtral => "block_sparse_moe",
+            ExpertNaming::Qwen3Moe => "mlp",
+        }
+    }
+
+    /// An expert's gate and up projections' names, then its down projection's.
+    pub fn projections(self) -> ([&'static str; 2], &'static str) {
+        match self {
+            ExpertNaming::Mixtral => (["w1", "w3"], "w2"),
+            ExpertNaming::Qwen3Moe => (["gate_proj", "up_proj"], "down_proj"),
+        }
+    }
+
+    /// The family's name of a projection given by its Llama name (`gate_proj` is Mixtral's
+    /// `w1`), as LoRA targets are matched.
+    pub fn rename(self, llama: &str) -> &str {
+        match (self, llama) {
+            (ExpertNaming::Mixtral, "gate_proj") => "w1",
+            (ExpertNaming::Mixtral, "up_proj") => "w3",
+            (ExpertNaming::Mixtral, "down_proj") => "w2",
+            (_, other) => other,
+        }
+    }
+}
+
+/// A layer's feed-forward block: a dense gated MLP, or a mixture of experts.
+// One per layer, built once: the size of the dense variant costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    /// Layer `index`'s block for `config` (sparse where the config's experts are).
+    pub fn new(config: &LlamaConfig, index: usize, device: &Device) -> Self {
+        match config.moe().ok().flatten() {
+            Some(spec) if spec.sparse_layers.get(index).copied().unwrap_or(false) => {
+                FeedForward::Sparse(SparseMoe::new(config, &spec, device))
+            }
+            _ => FeedForward::Dense(Mlp::new(config, config.intermediate_size, device)),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward(x),
+            FeedForward::Sparse(moe) => moe.forward(x),
+        }
+    }
+
+    /// Every gated MLP of the block: the dense one, or each expert.
+    pub fn mlps(&self) -> Vec<&Mlp> {
+        match self {
+            FeedForward::Dense(mlp) => vec![mlp],
+            FeedForward::Sparse(moe) => moe.experts.iter().collect(),
+        }
+    }
+
+    /// The block's gated MLPs with their HF prefixes under the layer's (`mlp`,
+    /// `block_sparse_moe.experts.3`, ...) and the names of their gate/up and down projections.
+    #[allow(clippy::type_complexity)]
+    pub fn named_mlps_mut(&mut self) -> Vec<(String, Vec<&'static str>, &'static str, &mut Mlp)> {
+        match self {
+            FeedForward::Dense(mlp) => {
+                let names = mlp.projection_names().to_vec();
+                vec![("mlp".to_string(), names, "down_proj", mlp)]
+            }
+            FeedForward::Sparse(moe) => {
+                let naming = moe.naming;
+                let (gate_up, down) = naming.projections();
+                moe.experts
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(e, mlp)| {
+                        let prefix = format!("{}.experts.{e}", naming.block());
+                        (prefix, gate_up.to_vec(), down, mlp)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// A router and its experts.
+#[derive(Module, Debug)]
+pub struct SparseMoe {
+    /// HF's `gate`: `[hidden, experts]`, no bias.
+    pub router: Linear,
+    pub experts: Vec<Mlp>,
+    #[module(skip)]
+    pub top_k: usize,
+    #[module(skip)]
+    pub normalize_top_k: bool,
+    /// `router_aux_loss_coef` when the load-balancing loss is added in training.
+    #[module(skip)]
+    pub aux_loss_coef: Option<f64>,
+    #[module(skip)]
+    pub naming: ExpertNaming,
+}
+
+impl SparseMoe {
+    pub fn new(config: &LlamaConfig, spec: &MoeSpec, device: &Device) -> Self {
+        Self {
+            router: LinearConfig::new(config.hidden_size, spec.experts)
+                .with_bias(false)
+                .init(device),
+            experts: (0..spec.experts)
+                .map(|_| Mlp::new(config, spec.expert_width, device))
+                .collect(),
+            top_k: spec.top_k,
+            normalize_top_k: spec.normalize_top_k,
+            aux_loss_coef: spec.aux_loss_coef,
+            naming: if config.model_type == "mixtral" {
+                ExpertNaming::Mixtral
+            } else {
+                ExpertNaming::Qwen3Moe
+            },
+        }
+    }
+
+    /// `Σ_k w_k · expert_k(x)` per token of `x: [batch, seq, hidden]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, s, d] = x.dims();
+        let n = b * s;
+        let device = x.device();
+        let flat = x.reshape([n, d]);
+        let router = super::as_type_of(self.router.weight.val(), &flat);
+        // The router's softmax in f32, as transformers computes it.
+        let probs = softmax(flat.clone().matmul(router).cast(FloatDType::F32), 1);
+        let experts = self.experts.len();
+        // Which experts a token goes to is a discrete choice, made on the host; the weights
+        // it gets stay in the graph (gathered from the probabilities).
+        let host: Vec<f32> = probs
+            .clone()
+            .detach()
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec()
+            .expect("router probabilities are floats");
+        let chosen = top_k_rows(&host, experts, self.top_k);
+        let index = Tensor::<2, Int>::from_data(
+            TensorData::new(
+                chosen.iter().map(|&e| e as i64).collect::<Vec<_>>(),
+                [n, self.top_k],
+            ),
+            &device,
+        );
+        let mut weights = probs.clone().gather(1, index);
+        if self.normalize_top_k {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        let weights = weights
+            .cast(FloatDType::from(flat.dtype()))
+            .reshape([n * self.top_k]);
+        // Each expert's tokens, and where their weights sit in `weights`.
+        let mut routed: Vec<(Vec<i64>, Vec<i64>)> = vec![(Vec::new(), Vec::new()); experts];
+        for (slot, &e) in chosen.iter().enumerate() {
+            routed[e].0.push((slot / self.top_k) as i64);
+            routed[e].1.push(slot as i64);
+        }
+        let mut out = flat.zeros_like();
+        for (expert, (tokens, slots)) in self.experts.iter().zip(&routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let m = tokens.len();
+            let tokens = Tensor::<1, Int>::from_data(TensorData::new(tokens.clone(), [m]), &device);
+            let slots = Tensor::<1, Int>::from_data(TensorData::new(slots.clone(), [m]), &device);
+            let input = flat.clone().select(0, tokens.clone()).reshape([1, m, d]);
+            let y = expert.forward(input).reshape([m, d]);
+            let y = y * weights.clone().select(0, slots).reshape([m, 1]);
+            out = out.select_assign(0, tokens, y, IndexingUpdateOp::Add);
+        }
+        if let Some(coef) = self.aux_loss_coef
+            && probs.is_tracked()
+        {
+            let mut counts = vec![0.0f32; experts];
+            for &e in &chosen {
+                counts[e] += 1.0;
+            }
+            record_routing(Routing {
+                probability_sums: probs.sum_dim(0).reshape([experts]),
+                counts,
+                rows: n,
+                coef,
+            });
+        }
+        out.reshape([b, s, d])
+    }
+}
+
+/// Each row's `k` largest entries' indices, largest first (`values: [rows, width]`).
+pub fn top_k_rows(values: &[f32], width: usize, k: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(values.len() / width * k);
+    let mut order: Vec<usize> = Vec::with_capacity(width);
+    for row in values.chunks(width) {
+        order.clear();
+        order.extend(0..width);
+        // Stable: ties go to the lower index.
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        out.extend_from_slice(&order[..k]);
+    }
+    out
+}
+
+/// One sparse layer's routing in a forward pass: what the load-balancing loss needs.
+struct Routing {
+    /// `Σ_tokens p(expert)`, `[experts]`, in the graph.
+    probability_sums: Tensor<1>,
+    /// How many of the tokens' top-k choices went to each expert.
+    counts: Vec<f32>,
+    rows: usize,
+    coef: f64,
+}
+
+thread_local! {
+    /// The routings recorded inside [`with_router_loss`] (none outside it).
+    static ROUTINGS: RefCell<Option<Vec<Routing>>> = const { RefCell::new(None) };
+}
+
+fn record_routing(routing: Routing) {
+    ROUTINGS.with(|r| {
+        if let Some(list) = r.borrow_mut().as_mut() {
+            list.push(routing);
+        }
+    });
+}
+
+/// Restores the enclosing scope's recordings when a scope ends, even by a panic.
+struct Scope(Option<Vec<Routing>>);
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        let outer = self.0.take();
+        ROUTINGS.with(|r| *r.borrow_mut() = outer);
+    }
+}
+
+/// Runs `f` (a training step's loss), recording the routing of every sparse layer whose
+/// load-balancing loss is on and whose router takes gradients; returns `f`'s value and the
+/// term to add to the loss, `router_aux_loss_coef · load_balancing_loss` (`None` for a dense
+/// model or without `output_router_logits`).
+pub fn with_router_loss<T>(f: impl FnOnce() -> T) -> (T, Option<Tensor<1>>) {
+    let outer = ROUTINGS.with(|r| r.borrow_mut().replace(Vec::new()));
+    let scope = Scope(outer);
+    let value = f();
+    let routings = ROUTINGS.with(|r| r.borrow_mut().take()).unwrap_or_default();
+    drop(scope);
+    let Some(first) = routings.first() else {
+        return (value, None);
+    };
+    let coef = first.coef;
+    let experts = first.counts.len();
+    let mut counts = vec![0.0f32; experts];
+    let mut rows = 0;
+    let mut sums: Option<Tensor<1>> = None;
+    for r in routings {
+        counts.iter_mut().zip(&r.counts).for_each(|(c, x)| *c += x);
+        rows += r.rows;
+        sums = Some(match sums {
+            Some(s) => s + r.probability_sums,
+            None => r.probability_sums,
+        });
+    }
+    let sums = sums.expect("at least one routing");
+    let loss = load_balancing_loss(sums, &counts, rows);
+    (value, Some(loss.mul_scalar(coef)))
+}
+
+/// Switch Transformer's load-balancing loss as transformers' `load_balancing_loss_func` computes
+/// it over the layers of a pass: `E · Σ_e (count_e / R) · (Σp_e / R)`, where `count_e` is how
+/// often expert `e` is among a token's top-k, `Σp_e` the sum of its router probabilities, both
+/// summed over layers and tokens, and `R` the number of (layer, token) rows. `[1]`.
+pub fn load_balancing_loss(probability_sums: Tensor<1>, counts: &[f32], rows: usize) -> Tensor<1> {
+    let experts = counts.len();
+    let fractions: Vec<f32> = counts.iter().map(|c| c / rows as f32).collect();
+    let fractions = Tensor::<1>::from_data(TensorData::new(fractions, [experts]), &probability_sums.device());
+    (probability_sums.div_scalar(rows as f64) * fractions)
+        .sum()
+        .mul_scalar(experts as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_picks_the_largest_first_and_ties_to_the_lower_index() {
+        let rows = [0.1, 0.5, 0.2, 0.2, 0.3, 0.3, 0.1, 0.3];
+        assert_eq!(top_k_rows(&rows, 4, 2), vec![1, 2, 0, 1]);
+    }
+
+    /// Two tokens, two experts, top-1, by hand: token 0 picks expert 0 (p = 0.7, 0.3), token 1
+    /// expert 1 (p = 0.4, 0.6): fractions 1/2, 1/2; mean probabilities 0.55, 0.45; loss =
+    /// 2 · (0.5 · 0.55 + 0.5 · 0.45) = 1. Then all on expert 0: 2 · (1 · 0.55) = 1.1.
+    #[test]
+    fn load_balancing_loss_by_hand() {
+        let device = Device::flex();
+        let sums = Tensor::<1>::from_data(TensorData::new(vec![1.1f32, 0.9], [2]), &device);
+        let even: f32 = load_balancing_loss(sums.clone(), &[1.0, 1.0], 2).into_scalar();
+        assert!((even - 1.0).abs() < 1e-6, "{even}");
+        let skewed: f32 = load_balancing_loss(sums, &[2.0, 0.0], 2).into_scalar();
+        assert!((skewed - 1.1).abs() < 1e-6, "{skewed}");
+    }
+}
