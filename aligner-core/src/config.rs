@@ -718,15 +718,19 @@ impl LlamaConfig {
                 })
                 .collect();
         }
+        // Qwen's window: `sliding_window` (default 4096) only with `use_sliding_window`.
+        let qwen_window = || -> Result<Option<usize>, String> {
+            let enabled = self
+                .extra
+                .get("use_sliding_window")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            if enabled { window(Some(4096)) } else { Ok(None) }
+        };
         match self.model_type.as_str() {
             "mistral" => Ok(vec![window(Some(4096))?; layers]),
             "qwen2" | "qwen3" => {
-                let enabled = self
-                    .extra
-                    .get("use_sliding_window")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
-                let sliding = if enabled { window(Some(4096))? } else { None };
+                let sliding = qwen_window()?;
                 let first = match self.extra.get("max_window_layers") {
                     None | Some(Value::Null) => 28,
                     Some(v) => v
@@ -761,15 +765,7 @@ impl LlamaConfig {
             // Phi-3 and Mixtral: `sliding_window` (default none) on every layer.
             "phi3" | "mixtral" => Ok(vec![window(None)?; layers]),
             // Qwen3-MoE: on every layer, with `use_sliding_window`.
-            "qwen3_moe" => {
-                let enabled = self
-                    .extra
-                    .get("use_sliding_window")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
-                let sliding = if enabled { window(Some(4096))? } else { None };
-                Ok(vec![sliding; layers])
-            }
+            "qwen3_moe" => Ok(vec![qwen_window()?; layers]),
             _ => Ok(vec![None; layers]),
         }
     }
