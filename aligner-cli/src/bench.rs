@@ -620,6 +620,7 @@ fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize
         let seq_of = |salt: usize| ScoredSequence {
             ids: synthetic_ids(salt, seq, config.vocab_size),
             prompt_len: seq / 4,
+            observed: Vec::new(),
         };
         let examples: Vec<DpoExample> = (0..pairs)
             .map(|i| DpoExample {

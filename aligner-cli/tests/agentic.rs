@@ -275,3 +275,52 @@ fn rejection_sampling_keeps_the_best_episodes() {
         );
     }
 }
+
+/// Online DPO on episodes: each prompt's two "Mom asks" episodes are judged by the environment's
+/// turn rewards and the DPO step takes the model's own tokens of both (Mom's masked out of the
+/// log-probs); the held-out reward rises, and every episode takes its three turns.
+#[test]
+fn online_dpo_learns_from_pairs_of_episodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("online");
+    let env = format!(
+        "environment.command=[\"python3\", \"{}\"]",
+        repo().join("assets/agentic/ask_env.py").display()
+    );
+    let (ok, err) = aligner(&[
+        "online-dpo",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        &env,
+        "--set",
+        "data.train=assets/verifiable_words/train.prompts.jsonl",
+        "--set",
+        "data.validation=assets/verifiable_words/test.prompts.jsonl",
+        "--set",
+        "environment.max_turns=3",
+        "--set",
+        "environment.max_tokens=96",
+        "--set",
+        "online.max_new_tokens=16",
+        "--set",
+        "online.prompts_per_step=16",
+        "--set",
+        "online.eval_prompts=0",
+        "--set",
+        "train.max_steps=24",
+        "--set",
+        "train.eval_every=24",
+        "--set",
+        "frontier.prompts=''",
+    ]);
+    assert!(ok, "{err}");
+    // Measured: 0.106 -> 0.644 of 2 in 24 steps (4 s).
+    let rewards = evals(&out);
+    let (before, after) = (rewards[0], *rewards.last().unwrap());
+    assert!(after > before + 0.3, "held-out reward {before} -> {after}");
+    for row in steps(&out) {
+        assert_eq!(number(&row, "env/turns"), 3.0, "{row}");
+        assert!(number(&row, "env/observation_tokens") > 20.0, "{row}");
+    }
+}

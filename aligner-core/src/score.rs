@@ -17,6 +17,9 @@ pub struct ScoredSequence {
     pub ids: Vec<u32>,
     /// Number of leading ids that belong to the prompt.
     pub prompt_len: usize,
+    /// Which response tokens (`ids[prompt_len + j]`) an environment wrote in a multi-turn
+    /// episode: masked from every log-prob sum, as they are not the model's. Empty: none.
+    pub observed: Vec<bool>,
 }
 
 impl ScoredSequence {
@@ -24,7 +27,20 @@ impl ScoredSequence {
     pub fn encode(tokenizer: &TextTokenizer, prompt: &str, response: &str) -> Result<Self> {
         let ids = tokenizer.encode(&format!("{prompt}{response}"), true)?;
         let prompt_len = tokenizer.encode(prompt, true)?.len().min(ids.len());
-        Ok(Self { ids, prompt_len })
+        Ok(Self {
+            ids,
+            prompt_len,
+            observed: Vec::new(),
+        })
+    }
+
+    /// Whether the token at `t` (`t ≥ max(prompt_len, 1)`) counts in the response's log-prob:
+    /// the model's own, not an observation.
+    pub fn scores(&self, t: usize) -> bool {
+        !t.checked_sub(self.prompt_len)
+            .and_then(|j| self.observed.get(j))
+            .copied()
+            .unwrap_or(false)
     }
 
     /// Keeps the first `max_len` tokens; an error when that cuts away every response token
@@ -41,12 +57,14 @@ impl ScoredSequence {
             )));
         }
         self.prompt_len = self.prompt_len.min(self.ids.len() - 1);
+        self.observed.truncate(self.ids.len() - self.prompt_len);
         Ok(())
     }
 
     /// Number of response tokens that are scored (the first token has no context).
     pub fn n_response_tokens(&self) -> usize {
-        self.ids.len() - self.prompt_len.max(1).min(self.ids.len())
+        let first = self.prompt_len.max(1).min(self.ids.len());
+        (first..self.ids.len()).filter(|&t| self.scores(t)).count()
     }
 }
 
@@ -101,8 +119,11 @@ pub fn response_logprobs(
             let row = &logprobs[i * (width - 1)..(i + 1) * (width - 1)];
             // Entry t-1 is log p(ids[t] | ids[..t]).
             let first = seq.prompt_len.max(1);
+            // An observation's token counts 0 (it is not the model's).
             out.push(ResponseLogprobs {
-                token_logprobs: (first..seq.ids.len()).map(|t| row[t - 1]).collect(),
+                token_logprobs: (first..seq.ids.len())
+                    .map(|t| if seq.scores(t) { row[t - 1] } else { 0.0 })
+                    .collect(),
             });
         }
     }
@@ -120,10 +141,10 @@ pub fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<
     let mut counts = Vec::with_capacity(n);
     for (i, s) in seqs.iter().enumerate() {
         let first = s.prompt_len.max(1);
-        for t in first..s.ids.len() {
+        for t in (first..s.ids.len()).filter(|&t| s.scores(t)) {
             mask[i * (width - 1) + t - 1] = 1.0;
         }
-        counts.push(s.ids.len().saturating_sub(first).max(1) as f32);
+        counts.push(s.n_response_tokens().max(1) as f32);
     }
     let mask = Tensor::<2>::from_data(TensorData::new(mask, [n, width - 1]), &device);
     let sums = (model.token_logprobs(tokens) * mask).sum_dim(1).reshape([n]);
@@ -183,6 +204,7 @@ mod tests {
         let seq = || ScoredSequence {
             ids: (0..10).collect(),
             prompt_len: 6,
+            observed: Vec::new(),
         };
         let mut kept = seq();
         kept.truncate(8).unwrap();
@@ -199,8 +221,38 @@ mod tests {
         let mut empty = ScoredSequence {
             ids: (0..6).collect(),
             prompt_len: 6,
+            observed: Vec::new(),
         };
         empty.truncate(4).unwrap();
         assert_eq!((empty.ids.len(), empty.prompt_len), (4, 3));
+    }
+
+    /// A multi-turn episode's observation tokens count in no log-prob: the summed log-probs
+    /// (with gradients or not) and the token counts are the model's own tokens' only, equal to
+    /// the plain sequence's sums less the observations' log-probs; truncation cuts the marks.
+    #[test]
+    fn observation_tokens_are_left_out_of_every_logprob() {
+        let device = Device::flex();
+        let lm = crate::LoadedModel::from_dir(&crate::default_model_dir().unwrap(), &device).unwrap();
+        let plain = ScoredSequence {
+            ids: vec![1, 403, 407, 261, 378, 17, 80, 341, 29, 11, 90, 33],
+            prompt_len: 4,
+            observed: Vec::new(),
+        };
+        // Response tokens 2..5 are an environment's reply.
+        let mut episode = plain.clone();
+        episode.observed = vec![false, false, true, true, true, false, false, false];
+        let per_token = &response_logprobs(&lm.model, std::slice::from_ref(&plain), 4).unwrap()[0];
+        let observed: f64 = per_token.token_logprobs[2..5].iter().map(|&v| v as f64).sum();
+        let masked = &response_logprobs(&lm.model, std::slice::from_ref(&episode), 4).unwrap()[0];
+        assert!((masked.total() - (per_token.total() - observed)).abs() < 1e-4);
+        assert!(masked.token_logprobs[2..5].iter().all(|&v| v == 0.0));
+        let (sums, counts) = sequence_logprobs(&lm.model, &[&plain, &episode]);
+        let sums: Vec<f32> = sums.into_data().try_to_vec().unwrap();
+        assert!(((sums[1] - sums[0]) as f64 + observed).abs() < 1e-4, "{sums:?}");
+        assert_eq!(counts, vec![8.0, 5.0]);
+        assert_eq!(episode.n_response_tokens(), 5);
+        episode.truncate(7).unwrap();
+        assert_eq!((episode.observed.len(), episode.n_response_tokens()), (3, 2));
     }
 }

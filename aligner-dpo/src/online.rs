@@ -19,9 +19,10 @@ use aligner_core::train::{
     Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, Device};
+use aligner_gen::env::{Environment, EnvironmentSection, EpisodeStart, EpisodeStats, run_episodes};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{
-    Engine, EngineOptions, Generation, GenerationRequest, RewardInput, RewardSpecs, Rewards, SamplingParams,
+    Engine, EngineOptions, GenerationRequest, RewardInput, RewardSpecs, Rewards, SamplingParams,
 };
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -135,6 +136,15 @@ pub struct OnlineDpoConfig {
     #[serde(skip_serializing_if = "RewardSpecs::is_empty")]
     pub reward: RewardSpecs,
     pub frontier: aligner_gen::FrontierSection,
+    /// `[environment]`: each answer a multi-turn episode (an environment's replies or tool
+    /// results between the model's turns), scored by its turn rewards plus any `[[reward]]`;
+    /// the pair's observations are masked from the DPO log-probs.
+    #[serde(skip_serializing_if = "environment_is_off")]
+    pub environment: aligner_gen::env::EnvironmentSection,
+}
+
+fn environment_is_off(section: &aligner_gen::env::EnvironmentSection) -> bool {
+    !section.enabled()
 }
 
 impl Default for OnlineDpoConfig {
@@ -148,6 +158,7 @@ impl Default for OnlineDpoConfig {
             online: OnlineSection::default(),
             reward: RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            environment: aligner_gen::env::EnvironmentSection::default(),
         }
     }
 }
@@ -208,8 +219,12 @@ pub fn train(
         config.reward_model.path.as_deref(),
         "online DPO has no other use for it",
     )?;
+    let env = config.environment.build()?;
     run.start_with_steps(config, &["reward_model"])?;
-    let rewards = if config.reward.is_empty() {
+    let rewards = if env.is_some() && config.reward.is_empty() {
+        // The environment's rewards alone: no reward model.
+        Rewards::new(Vec::new())
+    } else if config.reward.is_empty() {
         let dir = match &config.reward_model.path {
             Some(path) => path.clone(),
             None => run.earlier_step("reward_model", "config.json", |rm_run| {
@@ -221,7 +236,10 @@ pub fn train(
     } else {
         config.reward.build(device)?
     };
-    let lm = load_model(&config.model, device)?;
+    let mut lm = load_model(&config.model, device)?;
+    if let Some(tools) = config.environment.tools_json() {
+        lm.tokenizer = lm.tokenizer.with_tools(tools);
+    }
     aligner_core::train::check_new_tokens(&[("online.max_new_tokens", on.max_new_tokens)], &lm.config)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
     let context = lm.config.max_position_embeddings;
@@ -247,6 +265,8 @@ pub fn train(
             config: on,
             tokenizer: &lm.tokenizer,
             rewards: &rewards,
+            env: env.as_deref(),
+            environment: &config.environment,
         },
         llama: &lm.config,
         train: &config.train,
@@ -359,7 +379,11 @@ impl Method<CausalLm> for OnlineStep<'_> {
             .wrapping_mul(1_000_003)
             .wrapping_add(step as u64 * 100_000);
         let engine = made(&mut self.engine)?;
-        let (sampled, scores) = self.sampler.sample(engine, &prompts, 2, seed)?;
+        let Drawn {
+            sequences: sampled,
+            scores,
+            episodes: stats,
+        } = self.sampler.sample(engine, &prompts, 2, seed)?;
         let mut examples = Vec::new();
         for (pair, s) in sampled.chunks(2).zip(scores.chunks(2)) {
             if let Some(p) = prefer(s[0], s[1]) {
@@ -373,6 +397,9 @@ impl Method<CausalLm> for OnlineStep<'_> {
             }
         }
         let mut row = Map::new();
+        if let Some(stats) = stats {
+            row.extend(stats.metrics());
+        }
         row.insert("reward".into(), mean(&scores).into());
         row.insert("pairs".into(), examples.len().into());
         let lr = learning_rate(train.schedule, train.lr, step, train.warmup_steps, self.steps);
@@ -422,7 +449,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
         if !self.eval_set.is_empty() {
             let engine = made(&mut self.engine)?;
             engine.refit(policy)?;
-            let (_, scores) = self.sampler.sample(engine, &self.eval_set, 1, 0xe7a1)?;
+            let scores = self.sampler.sample(engine, &self.eval_set, 1, 0xe7a1)?.scores;
             out.insert("eval_reward".into(), mean(&scores).into());
             self.last = Some(mean(&scores));
         }
@@ -437,22 +464,27 @@ impl Method<CausalLm> for OnlineStep<'_> {
     }
 }
 
-/// Draws answers from the engine and scores them.
+/// Draws answers from the engine (or episodes, with an environment) and scores them.
 struct Sampler<'a> {
     config: &'a OnlineSection,
     tokenizer: &'a aligner_core::TextTokenizer,
+    /// `[[reward]]` functions or the reward model; none when an environment's rewards are the
+    /// only ones.
     rewards: &'a Rewards,
+    env: Option<&'a dyn Environment>,
+    environment: &'a EnvironmentSection,
 }
 
 impl Sampler<'_> {
-    /// `n` answers per prompt (in prompt order) as scored sequences, and their rewards.
+    /// `n` answers per prompt (in prompt order) as scored sequences (an episode's
+    /// observations marked), their rewards, and the episodes' statistics.
     fn sample(
         &self,
         engine: &mut Engine,
         prompts: &[&EncodedPrompt],
         n: usize,
         seed: u64,
-    ) -> Result<(Vec<ScoredSequence>, Vec<f64>), DpoError> {
+    ) -> Result<Drawn, DpoError> {
         let params = SamplingParams {
             temperature: self.config.temperature,
             seed,
@@ -460,7 +492,34 @@ impl Sampler<'_> {
             ..SamplingParams::default()
         };
         let requests = GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), n, &params);
-        let outputs: Vec<Generation> = engine.generate(&requests)?;
+        let (outputs, episodes) = match self.env {
+            None => (engine.generate(&requests)?, None),
+            Some(env) => {
+                let starts: Vec<EpisodeStart<'_>> = requests
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| EpisodeStart {
+                        prompt_ids: &r.prompt_ids,
+                        prompt: &prompts[i / n].text,
+                        metadata: &prompts[i / n].fields,
+                        params: SamplingParams {
+                            stop_strings: self.environment.stop_strings.clone(),
+                            ..r.params.clone()
+                        },
+                    })
+                    .collect();
+                let episodes = run_episodes(
+                    &starts,
+                    seed,
+                    &self.environment.limits(self.config.max_new_tokens),
+                    self.tokenizer,
+                    &mut |r| engine.generate(r),
+                    &mut |turns| Ok(env.step(turns)),
+                )?;
+                let outputs = episodes.iter().map(|e| e.generation.clone()).collect();
+                (outputs, Some(episodes))
+            }
+        };
         let texts: Vec<String> = requests
             .iter()
             .zip(&outputs)
@@ -481,10 +540,34 @@ impl Sampler<'_> {
                 }
             })
             .collect();
-        let scores = self.rewards.score_parts(&inputs)?.total;
-        let sequences = requests.iter().zip(&outputs).map(|(r, o)| o.scored(r)).collect();
-        Ok((sequences, scores))
+        let mut scores = match self.rewards.is_empty() {
+            true => vec![0.0; inputs.len()],
+            false => self.rewards.score_parts(&inputs)?.total,
+        };
+        let mut sequences: Vec<ScoredSequence> =
+            requests.iter().zip(&outputs).map(|(r, o)| o.scored(r)).collect();
+        let stats = episodes.map(|episodes| {
+            let penalty = self.environment.error_penalty;
+            for ((score, seq), e) in scores.iter_mut().zip(&mut sequences).zip(&episodes) {
+                *score += e.reward() + if e.error.is_some() { penalty } else { 0.0 };
+                seq.observed = e.observed.clone();
+            }
+            EpisodeStats::of(&episodes)
+        });
+        Ok(Drawn {
+            sequences,
+            scores,
+            episodes: stats,
+        })
     }
+}
+
+/// What [`Sampler::sample`] drew.
+struct Drawn {
+    sequences: Vec<ScoredSequence>,
+    scores: Vec<f64>,
+    /// The episodes' statistics, with an environment.
+    episodes: Option<EpisodeStats>,
 }
 
 fn mean(xs: &[f64]) -> f64 {

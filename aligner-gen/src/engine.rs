@@ -80,6 +80,7 @@ impl Generation {
                 .copied()
                 .collect(),
             prompt_len: request.prompt_ids.len(),
+            observed: Vec::new(),
         }
     }
 }

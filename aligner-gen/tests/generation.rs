@@ -214,6 +214,7 @@ fn engine_logprobs_equal_the_scoring_path() {
             .map(|(r, o)| ScoredSequence {
                 ids: r.prompt_ids.iter().chain(&o.token_ids).copied().collect(),
                 prompt_len: r.prompt_ids.len(),
+                observed: Vec::new(),
             })
             .collect();
         let scored = response_logprobs(&lm.model, &seqs, 4).unwrap();
@@ -404,6 +405,7 @@ fn refit_takes_new_weights_in_place() {
             .map(|(r, o)| ScoredSequence {
                 ids: r.prompt_ids.iter().chain(&o.token_ids).copied().collect(),
                 prompt_len: r.prompt_ids.len(),
+                observed: Vec::new(),
             })
             .collect();
         let scored = response_logprobs(&burn::module::Module::valid(&policy), &seqs, 4).unwrap();

@@ -412,23 +412,7 @@ impl Sampler<'_> {
 /// A step's episode metrics: turns, tool calls and tool errors per episode, episodes a
 /// failing environment ended, observation tokens, the environment's reward per turn.
 pub(crate) fn episode_metrics(metrics: &mut Map<String, Value>, episodes: &[Episode]) {
-    let stats = EpisodeStats::of(episodes);
-    for (key, value) in [
-        ("env/turns", stats.turns),
-        ("env/tool_calls", stats.tool_calls),
-        ("env/tool_errors", stats.tool_errors),
-        ("env/errors", stats.env_errors),
-        ("env/observation_tokens", stats.observation_tokens),
-        ("env/reward_per_turn", stats.reward_per_turn),
-    ] {
-        metrics.insert(key.into(), value.into());
-    }
-    if let Some(why) = stats.first_error {
-        tracing::warn!(
-            errors = stats.env_errors + stats.tool_errors,
-            "episodes ended by a failure (their reward as configured by environment.error_penalty); the first: {why}"
-        );
-    }
+    metrics.extend(EpisodeStats::of(episodes).metrics());
 }
 
 fn mean(xs: &[f32]) -> f64 {

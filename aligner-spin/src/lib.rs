@@ -490,6 +490,7 @@ mod tests {
         let sequence = |n: u32| ScoredSequence {
             ids: (0..n).collect(),
             prompt_len: 2,
+            observed: Vec::new(),
         };
         let example = |reference: Option<(f32, f32)>| DpoExample {
             chosen: sequence(5),

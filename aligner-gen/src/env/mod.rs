@@ -318,6 +318,29 @@ impl EpisodeStats {
                 .find_map(|e| e.error.as_ref().map(|e| e.reason.clone())),
         }
     }
+
+    /// The metrics a training step logs (`env/turns`, `env/tool_calls`, `env/tool_errors`,
+    /// `env/errors`, `env/observation_tokens`, `env/reward_per_turn`); warns with the first
+    /// failure's reason when episodes failed.
+    pub fn metrics(&self) -> serde_json::Map<String, Value> {
+        if let Some(why) = &self.first_error {
+            tracing::warn!(
+                errors = self.env_errors + self.tool_errors,
+                "episodes ended by a failure (their reward as configured by environment.error_penalty); the first: {why}"
+            );
+        }
+        [
+            ("env/turns", self.turns),
+            ("env/tool_calls", self.tool_calls),
+            ("env/tool_errors", self.tool_errors),
+            ("env/errors", self.env_errors),
+            ("env/observation_tokens", self.observation_tokens),
+            ("env/reward_per_turn", self.reward_per_turn),
+        ]
+        .into_iter()
+        .map(|(key, value)| (key.to_string(), value.into()))
+        .collect()
+    }
 }
 
 /// `[environment]`: where the model acts over several turns. Off unless `command`, `url` or

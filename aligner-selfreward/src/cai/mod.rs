@@ -438,6 +438,7 @@ pub fn train(
                     online: config.online.clone(),
                     reward: Default::default(),
                     frontier: FrontierSection::default(),
+                    environment: Default::default(),
                 };
                 aligner_dpo::online::train(&online, registry, &final_run, device)?;
             }
