@@ -19,7 +19,7 @@ use aligner_core::train::{
     Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, Device};
-use aligner_gen::env::{Environment, EnvironmentSection, EpisodeStart, EpisodeStats, run_episodes};
+use aligner_gen::env::{Environment, EnvironmentSection, EpisodeStats, run_episodes};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{
     Engine, EngineOptions, GenerationRequest, RewardInput, RewardSpecs, Rewards, SamplingParams,
@@ -495,19 +495,7 @@ impl Sampler<'_> {
         let (outputs, episodes) = match self.env {
             None => (engine.generate(&requests)?, None),
             Some(env) => {
-                let starts: Vec<EpisodeStart<'_>> = requests
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| EpisodeStart {
-                        prompt_ids: &r.prompt_ids,
-                        prompt: &prompts[i / n].text,
-                        metadata: &prompts[i / n].fields,
-                        params: SamplingParams {
-                            stop_strings: self.environment.stop_strings.clone(),
-                            ..r.params.clone()
-                        },
-                    })
-                    .collect();
+                let starts = self.environment.starts(&requests, |i| prompts[i / n]);
                 let episodes = run_episodes(
                     &starts,
                     seed,

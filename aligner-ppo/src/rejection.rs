@@ -13,7 +13,7 @@ use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::sft::{SftExample, SftObjective, SftRow};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
-use aligner_gen::env::{EpisodeStart, run_episodes};
+use aligner_gen::env::run_episodes;
 use aligner_gen::{Engine, GenerationRequest, RewardInput, Rewards, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
@@ -276,19 +276,7 @@ impl RejectionSampling<'_> {
                 let (outputs, episodes) = match self.env {
                     None => (engine.generate(requests)?, None),
                     Some(env) => {
-                        let starts: Vec<EpisodeStart<'_>> = requests
-                            .iter()
-                            .zip(&owners)
-                            .map(|(r, p)| EpisodeStart {
-                                prompt_ids: &r.prompt_ids,
-                                prompt: &p.text,
-                                metadata: &p.fields,
-                                params: SamplingParams {
-                                    stop_strings: self.config.environment.stop_strings.clone(),
-                                    ..r.params.clone()
-                                },
-                            })
-                            .collect();
+                        let starts = self.config.environment.starts(requests, |i| owners[i]);
                         let episodes = run_episodes(
                             &starts,
                             seed.wrapping_add(first),

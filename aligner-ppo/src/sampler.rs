@@ -11,7 +11,7 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::{map_balanced, map_sharded};
 use aligner_core::run::RunDir;
 use aligner_core::train::EpochOrder;
-use aligner_gen::env::{Environment, Episode, EpisodeStart, EpisodeStats, run_episodes};
+use aligner_gen::env::{Environment, Episode, EpisodeStats, run_episodes};
 use aligner_gen::{
     GenError, Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason, WorkerPool,
 };
@@ -242,22 +242,7 @@ impl Sampler<'_> {
         };
         let section = &self.config.environment;
         let group = requests.len() / prompts.len().max(1);
-        let starts: Vec<EpisodeStart<'_>> = requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let owner = prompts[(i / group.max(1)).min(prompts.len() - 1)];
-                EpisodeStart {
-                    prompt_ids: &r.prompt_ids,
-                    prompt: &owner.text,
-                    metadata: &owner.fields,
-                    params: SamplingParams {
-                        stop_strings: section.stop_strings.clone(),
-                        ..r.params.clone()
-                    },
-                }
-            })
-            .collect();
+        let starts = section.starts(requests, |i| prompts[(i / group.max(1)).min(prompts.len() - 1)]);
         let mut per_rank: Vec<f64> = Vec::new();
         let comm = self.run.comm();
         let episodes = run_episodes(

@@ -399,6 +399,31 @@ impl EnvironmentSection {
         !self.command.is_empty() || self.url.is_some() || !self.tools.is_empty()
     }
 
+    /// The episodes of `requests`, request `i` started from the prompt row `owner(i)` (its
+    /// text and fields go to the environment), each turn ending at the section's stop strings.
+    pub fn starts<'a>(
+        &self,
+        requests: &'a [GenerationRequest],
+        owner: impl Fn(usize) -> &'a aligner_core::data::EncodedPrompt,
+    ) -> Vec<EpisodeStart<'a>> {
+        requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let row = owner(i);
+                EpisodeStart {
+                    prompt_ids: &r.prompt_ids,
+                    prompt: &row.text,
+                    metadata: &row.fields,
+                    params: SamplingParams {
+                        stop_strings: self.stop_strings.clone(),
+                        ..r.params.clone()
+                    },
+                }
+            })
+            .collect()
+    }
+
     /// The environment, or `None` when the section is off; refuses settings it cannot run
     /// with, naming the key.
     pub fn build(&self) -> std::result::Result<Option<Box<dyn Environment>>, aligner_core::CoreError> {
