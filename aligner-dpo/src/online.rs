@@ -19,7 +19,7 @@ use aligner_core::train::{
     Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, Device};
-use aligner_gen::env::{Environment, EnvironmentSection, EpisodeStats, run_episodes};
+use aligner_gen::env::{Environment, EnvironmentSection, EpisodeStats};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{
     Engine, EngineOptions, GenerationRequest, RewardInput, RewardSpecs, Rewards, SamplingParams,
@@ -495,14 +495,14 @@ impl Sampler<'_> {
         let (outputs, episodes) = match self.env {
             None => (engine.generate(&requests)?, None),
             Some(env) => {
-                let starts = self.environment.starts(&requests, |i| prompts[i / n]);
-                let episodes = run_episodes(
-                    &starts,
-                    seed,
-                    &self.environment.limits(self.config.max_new_tokens),
+                let episodes = self.environment.run(
+                    env,
+                    engine,
                     self.tokenizer,
-                    &mut |r| engine.generate(r),
-                    &mut |turns| Ok(env.step(turns)),
+                    &requests,
+                    |i| prompts[i / n],
+                    seed,
+                    self.config.max_new_tokens,
                 )?;
                 let outputs = episodes.iter().map(|e| e.generation.clone()).collect();
                 (outputs, Some(episodes))

@@ -13,7 +13,6 @@ use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::sft::{SftExample, SftObjective, SftRow};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
-use aligner_gen::env::run_episodes;
 use aligner_gen::{Engine, GenerationRequest, RewardInput, Rewards, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
@@ -276,14 +275,14 @@ impl RejectionSampling<'_> {
                 let (outputs, episodes) = match self.env {
                     None => (engine.generate(requests)?, None),
                     Some(env) => {
-                        let starts = self.config.environment.starts(requests, |i| owners[i]);
-                        let episodes = run_episodes(
-                            &starts,
-                            seed.wrapping_add(first),
-                            &self.config.environment.limits(cfg.max_new_tokens),
+                        let episodes = self.config.environment.run(
+                            env,
+                            engine,
                             self.tokenizer,
-                            &mut |r| engine.generate(r),
-                            &mut |turns| Ok(env.step(turns)),
+                            requests,
+                            |i| owners[i],
+                            seed.wrapping_add(first),
+                            cfg.max_new_tokens,
                         )?;
                         let outputs = episodes.iter().map(|e| e.generation.clone()).collect();
                         (outputs, Some(episodes))

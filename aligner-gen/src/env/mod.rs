@@ -424,6 +424,30 @@ impl EnvironmentSection {
             .collect()
     }
 
+    /// Runs `requests` as episodes in `env` on `engine` in this process ([`Self::starts`],
+    /// [`run_episodes`] within the section's limits, `max_new_tokens` a turn unless
+    /// `turn_max_new_tokens` says otherwise; episode ids from `first_id`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<'a>(
+        &self,
+        env: &dyn Environment,
+        engine: &mut crate::Engine,
+        tokenizer: &TextTokenizer,
+        requests: &'a [GenerationRequest],
+        owner: impl Fn(usize) -> &'a aligner_core::data::EncodedPrompt,
+        first_id: u64,
+        max_new_tokens: usize,
+    ) -> Result<Vec<Episode>> {
+        run_episodes(
+            &self.starts(requests, owner),
+            first_id,
+            &self.limits(max_new_tokens),
+            tokenizer,
+            &mut |r| engine.generate(r),
+            &mut |turns| Ok(env.step(turns)),
+        )
+    }
+
     /// The environment, or `None` when the section is off; refuses settings it cannot run
     /// with, naming the key.
     pub fn build(&self) -> std::result::Result<Option<Box<dyn Environment>>, aligner_core::CoreError> {
