@@ -91,6 +91,7 @@ fn sampling_params(args: &GenerateArgs, i: usize) -> SamplingParams {
         seed: args.seed.wrapping_add(i as u64),
         max_new_tokens: args.max_new_tokens,
         stop_strings: args.stop.clone(),
+        keep_cache: false,
     }
 }
 

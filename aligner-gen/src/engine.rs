@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{GenError, Result};
 use crate::options::{EngineStats, ForwardPath};
-use crate::runner::{Logits, Runner};
+use crate::runner::{Logits, ParkedRow, Runner};
 use crate::sampling::{
     DeviceRow, SamplingParams, device_uniform, guided_logits, log_prob, sample, sample_on_device,
 };
@@ -147,6 +147,10 @@ pub struct Engine {
     options: EngineOptions,
     runner: Runner,
     stats: EngineStats,
+    /// Finished sequences kept for a continuing request ([`SamplingParams::keep_cache`]): the
+    /// tokens whose keys and values are cached, and those keys and values. They live until
+    /// the end of the next `generate` call, and no refit outlives them.
+    parked: Vec<(Vec<u32>, ParkedRow)>,
 }
 
 /// A running sequence in a cache row.
@@ -203,6 +207,7 @@ impl Engine {
             stats: EngineStats::default(),
             model,
             runner,
+            parked: Vec::new(),
         };
         if let Some(len) = engine.options.cache_len {
             let slots = engine.slots();
@@ -265,6 +270,7 @@ impl Engine {
             },
             runner: self.runner.replica(),
             stats: EngineStats::default(),
+            parked: Vec::new(),
         }
     }
 
@@ -310,6 +316,8 @@ impl Engine {
         }
         self.runner.take_weights(&model, &self.config)?;
         self.model = model;
+        // Keys and values of the old weights.
+        self.parked.clear();
         Ok(())
     }
 
@@ -317,6 +325,7 @@ impl Engine {
     pub(crate) fn share_weights(&mut self, other: &Engine) -> Result<()> {
         self.runner.share_weights(&other.runner)?;
         self.model = other.model.clone();
+        self.parked.clear();
         Ok(())
     }
 
@@ -386,6 +395,8 @@ impl Engine {
         let mut active: Vec<Slot> = Vec::new();
         let mut exhausted = false;
         let reencode_at = self.reencode_at();
+        // What the last call kept: taken by the requests that continue it, dropped after.
+        let mut kept = std::mem::take(&mut self.parked);
         loop {
             while !exhausted && active.len() < slots {
                 let mut new = Vec::new();
@@ -411,13 +422,27 @@ impl Engine {
                     self.stats.admitted_mid_batch += new.len();
                 }
                 let mut prompts: Vec<&[u32]> = Vec::with_capacity(new_rows);
+                let mut reused: Vec<Option<ParkedRow>> = Vec::with_capacity(new_rows);
                 for &i in &new {
                     let request = &requests[i];
                     let row = active.len();
                     prompts.push(&request.prompt_ids);
+                    // The longest kept sequence this prompt continues.
+                    let continued = kept
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (tokens, _))| {
+                            tokens.len() < request.prompt_ids.len() && request.prompt_ids.starts_with(tokens)
+                        })
+                        .max_by_key(|(_, (tokens, _))| tokens.len())
+                        .map(|(k, _)| k);
+                    let parked = continued.map(|k| kept.swap_remove(k).1);
+                    self.stats.reused_positions += parked.as_ref().map_or(0, |p| p.len);
+                    reused.push(parked);
                     active.push(Slot::new(i, &request.params, request.prompt_ids.len()));
                     if let Some(guidance) = &request.guidance {
                         prompts.push(&guidance.negative_prompt_ids);
+                        reused.push(None);
                         active[row].partner = Some(row + 1);
                         let mut negative = Slot::new(i, &request.params, guidance.negative_prompt_ids.len());
                         negative.partner = Some(row);
@@ -425,7 +450,7 @@ impl Engine {
                         active.push(negative);
                     }
                 }
-                let logits = self.runner.prefill(&prompts);
+                let logits = self.runner.prefill(&prompts, &reused);
                 self.sample_rows(logits, first_row, requests, &mut active, max_positions, done)?;
             }
             if active.is_empty() {
@@ -606,6 +631,21 @@ impl Engine {
         finished.sort_unstable();
         // Highest row first: the last row fills each gap, and it is never a finished one.
         for &row in finished.iter().rev() {
+            let slot = &active[row];
+            let request = &requests[slot.request];
+            // A sequence another request will continue: its cached positions (the prompt and
+            // every sampled token but the last, which was never fed) are kept. Not across
+            // LongRoPE's switch of factors, which recomputes a sequence whole.
+            if request.params.keep_cache
+                && request.guidance.is_none()
+                && self.reencode_at().is_none()
+                && let Some(parked) = self.runner.park(row, slot.next_pos)
+            {
+                let mut tokens = request.prompt_ids.clone();
+                tokens.extend(&slot.out.token_ids);
+                tokens.truncate(slot.next_pos);
+                self.parked.push((tokens, parked));
+            }
             self.runner.remove_row(row);
             let slot = active.swap_remove(row);
             if let Some(partner) = active.get(row).and_then(|moved| moved.partner) {

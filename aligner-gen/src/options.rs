@@ -27,4 +27,7 @@ pub struct EngineStats {
     pub shifts: usize,
     /// Cache (re)allocations.
     pub allocations: usize,
+    /// Cached positions a prompt took from the sequence it continues instead of computing
+    /// them ([`crate::SamplingParams::keep_cache`]).
+    pub reused_positions: usize,
 }

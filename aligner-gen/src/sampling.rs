@@ -23,6 +23,10 @@ pub struct SamplingParams {
     pub max_new_tokens: usize,
     /// Generation stops once the decoded response contains one of these.
     pub stop_strings: Vec<String>,
+    /// Keep the finished sequence's KV cache in the engine until its next `generate` call, for
+    /// a request whose prompt continues this sequence (a multi-turn episode's next turn): that
+    /// request prefills only its new tokens (the host path; the Burn path prefills whole).
+    pub keep_cache: bool,
 }
 
 /// A [`SamplingParams`] field whose value no sampler can use: which, what it was, and what it
@@ -49,6 +53,7 @@ impl Default for SamplingParams {
             seed: 0,
             max_new_tokens: 128,
             stop_strings: Vec::new(),
+            keep_cache: false,
         }
     }
 }

@@ -548,3 +548,52 @@ fn prompts_beyond_one_prefill_pass_are_split_between_passes() {
         );
     }
 }
+
+/// A multi-turn episode's next turn (`SamplingParams::keep_cache`): a prompt that continues a
+/// kept sequence (its prompt and output, then an "observation") starts from that sequence's
+/// cached keys and values and computes only the new tokens on the host path — the same greedy
+/// tokens and log-probs (1e-4) as a fresh engine computing it whole, beside another prompt. The
+/// Burn path prefills whole. Nothing kept outlives the next call or a refit.
+#[test]
+fn a_continued_sequence_reuses_its_cache_and_samples_the_same_tokens() {
+    let lm = shipped();
+    let prompt = lm.tokenizer.encode("Once upon a time, Lily", true).unwrap();
+    let observation = lm.tokenizer.encode(" Mom said, \"Tell me about the ball.\"", false).unwrap();
+    for path in PATHS {
+        let mut kept = engine(&lm, 4, path).with_eos_ids(vec![]);
+        let first = GenerationRequest::new(
+            prompt.clone(),
+            SamplingParams {
+                keep_cache: true,
+                ..SamplingParams::greedy(20)
+            },
+        );
+        let out = kept.generate(std::slice::from_ref(&first)).unwrap();
+        let mut continued = prompt.clone();
+        continued.extend(&out[0].token_ids);
+        continued.extend(&observation);
+        let next = GenerationRequest::new(continued.clone(), SamplingParams::greedy(20));
+        let other = GenerationRequest::new(vec![1, 7, 7, 3], SamplingParams::greedy(10));
+        let got = kept.generate(&[other.clone(), next.clone()]).unwrap();
+        // Every position but the last sampled token's (never fed) came from the cache.
+        let reused = kept.stats().reused_positions;
+        let expected = if path == ForwardPath::Host { prompt.len() + 19 } else { 0 };
+        assert_eq!(reused, expected, "{path:?}");
+        let fresh = engine(&lm, 4, path)
+            .with_eos_ids(vec![])
+            .generate(&[other, next.clone()])
+            .unwrap();
+        assert_eq!(got[1].token_ids, fresh[1].token_ids, "{path:?}");
+        for (a, b) in got[1].token_logprobs.iter().zip(&fresh[1].token_logprobs) {
+            assert!((a - b).abs() < 1e-4, "{path:?}: {a} against {b}");
+        }
+        // Kept only until the next call: the same continuation again computes it whole.
+        kept.generate(std::slice::from_ref(&next)).unwrap();
+        assert_eq!(kept.stats().reused_positions, reused, "{path:?}");
+        // A refit drops what was kept (its keys and values are the old weights').
+        kept.generate(std::slice::from_ref(&first)).unwrap();
+        kept.refit(&lm.model).unwrap();
+        kept.generate(std::slice::from_ref(&next)).unwrap();
+        assert_eq!(kept.stats().reused_positions, reused, "{path:?}");
+    }
+}

@@ -112,7 +112,7 @@ impl Sampler<'_> {
             top_p: cfg.top_p,
             seed: base,
             max_new_tokens: cfg.max_new_tokens,
-            stop_strings: Vec::new(),
+            ..SamplingParams::default()
         };
         GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), samples, &params)
     }

@@ -207,6 +207,9 @@ pub fn run_episodes(
                             .params
                             .seed
                             .wrapping_add((turn as u64).wrapping_mul(0x9e37_79b9)),
+                        // The next turn continues this sequence: its cache is kept, and only
+                        // the observation is computed then.
+                        keep_cache: turn + 1 < limits.max_turns,
                         ..start.params.clone()
                     },
                 )

@@ -350,6 +350,44 @@ impl HostCache {
         self.layout.capacity
     }
 
+    /// Row `row`'s first `len` positions of every layer, copied out.
+    pub(crate) fn park(&self, row: usize, len: usize) -> ParkedRow {
+        let copy = |buffers: &[Vec<f32>], kind| -> Vec<Vec<f32>> {
+            buffers
+                .iter()
+                .map(|buffer| {
+                    let mut out = Vec::new();
+                    for (start, n) in self.layout.runs(kind, row, len) {
+                        out.extend_from_slice(&buffer[start..start + n]);
+                    }
+                    out
+                })
+                .collect()
+        };
+        ParkedRow {
+            keys: copy(&self.keys, CacheBuffer::Keys),
+            values: copy(&self.values, CacheBuffer::Values),
+            len,
+        }
+    }
+
+    /// Writes `parked`'s positions into row `row` (its first `parked.len` positions).
+    pub(crate) fn restore(&mut self, row: usize, parked: &ParkedRow) {
+        let layout = self.layout;
+        for (buffers, saved, kind) in [
+            (&mut self.keys, &parked.keys, CacheBuffer::Keys),
+            (&mut self.values, &parked.values, CacheBuffer::Values),
+        ] {
+            for (buffer, saved) in buffers.iter_mut().zip(saved) {
+                let mut at = 0;
+                for (start, n) in layout.runs(kind, row, parked.len) {
+                    buffer[start..start + n].copy_from_slice(&saved[at..at + n]);
+                    at += n;
+                }
+            }
+        }
+    }
+
     /// Copies row `from`'s written positions over row `to`.
     pub(crate) fn move_row(&mut self, from: usize, to: usize) {
         let (layout, len) = (self.layout, self.lens[from]);
@@ -365,6 +403,14 @@ impl HostCache {
         }
         self.lens[to] = self.lens[from];
     }
+}
+
+/// A finished sequence's cached keys and values (every layer, its first `len` positions),
+/// kept for a request that continues it.
+pub(crate) struct ParkedRow {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    pub(crate) len: usize,
 }
 
 /// Shared weights and a cache: what the engine's host path holds.

@@ -13,6 +13,7 @@ use aligner_parallel::fused::infer::LANES;
 
 use self::burn::BurnRunner;
 use self::forward::forward;
+pub(crate) use self::host::ParkedRow;
 use self::host::{HostCache, HostRunner, HostWeights};
 use crate::error::{GenError, Result};
 use crate::options::{EngineStats, ForwardPath};
@@ -144,8 +145,19 @@ impl Runner {
         }
     }
 
-    /// Puts `prompts` into the next free rows; returns each one's next-token logits.
-    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Logits {
+    /// Copies running row `row`'s first `len` cached positions out (the host path; `None` on
+    /// the Burn path, whose rows share one write cursor).
+    pub(crate) fn park(&self, row: usize, len: usize) -> Option<ParkedRow> {
+        match self {
+            Runner::Burn(_) => None,
+            Runner::Host(h) => h.cache.as_ref().map(|c| c.park(row, len)),
+        }
+    }
+
+    /// Puts `prompts` into the next free rows; returns each one's next-token logits. A prompt
+    /// given a parked row (`reused[j]`, the host path only) starts from its cached positions
+    /// and computes only the rest.
+    pub(crate) fn prefill(&mut self, prompts: &[&[u32]], reused: &[Option<ParkedRow>]) -> Logits {
         match self {
             Runner::Burn(b) => Logits::Device(Box::new(b.prefill(prompts))),
             Runner::Host(h) => {
@@ -163,11 +175,19 @@ impl Runner {
                         take += 1;
                     }
                     let (mut tokens, mut rows, mut picked) = (Vec::new(), Vec::new(), Vec::new());
-                    for prompt in &rest[..take] {
+                    let done = prompts.len() - rest.len();
+                    for (j, prompt) in rest[..take].iter().enumerate() {
                         let row = cache.lens.len();
                         cache.lens.push(prompt.len());
-                        tokens.extend_from_slice(prompt);
-                        rows.extend((0..prompt.len()).map(|pos| (row, pos)));
+                        let from = match reused.get(done + j).and_then(Option::as_ref) {
+                            Some(parked) => {
+                                cache.restore(row, parked);
+                                parked.len
+                            }
+                            None => 0,
+                        };
+                        tokens.extend_from_slice(&prompt[from..]);
+                        rows.extend((from..prompt.len()).map(|pos| (row, pos)));
                         picked.push(tokens.len() - 1);
                     }
                     let part = forward(
