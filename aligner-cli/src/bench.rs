@@ -324,13 +324,20 @@ fn generate(
                 guidance: None,
             })
             .collect();
-        for &batch in batch_sizes {
+        let mut model = Some(model);
+        for (i, &batch) in batch_sizes.iter().enumerate() {
             let options = EngineOptions {
                 slots: batch.max(1),
                 cache_len: None,
                 ..EngineOptions::default()
             };
-            let engine = Engine::new(model.clone(), config.clone(), None, options).with_eos_ids(vec![]);
+            // The last engine takes the model itself: on the CPU its weights are then held once.
+            let weights = match i + 1 == batch_sizes.len() {
+                true => model.take(),
+                false => model.clone(),
+            }
+            .ok_or_else(|| anyhow::anyhow!("no model left for batch size {batch}"))?;
+            let engine = Engine::new(weights, config.clone(), None, options).with_eos_ids(vec![]);
             let mut pool = WorkerPool::new(engine, workers.max(1));
             let (_, report) = pool.generate(&requests, &|_| {})?;
             let secs = report.seconds;

@@ -224,8 +224,11 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     }
     let prompts: Vec<&Prompt> = rows.iter().map(|r| &r.prompt).collect();
 
-    let engine = Engine::for_model(
-        &lm,
+    // The model moves into the engine: on the CPU its weights are then held once.
+    let engine = Engine::new(
+        lm.model,
+        lm.config.clone(),
+        Some(lm.tokenizer.clone()),
         EngineOptions {
             slots: args.batch_size,
             cache_len: None,

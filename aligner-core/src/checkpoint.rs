@@ -203,6 +203,14 @@ impl TensorFiles {
             });
         }
         let values = decode_f32(name, view.dtype(), view.data())?;
+        // Copied out: the file's pages of this tensor leave memory (a 0.5B model's 2 GB of
+        // pages would otherwise count beside its loaded weights until the folder is closed).
+        let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        // SAFETY: the map is read-only and backed by the file, never written: dropped pages
+        // are read from the file again if touched, with the same contents.
+        let _ = unsafe {
+            bytes.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, view.data().len())
+        };
         // A diverged run's weights: refused here rather than trained or sampled from.
         if let Some(at) = values.iter().position(|v| !v.is_finite()) {
             return Err(CoreError::Safetensors {

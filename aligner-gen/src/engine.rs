@@ -140,7 +140,10 @@ impl Default for EngineOptions {
 /// A generation engine over one model: its weights, KV cache, EOS ids and (for stop strings)
 /// tokenizer.
 pub struct Engine {
-    model: CausalLm,
+    /// The model's parameter count: what a refit must bring.
+    params: usize,
+    /// Positions the model's RoPE covers.
+    max_positions: usize,
     config: LlamaConfig,
     tokenizer: Option<TextTokenizer>,
     eos_ids: Vec<u32>,
@@ -193,19 +196,24 @@ impl Engine {
         tokenizer: Option<TextTokenizer>,
         options: EngineOptions,
     ) -> Self {
-        let model = inference_weights(&model);
+        let params = model.num_params();
+        let max_positions = model.model.rope.max_positions();
+        let weights = inference_weights(&model);
+        // The caller's reference goes now: the runner's copy may then be the only one.
+        drop(model);
         let eos_ids = match &tokenizer {
             Some(t) if !t.eos_ids().is_empty() => t.eos_ids().to_vec(),
             _ => config.eos_token_ids(),
         };
-        let runner = Runner::new(&model, &config, options.path);
+        let runner = Runner::new(weights, &config, options.path);
         let mut engine = Self {
             config,
             tokenizer,
             eos_ids,
             options,
             stats: EngineStats::default(),
-            model,
+            params,
+            max_positions,
             runner,
             parked: Vec::new(),
         };
@@ -260,7 +268,8 @@ impl Engine {
     /// Another engine on the same weights with its own (not yet allocated) cache.
     pub fn replica(&self) -> Self {
         Self {
-            model: self.model.clone(),
+            params: self.params,
+            max_positions: self.max_positions,
             config: self.config.clone(),
             tokenizer: self.tokenizer.clone(),
             eos_ids: self.eos_ids.clone(),
@@ -279,9 +288,9 @@ impl Engine {
         self.runner.path()
     }
 
-    /// The weights the engine generates with.
-    pub fn model(&self) -> &CausalLm {
-        &self.model
+    /// Positions the model's RoPE covers (the longest sequence a request may reach).
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
     }
 
     /// What the engine has done so far.
@@ -310,12 +319,11 @@ impl Engine {
     }
 
     pub(crate) fn take_weights(&mut self, model: CausalLm) -> Result<()> {
-        let (have, got) = (self.model.num_params(), model.num_params());
+        let (have, got) = (self.params, model.num_params());
         if have != got {
             return Err(GenError::RefitMismatch { have, got });
         }
         self.runner.take_weights(&model, &self.config)?;
-        self.model = model;
         // Keys and values of the old weights.
         self.parked.clear();
         Ok(())
@@ -324,7 +332,7 @@ impl Engine {
     /// Takes `other`'s current weights (shared, not copied).
     pub(crate) fn share_weights(&mut self, other: &Engine) -> Result<()> {
         self.runner.share_weights(&other.runner)?;
-        self.model = other.model.clone();
+        self.max_positions = other.max_positions;
         self.parked.clear();
         Ok(())
     }
@@ -340,7 +348,7 @@ impl Engine {
         requests: &[GenerationRequest],
         progress: &dyn Fn(&Generation),
     ) -> Result<Vec<Generation>> {
-        validate(requests, self.model.model.rope.max_positions())?;
+        validate(requests, self.max_positions)?;
         let queue = std::sync::atomic::AtomicUsize::new(0);
         let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
         self.serve(requests, &queue, &mut |i, g| {
@@ -391,7 +399,7 @@ impl Engine {
         }
         self.runner
             .reserve(slots, prompt_width, prompt_width + longest, &mut self.stats);
-        let max_positions = self.model.model.rope.max_positions();
+        let max_positions = self.max_positions;
         let mut active: Vec<Slot> = Vec::new();
         let mut exhausted = false;
         let reencode_at = self.reencode_at();

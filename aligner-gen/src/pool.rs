@@ -76,7 +76,7 @@ impl WorkerPool {
         let Some(first) = self.engines.first() else {
             return Ok((Vec::new(), PoolReport::default()));
         };
-        validate(requests, first.model().model.rope.max_positions())?;
+        validate(requests, first.max_positions())?;
         let start = Instant::now();
         let queue = AtomicUsize::new(0);
         let results: Mutex<Vec<Option<Generation>>> = Mutex::new(vec![None; requests.len()]);

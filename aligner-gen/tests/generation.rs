@@ -558,7 +558,10 @@ fn prompts_beyond_one_prefill_pass_are_split_between_passes() {
 fn a_continued_sequence_reuses_its_cache_and_samples_the_same_tokens() {
     let lm = shipped();
     let prompt = lm.tokenizer.encode("Once upon a time, Lily", true).unwrap();
-    let observation = lm.tokenizer.encode(" Mom said, \"Tell me about the ball.\"", false).unwrap();
+    let observation = lm
+        .tokenizer
+        .encode(" Mom said, \"Tell me about the ball.\"", false)
+        .unwrap();
     for path in PATHS {
         let mut kept = engine(&lm, 4, path).with_eos_ids(vec![]);
         let first = GenerationRequest::new(
@@ -577,7 +580,11 @@ fn a_continued_sequence_reuses_its_cache_and_samples_the_same_tokens() {
         let got = kept.generate(&[other.clone(), next.clone()]).unwrap();
         // Every position but the last sampled token's (never fed) came from the cache.
         let reused = kept.stats().reused_positions;
-        let expected = if path == ForwardPath::Host { prompt.len() + 19 } else { 0 };
+        let expected = if path == ForwardPath::Host {
+            prompt.len() + 19
+        } else {
+            0
+        };
         assert_eq!(reused, expected, "{path:?}");
         let fresh = engine(&lm, 4, path)
             .with_eos_ids(vec![])

@@ -165,7 +165,7 @@ fn trunk(
     let d = w.hidden;
     let mut x = Vec::with_capacity(n * d);
     for &t in tokens {
-        x.extend_from_slice(&w.embed[t as usize * d..][..d]);
+        w.embed_into(t as usize, &mut x);
     }
     if let Some(scale) = w.embed_scale {
         x.iter_mut().for_each(|v| *v *= scale);

@@ -188,7 +188,9 @@ impl HostFfn {
 /// The weights of a model as the host forward pass reads them.
 #[derive(Clone)]
 pub(crate) struct HostWeights {
-    pub(super) embed: Vec<f32>,
+    /// The token embeddings `[vocab, hidden]`; `None` when tied to the output projection
+    /// ([`HostWeights::embed_into`] reads `head` then).
+    pub(super) embed: Option<Vec<f32>>,
     /// Gemma's `√hidden` on the embeddings.
     pub(super) embed_scale: Option<f32>,
     pub(super) layers: Vec<HostLayer>,
@@ -216,14 +218,24 @@ pub(crate) struct HostWeights {
 }
 
 impl HostWeights {
-    /// Copies `model`'s weights (LoRA adapters, when enabled, folded in).
-    pub(crate) fn new(model: &CausalLm, config: &LlamaConfig) -> Self {
-        let m = &model.model;
+    /// Copies `model`'s weights (LoRA adapters, when enabled, folded in), letting go of each
+    /// layer's tensors once copied: where the engine holds the only reference (a model loaded
+    /// for generation), the weights are never held twice.
+    pub(crate) fn new(model: CausalLm, config: &LlamaConfig) -> Self {
+        let CausalLm {
+            model: mut m,
+            lm_head,
+            final_softcap,
+        } = model;
         let head_dim = config.head_dim();
         let scale = config.attention_scale().unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let layers: Vec<HostLayer> = m
+        let activation = m
             .layers
-            .iter()
+            .first()
+            .and_then(|l| l.mlp.mlps().first().map(|mlp| mlp.activation))
+            .unwrap_or(Activation::Silu);
+        let layers: Vec<HostLayer> = std::mem::take(&mut m.layers)
+            .into_iter()
             .map(|layer| {
                 let a = &layer.self_attn;
                 // Fused (Phi-3) or side by side, the columns are q, k, v.
@@ -245,7 +257,7 @@ impl HostWeights {
                         window: a.window,
                         softcap: a.softcap.map(|c| c as f32),
                     },
-                    local_rope: m.rotates_locally(layer),
+                    local_rope: m.rotates_locally(&layer),
                     o,
                     o_bias,
                     ffn: HostFfn::new(&layer.mlp),
@@ -268,40 +280,56 @@ impl HostWeights {
             .flatten()
             .map(|(theta, scaling)| inverse_frequencies(rotary_dim, theta, &scaling));
         let long = long_context_frequencies(rotary_dim, theta, &scaling);
-        Self {
-            embed: values(m.embed_tokens.weight.val()),
-            embed_scale: m.embedding_scale.map(|s| s as f32),
-            layers,
-            norm: HostNorm::new(&m.norm),
-            head: ColumnPanels::from_row_major(
-                &values(model.output_weight()),
-                config.hidden_size,
-                config.vocab_size,
-                head_panel_width(config.vocab_size),
+        let (hidden, vocab) = (config.hidden_size, config.vocab_size);
+        let width = head_panel_width(vocab);
+        let (norm, embed_scale) = (HostNorm::new(&m.norm), m.embedding_scale.map(|s| s as f32));
+        let embedding = values(m.embed_tokens.weight.val());
+        // The trunk's last tensors go before the output projection's copy is made.
+        drop(m);
+        // Tied embeddings are read from the output projection's panels (one copy, not two).
+        let (embed, head) = match lm_head {
+            Some(head) => (
+                Some(embedding),
+                ColumnPanels::from_row_major(&values(head.weight.val()), hidden, vocab, width),
             ),
-            final_softcap: model.final_softcap.map(|c| c as f32),
+            None => (
+                None,
+                ColumnPanels::from_transpose(&embedding, hidden, vocab, width),
+            ),
+        };
+        Self {
+            embed,
+            embed_scale,
+            layers,
+            norm,
+            head,
+            final_softcap: final_softcap.map(|c| c as f32),
             inv_freq: inverse_frequencies(rotary_dim, theta, &scaling),
             rope_factor: long.as_ref().map_or(1.0, |l| l.2 as f32),
             long_inv_freq: long.map(|(freq, original, _)| (freq, original)),
             local_inv_freq,
-            activation: m
-                .layers
-                .first()
-                .and_then(|l| l.mlp.mlps().first().map(|mlp| mlp.activation))
-                .unwrap_or(Activation::Silu),
-            hidden: config.hidden_size,
+            activation,
+            hidden,
             heads: config.num_attention_heads,
             kv_heads: config.num_kv_heads(),
             head_dim,
             ffn,
-            vocab: config.vocab_size,
+            vocab,
+        }
+    }
+
+    /// Appends token `t`'s embedding (`hidden` values) to `x`.
+    pub(super) fn embed_into(&self, t: usize, x: &mut Vec<f32>) {
+        match &self.embed {
+            Some(embed) => x.extend_from_slice(&embed[t * self.hidden..][..self.hidden]),
+            None => self.head.column_into(t, x),
         }
     }
 
     /// An error unless `other` has this model's architecture (what a refit may take).
     pub(crate) fn check_same_shape(&self, other: &HostWeights) -> Result<()> {
         let size = |w: &HostWeights| {
-            w.embed.len()
+            w.embed.as_ref().map_or(0, Vec::len)
                 + w.head.len()
                 + w.layers
                     .iter()

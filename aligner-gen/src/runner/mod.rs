@@ -48,7 +48,7 @@ pub(crate) enum Runner {
 }
 
 impl Runner {
-    pub(crate) fn new(model: &CausalLm, config: &LlamaConfig, path: ForwardPath) -> Self {
+    pub(crate) fn new(model: CausalLm, config: &LlamaConfig, path: ForwardPath) -> Self {
         let device = model.model.embed_tokens.weight.device();
         let host = match path {
             ForwardPath::Auto => aligner_parallel::fused_available(&device),
@@ -62,7 +62,7 @@ impl Runner {
                 spare: Vec::new(),
             })
         } else {
-            Runner::Burn(Box::new(BurnRunner::new(model.clone(), config.clone(), device)))
+            Runner::Burn(Box::new(BurnRunner::new(model, config.clone(), device)))
         }
     }
 
@@ -93,7 +93,7 @@ impl Runner {
         match self {
             Runner::Burn(b) => b.take_weights(model.clone()),
             Runner::Host(h) => {
-                let fresh = HostWeights::new(model, config);
+                let fresh = HostWeights::new(model.clone(), config);
                 h.weights.check_same_shape(&fresh)?;
                 h.weights = Arc::new(fresh);
             }

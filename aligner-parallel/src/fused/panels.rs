@@ -55,6 +55,30 @@ impl ColumnPanels {
         Self { data, k, n, width }
     }
 
+    /// Panels of `width` columns of the `[k, n]` matrix whose transpose `w_t` (row-major
+    /// `[n, k]`, e.g. an embedding table) is given: no transposed copy is made.
+    pub fn from_transpose(w_t: &[f32], k: usize, n: usize, width: usize) -> Self {
+        assert_eq!(w_t.len(), k * n, "panel source is [n, k]");
+        let width = width.clamp(1, n.max(1));
+        let mut data = Vec::with_capacity(w_t.len());
+        for start in (0..n).step_by(width) {
+            let end = (start + width).min(n);
+            for r in 0..k {
+                data.extend((start..end).map(|c| w_t[c * k + r]));
+            }
+        }
+        Self { data, k, n, width }
+    }
+
+    /// Appends column `j` (`k` values) to `out`: a tied embedding's row read from the output
+    /// projection it shares.
+    pub fn column_into(&self, j: usize, out: &mut Vec<f32>) {
+        let start = j / self.width * self.width;
+        let width = self.width.min(self.n - start);
+        let base = start * self.k + (j - start);
+        out.extend((0..self.k).map(|r| self.data[base + r * width]));
+    }
+
     /// Rows (`k`) and columns (`n`) of the matrix.
     pub fn dims(&self) -> (usize, usize) {
         (self.k, self.n)
@@ -162,6 +186,30 @@ mod tests {
             let panels = ColumnPanels::from_row_major(&w, k, n, width);
             assert_eq!(panels.len(), k * n);
             assert_eq!(panels.to_row_major(), w, "k {k} n {n} width {width}");
+        }
+    }
+
+    /// Panels built from the transpose (an embedding table) equal those of the matrix, and a
+    /// column read back is the table's row.
+    #[test]
+    fn panels_of_a_transpose_and_their_columns() {
+        for (k, n, width) in [(3, 10, 4), (5, 7, 7), (2, 9, 100), (4, 16, 1)] {
+            let table = filled(n * k, 3);
+            let w: Vec<f32> = (0..k)
+                .flat_map(|r| (0..n).map(move |c| (r, c)))
+                .map(|(r, c)| table[c * k + r])
+                .collect();
+            let panels = ColumnPanels::from_transpose(&table, k, n, width);
+            assert_eq!(panels, ColumnPanels::from_row_major(&w, k, n, width));
+            for j in 0..n {
+                let mut column = Vec::new();
+                panels.column_into(j, &mut column);
+                assert_eq!(
+                    column,
+                    table[j * k..(j + 1) * k],
+                    "k {k} n {n} width {width} column {j}"
+                );
+            }
         }
     }
 
