@@ -196,9 +196,10 @@ impl Engine {
         tokenizer: Option<TextTokenizer>,
         options: EngineOptions,
     ) -> Self {
-        let params = model.num_params();
         let max_positions = model.model.rope.max_positions();
         let weights = inference_weights(&model);
+        // Counted as a refit brings them: LoRA adapters folded in.
+        let params = weights.num_params();
         // The caller's reference goes now: the runner's copy may then be the only one.
         drop(model);
         let eos_ids = match &tokenizer {
