@@ -15,7 +15,7 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::config::{LlamaConfig, Precision};
 use crate::error::{CoreError, Result};
-use crate::model::{CausalLm, DecoderLayer, FeedForward, LlamaModel, Mlp, RmsNorm, named_param};
+use crate::model::{CausalLm, DecoderLayer, LlamaModel, RmsNorm, named_param};
 
 /// Files copied along with the weights when a model folder is saved.
 pub const TOKENIZER_FILES: &[&str] = &[
@@ -69,43 +69,16 @@ pub fn trunk_slots(model: &mut LlamaModel) -> Vec<(String, Slot<'_>)> {
         if let Some(norm) = attn.k_norm.as_mut() {
             out.push((format!("{p}.self_attn.k_norm"), Slot::Norm(norm)));
         }
-        match mlp {
-            FeedForward::Dense(mlp) => {
-                let names = mlp.projection_names();
-                mlp_slots(&mut out, format!("{p}.mlp"), names, "down_proj", mlp);
-            }
-            FeedForward::Sparse(moe) => {
-                let block = moe.naming.block();
-                let (gate_up, down) = moe.naming.projections();
-                out.push((format!("{p}.{block}.gate"), Slot::Linear(&mut moe.router)));
-                for (e, expert) in moe.experts.iter_mut().enumerate() {
-                    mlp_slots(
-                        &mut out,
-                        format!("{p}.{block}.experts.{e}"),
-                        &gate_up,
-                        down,
-                        expert,
-                    );
-                }
-            }
+        let parts = mlp.named_parts_mut();
+        if let Some((name, router)) = parts.router {
+            out.push((format!("{p}.{name}"), Slot::Linear(router)));
+        }
+        for (name, proj) in parts.projections {
+            out.push((format!("{p}.{name}"), Slot::Linear(&mut proj.base)));
         }
     }
     out.push(("model.norm".to_string(), Slot::Norm(&mut model.norm)));
     out
-}
-
-/// A gated MLP's projections under `prefix` (`….mlp`, `….experts.3`).
-fn mlp_slots<'a>(
-    out: &mut Vec<(String, Slot<'a>)>,
-    prefix: String,
-    names: &[&str],
-    down: &str,
-    mlp: &'a mut Mlp,
-) {
-    for (name, proj) in names.iter().zip(mlp.gate_up.iter_mut()) {
-        out.push((format!("{prefix}.{name}"), Slot::Linear(&mut proj.base)));
-    }
-    out.push((format!("{prefix}.{down}"), Slot::Linear(&mut mlp.down_proj.base)));
 }
 
 /// Every part of a causal LM: the trunk, then `lm_head` when untied.

@@ -165,18 +165,10 @@ pub fn parameters(config: &LlamaConfig) -> Parameters {
     );
     let (q, k) = (heads * hd, kv * hd);
     let mlp = |f: usize| 3 * h * f + if config.mlp_bias() { 2 * f + h } else { 0 };
-    // Each layer's feed-forward block: a dense MLP, or a router and its experts.
-    let ffn: Vec<usize> = match config.moe().ok().flatten() {
-        Some(spec) => spec
-            .sparse_layers
-            .iter()
-            .map(|&sparse| match sparse {
-                true => h * spec.experts + spec.experts * mlp(spec.expert_width),
-                false => mlp(config.intermediate_size),
-            })
-            .collect(),
-        None => vec![mlp(config.intermediate_size); config.num_hidden_layers],
-    };
+    let ffn: Vec<usize> = feed_forward_blocks(config)
+        .into_iter()
+        .map(|(router, widths)| h * router + widths.into_iter().map(mlp).sum::<usize>())
+        .collect();
     let mut layer = h * (q + 2 * k) + q * h;
     if config.qkv_bias() {
         layer += q + 2 * k;
@@ -210,19 +202,30 @@ pub fn lora_parameters(config: &LlamaConfig, rank: usize) -> usize {
     );
     let attention = rank * ((h + q) + 2 * (h + k) + (q + h));
     let mlp = |f: usize| rank * (2 * (h + f) + (f + h));
-    // Every expert's projections are adapted (Mixtral's w1 / w3 / w2).
-    let ffn: usize = match config.moe().ok().flatten() {
+    // Every expert's projections are adapted (Mixtral's w1 / w3 / w2); routers are not.
+    let ffn: usize = feed_forward_blocks(config)
+        .into_iter()
+        .flat_map(|(_, widths)| widths)
+        .map(mlp)
+        .sum();
+    config.num_hidden_layers * attention + ffn
+}
+
+/// Each layer's feed-forward block as the outputs of its router (0 for a dense MLP) and the
+/// hidden widths of its gated MLPs: one of `intermediate_size`, or a mixture's experts.
+fn feed_forward_blocks(config: &LlamaConfig) -> Vec<(usize, Vec<usize>)> {
+    let dense = || (0, vec![config.intermediate_size]);
+    match config.moe().ok().flatten() {
         Some(spec) => spec
             .sparse_layers
             .iter()
             .map(|&sparse| match sparse {
-                true => spec.experts * mlp(spec.expert_width),
-                false => mlp(config.intermediate_size),
+                true => (spec.experts, vec![spec.expert_width; spec.experts]),
+                false => dense(),
             })
-            .sum(),
-        None => config.num_hidden_layers * mlp(config.intermediate_size),
-    };
-    config.num_hidden_layers * attention + ffn
+            .collect(),
+        None => (0..config.num_hidden_layers).map(|_| dense()).collect(),
+    }
 }
 
 /// Activation values autodiff keeps per token of one decoder layer, by what they scale with.

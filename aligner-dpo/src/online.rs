@@ -535,9 +535,8 @@ impl Sampler<'_> {
         let mut sequences: Vec<ScoredSequence> =
             requests.iter().zip(&outputs).map(|(r, o)| o.scored(r)).collect();
         let stats = episodes.map(|episodes| {
-            let penalty = self.environment.error_penalty;
             for ((score, seq), e) in scores.iter_mut().zip(&mut sequences).zip(&episodes) {
-                *score += e.reward() + if e.error.is_some() { penalty } else { 0.0 };
+                *score += self.environment.reward_of(e);
                 seq.observed = e.observed.clone();
             }
             EpisodeStats::of(&episodes)

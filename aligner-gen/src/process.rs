@@ -10,6 +10,16 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Starts `program args` with stdin, stdout and stderr piped to this process.
+pub(crate) fn spawn_piped(program: &str, args: &[String]) -> std::io::Result<Child> {
+    Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+}
+
 /// Lines of the program's stderr kept for an error message.
 const STDERR_LINES: usize = 20;
 
@@ -27,13 +37,8 @@ impl LineProcess {
     /// Starts `argv`; `what` names the setting it came from in errors (`reward.command`).
     pub fn spawn(argv: &[String], what: &str) -> Result<Self, String> {
         let (program, args) = argv.split_first().ok_or_else(|| format!("{what} is empty"))?;
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start `{}`: {e}", argv.join(" ")))?;
+        let mut child =
+            spawn_piped(program, args).map_err(|e| format!("cannot start `{}`: {e}", argv.join(" ")))?;
         let (stdin, stdout, stderr) = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
             (Some(i), Some(o), Some(e)) => (i, o, e),
             _ => return Err("the process's pipes could not be opened".into()),

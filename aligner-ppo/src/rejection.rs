@@ -311,11 +311,10 @@ impl RejectionSampling<'_> {
                     None => vec![0.0; inputs.len()],
                 };
                 let drift = self.drift(requests, &outputs)?;
-                let penalty = self.config.environment.error_penalty;
                 let mut tokens: Vec<Option<EpisodeTokens>> = vec![None; outputs.len()];
                 if let Some(episodes) = episodes {
                     for ((r, t), e) in rewards.iter_mut().zip(tokens.iter_mut()).zip(episodes) {
-                        *r += e.reward() + if e.error.is_some() { penalty } else { 0.0 };
+                        *r += self.config.environment.reward_of(&e);
                         *t = Some(EpisodeTokens {
                             ids: e.generation.token_ids,
                             observed: e.observed,

@@ -59,13 +59,7 @@ pub struct Layout {
 
 impl Layout {
     pub fn new(seqs: &[Sequence], device: &Device) -> Self {
-        let p = seqs.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(0);
-        let t = seqs
-            .iter()
-            .map(|s| s.response_ids.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let (p, t) = padded_widths(seqs);
         let width = p + t;
         let mut flat = Vec::with_capacity(seqs.len() * width);
         let mut valid = Vec::with_capacity(seqs.len());
@@ -145,14 +139,32 @@ pub fn pack_rows(lengths: &[usize], capacity: usize) -> Vec<Vec<usize>> {
     rows.into_iter().map(|(_, members)| members).collect()
 }
 
-/// The width of packed `rows` of sequences of `lengths`: the fullest row's (at least 2, so
-/// there is a position to predict from).
-fn packed_width(rows: &[Vec<usize>], lengths: &[usize]) -> usize {
-    rows.iter()
+/// The prompt width `P` and response width `T` (at least 1) of [`Layout`]: the longest of each.
+fn padded_widths(seqs: &[Sequence]) -> (usize, usize) {
+    let p = seqs.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(0);
+    let t = seqs.iter().map(|s| s.response_ids.len()).max().unwrap_or(0);
+    (p, t.max(1))
+}
+
+/// Each sequence's whole length, prompt and response.
+fn sequence_lengths(seqs: &[Sequence]) -> Vec<usize> {
+    seqs.iter()
+        .map(|s| s.prompt_ids.len() + s.response_ids.len())
+        .collect()
+}
+
+/// [`Packed`]'s rows of sequences of `lengths` (each at least as long as the longest sequence)
+/// and their width: the fullest row's, at least 2 so there is a position to predict from.
+fn packing(lengths: &[usize]) -> (Vec<Vec<usize>>, usize) {
+    let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
+    let rows = pack_rows(lengths, capacity);
+    let width = rows
+        .iter()
         .map(|r| r.iter().map(|&i| lengths[i]).sum::<usize>())
         .max()
         .unwrap_or(1)
-        .max(2)
+        .max(2);
+    (rows, width)
 }
 
 /// The share of a pass's token slots that are padding, `(padded, packed)`, over `seqs` taken
@@ -161,22 +173,11 @@ fn packed_width(rows: &[Vec<usize>], lengths: &[usize]) -> usize {
 pub fn padding_fractions(seqs: &[Sequence], chunk: usize) -> (f64, f64) {
     let (mut real, mut padded, mut packed) = (0usize, 0usize, 0usize);
     for part in seqs.chunks(chunk.max(1)) {
-        let lengths: Vec<usize> = part
-            .iter()
-            .map(|s| s.prompt_ids.len() + s.response_ids.len())
-            .collect();
-        let p = part.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(0);
-        let t = part
-            .iter()
-            .map(|s| s.response_ids.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let lengths = sequence_lengths(part);
+        let (p, t) = padded_widths(part);
         real += lengths.iter().sum::<usize>();
         padded += part.len() * (p + t);
-        let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
-        let rows = pack_rows(&lengths, capacity);
-        let width = packed_width(&rows, &lengths);
+        let (rows, width) = packing(&lengths);
         packed += rows.len() * width;
     }
     let share = |slots: usize| 1.0 - real as f64 / slots.max(1) as f64;
@@ -204,19 +205,9 @@ pub struct Packed {
 impl Packed {
     /// `seqs` packed into rows of at least the longest sequence's length.
     pub fn new(seqs: &[Sequence], device: &Device) -> Self {
-        let lengths: Vec<usize> = seqs
-            .iter()
-            .map(|s| s.prompt_ids.len() + s.response_ids.len())
-            .collect();
-        let capacity = lengths.iter().copied().max().unwrap_or(1).max(1);
-        let rows = pack_rows(&lengths, capacity);
-        let width = packed_width(&rows, &lengths);
-        let t = seqs
-            .iter()
-            .map(|s| s.response_ids.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        let lengths = sequence_lengths(seqs);
+        let (rows, width) = packing(&lengths);
+        let (_, t) = padded_widths(seqs);
         let end = (rows.len() * (width - 1)) as i64;
         let mut flat = vec![0i64; rows.len() * width];
         let mut segments = vec![vec![None; width]; rows.len()];

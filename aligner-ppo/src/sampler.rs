@@ -291,11 +291,8 @@ impl Sampler<'_> {
             (None, None) => return Ok(None),
         };
         if let Some(episodes) = &samples.episodes {
-            let penalty = self.config.environment.error_penalty;
-            let env: Vec<f64> = episodes
-                .iter()
-                .map(|e| e.reward() + if e.error.is_some() { penalty } else { 0.0 })
-                .collect();
+            let section = &self.config.environment;
+            let env: Vec<f64> = episodes.iter().map(|e| section.reward_of(e)).collect();
             for (r, e) in raw.iter_mut().zip(&env) {
                 *r += *e as f32;
             }

@@ -260,11 +260,8 @@ pub fn projections(model: &mut LlamaModel) -> Vec<(String, &mut LoraLinear)> {
             out.push((format!("{p}.self_attn.{name}"), proj));
         }
         out.push((format!("{p}.self_attn.o_proj"), &mut attn.o_proj));
-        for (prefix, names, down, mlp) in layer.mlp.named_mlps_mut() {
-            for (name, proj) in names.iter().zip(mlp.gate_up.iter_mut()) {
-                out.push((format!("{p}.{prefix}.{name}"), proj));
-            }
-            out.push((format!("{p}.{prefix}.{down}"), &mut mlp.down_proj));
+        for (name, proj) in layer.mlp.named_parts_mut().projections {
+            out.push((format!("{p}.{name}"), proj));
         }
     }
     out

@@ -14,6 +14,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::layer::Mlp;
+use super::lora::LoraLinear;
 use crate::config::{LlamaConfig, MoeSpec};
 
 /// How a family names its experts in checkpoints (and PEFT's `target_modules`).
@@ -89,29 +90,48 @@ impl FeedForward {
         }
     }
 
-    /// The block's gated MLPs with their HF prefixes under the layer's (`mlp`,
-    /// `block_sparse_moe.experts.3`, ...) and the names of their gate/up and down projections.
-    #[allow(clippy::type_complexity)]
-    pub fn named_mlps_mut(&mut self) -> Vec<(String, Vec<&'static str>, &'static str, &mut Mlp)> {
-        match self {
+    /// The block's parts under their HF names relative to the layer's, in checkpoint order: a
+    /// mixture's router (`block_sparse_moe.gate`), then every projection of its gated MLPs
+    /// (`mlp.gate_proj`, ..., or `block_sparse_moe.experts.3.w1`, ...).
+    pub fn named_parts_mut(&mut self) -> NamedParts<'_> {
+        let mut projections = Vec::new();
+        let router = match self {
             FeedForward::Dense(mlp) => {
-                let names = mlp.projection_names().to_vec();
-                vec![("mlp".to_string(), names, "down_proj", mlp)]
+                let names = mlp.projection_names();
+                named_projections(&mut projections, "mlp".to_string(), names, "down_proj", mlp);
+                None
             }
             FeedForward::Sparse(moe) => {
-                let naming = moe.naming;
-                let (gate_up, down) = naming.projections();
-                moe.experts
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(e, mlp)| {
-                        let prefix = format!("{}.experts.{e}", naming.block());
-                        (prefix, gate_up.to_vec(), down, mlp)
-                    })
-                    .collect()
+                let block = moe.naming.block();
+                let (gate_up, down) = moe.naming.projections();
+                for (e, expert) in moe.experts.iter_mut().enumerate() {
+                    let prefix = format!("{block}.experts.{e}");
+                    named_projections(&mut projections, prefix, &gate_up, down, expert);
+                }
+                Some((format!("{block}.gate"), &mut moe.router))
             }
-        }
+        };
+        NamedParts { router, projections }
     }
+}
+
+/// [`FeedForward::named_parts_mut`]: the parts under their names relative to the layer's.
+pub struct NamedParts<'a> {
+    pub router: Option<(String, &'a mut Linear)>,
+    pub projections: Vec<(String, &'a mut LoraLinear)>,
+}
+
+/// `mlp`'s projections named `prefix.<name>`: gate/up as `gate_up` names them, then `down`.
+fn named_projections<'a>(
+    out: &mut Vec<(String, &'a mut LoraLinear)>,
+    prefix: String,
+    gate_up: &[&str],
+    down: &str,
+    mlp: &'a mut Mlp,
+) {
+    let named = gate_up.iter().zip(mlp.gate_up.iter_mut());
+    out.extend(named.map(|(name, proj)| (format!("{prefix}.{name}"), proj)));
+    out.push((format!("{prefix}.{down}"), &mut mlp.down_proj));
 }
 
 /// A router and its experts.

@@ -402,6 +402,17 @@ impl EnvironmentSection {
         !self.command.is_empty() || self.url.is_some() || !self.tools.is_empty()
     }
 
+    /// What `episode` earns from the environment: its turns' rewards, plus `error_penalty`
+    /// when a failure ended it.
+    pub fn reward_of(&self, episode: &Episode) -> f64 {
+        let penalty = if episode.error.is_some() {
+            self.error_penalty
+        } else {
+            0.0
+        };
+        episode.reward() + penalty
+    }
+
     /// The episodes of `requests`, request `i` started from the prompt row `owner(i)` (its
     /// text and fields go to the environment), each turn ending at the section's stop strings.
     pub fn starts<'a>(

@@ -10,7 +10,6 @@
 //! with the reason, counted as a tool error.
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use regex::Regex;
@@ -212,13 +211,8 @@ impl ToolEnvironment {
 
 /// Runs `program args` with `input` on stdin; its stdout (trimmed) or why it failed.
 fn run_program(program: &str, args: &[String], input: &str, timeout: Duration) -> Result<String, String> {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot start `{program}`: {e}"))?;
+    let mut child =
+        crate::process::spawn_piped(program, args).map_err(|e| format!("cannot start `{program}`: {e}"))?;
     if let Some(mut stdin) = child.stdin.take() {
         // A tool that does not read its input may have exited already.
         let _ = stdin
