@@ -99,6 +99,27 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         steps: usize,
     },
+    /// Multi-turn episodes on the shipped model (or `--model`) in an environment that takes
+    /// time to answer: run in lock step (every turn of the batch decoded, then every turn
+    /// answered) against in flight (each episode's next turn starts when its own answer comes,
+    /// the others decoding meanwhile). Each turn's answer takes between 0 and twice
+    /// `latency_ms` (fixed per episode and turn); the turns of one batch are answered side by
+    /// side, as an endpoint or a tool would.
+    Episodes {
+        #[arg(long, default_value_t = 64)]
+        episodes: usize,
+        /// Model turns per episode.
+        #[arg(long, default_value_t = 4)]
+        turns: usize,
+        /// New tokens per turn at most (sampled, so turns end at different lengths).
+        #[arg(long, default_value_t = 24)]
+        new_tokens: usize,
+        #[arg(long, default_value_t = 20)]
+        latency_ms: u64,
+        /// Engine slots (sequences decoded together).
+        #[arg(long, default_value_t = 64)]
+        slots: usize,
+    },
     /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
     Generate {
         #[arg(long, default_value_t = 64)]
@@ -261,6 +282,23 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             batch_sizes,
             workers,
         } => generate(device, only, prompts, new_tokens, &batch_sizes, workers),
+        BenchCommand::Episodes {
+            episodes,
+            turns,
+            new_tokens,
+            latency_ms,
+            slots,
+        } => crate::bench_episodes::run(
+            device,
+            only.model.as_deref(),
+            crate::bench_episodes::Shape {
+                episodes,
+                turns,
+                new_tokens,
+                latency: std::time::Duration::from_millis(latency_ms),
+                slots,
+            },
+        ),
     }
 }
 

@@ -11,6 +11,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod bench_episodes;
 mod convert;
 mod eval;
 mod generate;

@@ -158,7 +158,10 @@ pub struct Engine {
 
 /// A running sequence in a cache row.
 struct Slot {
+    /// Index of the request among those this run took.
     request: usize,
+    /// The feed's key of the request.
+    key: usize,
     rng: ChaCha8Rng,
     out: Generation,
     /// Position (RoPE index) the last sampled token takes when it is fed back.
@@ -171,9 +174,10 @@ struct Slot {
 }
 
 impl Slot {
-    fn new(request: usize, params: &SamplingParams, prompt_len: usize) -> Self {
+    fn new(request: usize, key: usize, params: &SamplingParams, prompt_len: usize) -> Self {
         Self {
             request,
+            key,
             rng: ChaCha8Rng::seed_from_u64(params.seed),
             out: Generation {
                 token_ids: Vec::new(),
@@ -350,11 +354,11 @@ impl Engine {
         progress: &dyn Fn(&Generation),
     ) -> Result<Vec<Generation>> {
         validate(requests, self.max_positions)?;
-        let queue = std::sync::atomic::AtomicUsize::new(0);
         let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
-        self.serve(requests, &queue, &mut |i, g| {
+        self.serve(&SliceFeed::new(requests), &mut |i, g| {
             progress(&g);
             done[i] = Some(g);
+            Ok(())
         })?;
         Ok(done
             .into_iter()
@@ -362,65 +366,65 @@ impl Engine {
             .collect())
     }
 
-    /// Runs until `queue` (the index of the next request to take) passes the end of
-    /// `requests`, giving each finished sequence to `done`. Several engines may share one
-    /// queue: whoever has a free row takes the next prompt.
-    pub(crate) fn serve(
+    /// Runs the requests `feed` hands out until it has no more, starting each as soon as a
+    /// row is free (and the feed has it ready), and giving each finished sequence to `done`
+    /// with the key the feed gave it. Several engines may share one feed: whoever has a free
+    /// row takes the next request.
+    pub fn serve(
         &mut self,
-        requests: &[GenerationRequest],
-        queue: &std::sync::atomic::AtomicUsize,
-        done: &mut dyn FnMut(usize, Generation),
+        feed: &dyn RequestFeed,
+        done: &mut dyn FnMut(usize, Generation) -> Result<()>,
     ) -> Result<()> {
-        let next = || {
-            let i = queue.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            (i < requests.len()).then_some(i)
-        };
-        let prompt_width = requests
-            .iter()
-            .flat_map(|r| {
-                std::iter::once(&r.prompt_ids).chain(r.guidance.as_ref().map(|g| &g.negative_prompt_ids))
-            })
-            .map(|ids| ids.len())
-            .max()
-            .unwrap_or(0);
-        let longest = requests
-            .iter()
-            .map(|r| r.params.max_new_tokens)
-            .max()
-            .unwrap_or(0);
+        let served = self.serve_rows(feed, done);
+        if served.is_err() {
+            feed.close();
+        }
+        served
+    }
+
+    fn serve_rows(
+        &mut self,
+        feed: &dyn RequestFeed,
+        done: &mut dyn FnMut(usize, Generation) -> Result<()>,
+    ) -> Result<()> {
+        let FeedBounds {
+            prompt_width,
+            span,
+            guided,
+        } = feed.bounds();
         let slots = self.slots();
         // A guided request takes two rows, admitted together.
-        let rows_per_request = if requests.iter().any(|r| r.guidance.is_some()) {
-            2
-        } else {
-            1
-        };
+        let rows_per_request = if guided { 2 } else { 1 };
         if rows_per_request > slots {
             return Err(GenError::GuidanceNeedsTwoSlots);
         }
-        self.runner
-            .reserve(slots, prompt_width, prompt_width + longest, &mut self.stats);
+        self.runner.reserve(slots, prompt_width, span, &mut self.stats);
         let max_positions = self.max_positions;
+        // The requests taken so far (a slot's `request` indexes them) and the feed's keys.
+        let mut requests: Vec<GenerationRequest> = Vec::new();
+        let mut keys: Vec<usize> = Vec::new();
         let mut active: Vec<Slot> = Vec::new();
-        let mut exhausted = false;
         let reencode_at = self.reencode_at();
         // What the last call kept: taken by the requests that continue it, dropped after.
         let mut kept = std::mem::take(&mut self.parked);
         loop {
-            while !exhausted && active.len() < slots {
+            // Start whatever is ready, waiting for a request only when no row is running.
+            loop {
                 let mut new = Vec::new();
                 let mut new_rows = 0;
                 while active.len() + new_rows + rows_per_request <= slots {
-                    match next() {
-                        Some(i) => {
-                            new.push(i);
-                            new_rows += 1 + usize::from(requests[i].guidance.is_some());
-                        }
-                        None => {
-                            exhausted = true;
-                            break;
-                        }
+                    let wait = active.is_empty() && new.is_empty();
+                    let Some((key, request)) = feed.next(wait)? else {
+                        break;
+                    };
+                    validate(std::slice::from_ref(&request), max_positions)?;
+                    if request.guidance.is_some() && !guided {
+                        return Err(GenError::GuidanceNeedsTwoSlots);
                     }
+                    new_rows += 1 + usize::from(request.guidance.is_some());
+                    new.push(requests.len());
+                    requests.push(request);
+                    keys.push(key);
                 }
                 if new.is_empty() {
                     break;
@@ -436,31 +440,25 @@ impl Engine {
                     let request = &requests[i];
                     let row = active.len();
                     prompts.push(&request.prompt_ids);
-                    // The longest kept sequence this prompt continues.
-                    let continued = kept
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, (tokens, _))| {
-                            tokens.len() < request.prompt_ids.len() && request.prompt_ids.starts_with(tokens)
-                        })
-                        .max_by_key(|(_, (tokens, _))| tokens.len())
-                        .map(|(k, _)| k);
-                    let parked = continued.map(|k| kept.swap_remove(k).1);
+                    // What the last call or this one kept of a sequence this prompt continues.
+                    let parked = take_continued(&mut kept, &request.prompt_ids)
+                        .or_else(|| take_continued(&mut self.parked, &request.prompt_ids));
                     self.stats.reused_positions += parked.as_ref().map_or(0, |p| p.len);
                     reused.push(parked);
-                    active.push(Slot::new(i, &request.params, request.prompt_ids.len()));
+                    active.push(Slot::new(i, keys[i], &request.params, request.prompt_ids.len()));
                     if let Some(guidance) = &request.guidance {
                         prompts.push(&guidance.negative_prompt_ids);
                         reused.push(None);
                         active[row].partner = Some(row + 1);
-                        let mut negative = Slot::new(i, &request.params, guidance.negative_prompt_ids.len());
+                        let mut negative =
+                            Slot::new(i, keys[i], &request.params, guidance.negative_prompt_ids.len());
                         negative.partner = Some(row);
                         negative.negative = true;
                         active.push(negative);
                     }
                 }
                 let logits = self.runner.prefill(&prompts, &reused);
-                self.sample_rows(logits, first_row, requests, &mut active, max_positions, done)?;
+                self.sample_rows(logits, first_row, &requests, &mut active, max_positions, done)?;
             }
             if active.is_empty() {
                 break;
@@ -496,7 +494,7 @@ impl Engine {
             for slot in active.iter_mut() {
                 slot.next_pos += 1;
             }
-            self.sample_rows(logits, 0, requests, &mut active, max_positions, done)?;
+            self.sample_rows(logits, 0, &requests, &mut active, max_positions, done)?;
         }
         Ok(())
     }
@@ -513,7 +511,7 @@ impl Engine {
         requests: &[GenerationRequest],
         active: &mut Vec<Slot>,
         max_positions: usize,
-        done: &mut dyn FnMut(usize, Generation),
+        done: &mut dyn FnMut(usize, Generation) -> Result<()>,
     ) -> Result<()> {
         let draws: Vec<Option<(usize, f32)>> = match logits {
             Logits::Device(logits) => {
@@ -596,7 +594,7 @@ impl Engine {
         requests: &[GenerationRequest],
         active: &mut Vec<Slot>,
         max_positions: usize,
-        done: &mut dyn FnMut(usize, Generation),
+        done: &mut dyn FnMut(usize, Generation) -> Result<()>,
     ) -> Result<()> {
         for (j, draw) in draws.iter().enumerate() {
             let row = first_row + j;
@@ -661,7 +659,7 @@ impl Engine {
                 active[partner].partner = Some(row);
             }
             if !slot.negative {
-                done(slot.request, slot.out);
+                done(slot.key, slot.out)?;
             }
         }
         Ok(())
@@ -691,6 +689,97 @@ impl Engine {
             _ => None,
         }
     }
+}
+
+/// The sizes a feed's requests stay within: the cache is laid out for them before the first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeedBounds {
+    /// Tokens of the longest prompt (negative prompts included).
+    pub prompt_width: usize,
+    /// Positions the longest sequence spans (its prompt and every new token).
+    pub span: usize,
+    /// Whether any request carries guidance (two rows each).
+    pub guided: bool,
+}
+
+impl FeedBounds {
+    /// The bounds of a known list of requests.
+    pub fn of(requests: &[GenerationRequest]) -> Self {
+        let prompt_width = requests
+            .iter()
+            .flat_map(|r| {
+                std::iter::once(&r.prompt_ids).chain(r.guidance.as_ref().map(|g| &g.negative_prompt_ids))
+            })
+            .map(|ids| ids.len())
+            .max()
+            .unwrap_or(0);
+        let longest = requests
+            .iter()
+            .map(|r| r.params.max_new_tokens)
+            .max()
+            .unwrap_or(0);
+        Self {
+            prompt_width,
+            span: prompt_width + longest,
+            guided: requests.iter().any(|r| r.guidance.is_some()),
+        }
+    }
+}
+
+/// Where a running engine takes its requests from ([`Engine::serve`]): a list known in
+/// advance, or requests that become ready while others run (the next turn of an episode
+/// whose environment has answered). Shared by the engines of a pool.
+pub trait RequestFeed: Sync {
+    /// What every request will stay within.
+    fn bounds(&self) -> FeedBounds;
+
+    /// The next request to start, with the key its output is handed back under. With `wait`
+    /// (no row is running) it waits until one is ready and `None` means none will come;
+    /// without, `None` means none is ready now.
+    fn next(&self, wait: bool) -> Result<Option<(usize, GenerationRequest)>>;
+
+    /// An engine serving this feed failed: nothing more will be taken (a feed that waits for
+    /// requests stops waiting).
+    fn close(&self) {}
+}
+
+/// The requests of a slice, each taken once, keyed by their index.
+pub(crate) struct SliceFeed<'a> {
+    requests: &'a [GenerationRequest],
+    bounds: FeedBounds,
+    queue: std::sync::atomic::AtomicUsize,
+}
+
+impl<'a> SliceFeed<'a> {
+    pub(crate) fn new(requests: &'a [GenerationRequest]) -> Self {
+        Self {
+            requests,
+            bounds: FeedBounds::of(requests),
+            queue: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+}
+
+impl RequestFeed for SliceFeed<'_> {
+    fn bounds(&self) -> FeedBounds {
+        self.bounds
+    }
+
+    fn next(&self, _wait: bool) -> Result<Option<(usize, GenerationRequest)>> {
+        let i = self.queue.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(self.requests.get(i).map(|r| (i, r.clone())))
+    }
+}
+
+/// Takes from `kept` the longest kept sequence `prompt` continues (strictly longer than it).
+fn take_continued(kept: &mut Vec<(Vec<u32>, ParkedRow)>, prompt: &[u32]) -> Option<ParkedRow> {
+    let k = kept
+        .iter()
+        .enumerate()
+        .filter(|(_, (tokens, _))| tokens.len() < prompt.len() && prompt.starts_with(tokens))
+        .max_by_key(|(_, (tokens, _))| tokens.len())
+        .map(|(k, _)| k)?;
+    Some(kept.swap_remove(k).1)
 }
 
 /// The weights as an inference engine runs them: no autodiff, LoRA merged.

@@ -39,7 +39,9 @@ pub mod reward;
 mod runner;
 pub mod sampling;
 
-pub use engine::{Engine, EngineOptions, Generation, GenerationRequest, Guidance, StopReason};
+pub use engine::{
+    Engine, EngineOptions, FeedBounds, Generation, GenerationRequest, Guidance, RequestFeed, StopReason,
+};
 pub use error::{GenError, Result};
 pub use frontier::{Frontier, FrontierSection};
 pub use options::{EngineStats, ForwardPath};

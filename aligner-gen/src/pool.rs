@@ -6,12 +6,13 @@
 //! balancing, without a coordinator.
 
 use std::sync::Mutex;
-use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use aligner_core::CausalLm;
 
-use crate::engine::{Engine, Generation, GenerationRequest, inference_weights, validate};
+use crate::engine::{
+    Engine, Generation, GenerationRequest, RequestFeed, SliceFeed, inference_weights, validate,
+};
 use crate::error::{GenError, Result};
 
 /// What one worker did in a run.
@@ -77,23 +78,41 @@ impl WorkerPool {
             return Ok((Vec::new(), PoolReport::default()));
         };
         validate(requests, first.max_positions())?;
-        let start = Instant::now();
-        let queue = AtomicUsize::new(0);
         let results: Mutex<Vec<Option<Generation>>> = Mutex::new(vec![None; requests.len()]);
+        let report = self.serve(&SliceFeed::new(requests), &|i, generation| {
+            progress(&generation);
+            results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(generation);
+            Ok(())
+        })?;
+        let outputs = results
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .into_iter()
+            .map(|g| g.expect("every request finishes"))
+            .collect();
+        Ok((outputs, report))
+    }
+
+    /// Every worker serves `feed` ([`Engine::serve`]) until it has no more, handing each
+    /// finished sequence to `done` with its key; reports each worker's share.
+    pub fn serve(
+        &mut self,
+        feed: &dyn RequestFeed,
+        done: &(dyn Fn(usize, Generation) -> Result<()> + Sync),
+    ) -> Result<PoolReport> {
+        let start = Instant::now();
         let reports = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .engines
                 .iter_mut()
                 .map(|engine| {
-                    let (queue, results) = (&queue, &results);
                     scope.spawn(move || -> Result<WorkerReport> {
                         let begun = Instant::now();
                         let mut report = WorkerReport::default();
-                        engine.serve(requests, queue, &mut |i, generation| {
+                        engine.serve(feed, &mut |i, generation| {
                             report.prompts += 1;
                             report.tokens += generation.token_ids.len();
-                            progress(&generation);
-                            results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(generation);
+                            done(i, generation)
                         })?;
                         report.seconds = begun.elapsed().as_secs_f64();
                         Ok(report)
@@ -106,18 +125,9 @@ impl WorkerPool {
                 .map(|(w, h)| h.join().map_err(|_| GenError::WorkerPanicked(w))?)
                 .collect::<Result<Vec<_>>>()
         })?;
-        let outputs = results
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner())
-            .into_iter()
-            .map(|g| g.expect("every request finishes"))
-            .collect();
-        Ok((
-            outputs,
-            PoolReport {
-                workers: reports,
-                seconds: start.elapsed().as_secs_f64(),
-            },
-        ))
+        Ok(PoolReport {
+            workers: reports,
+            seconds: start.elapsed().as_secs_f64(),
+        })
     }
 }

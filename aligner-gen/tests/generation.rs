@@ -604,3 +604,145 @@ fn a_continued_sequence_reuses_its_cache_and_samples_the_same_tokens() {
         assert_eq!(kept.stats().reused_positions, reused, "{path:?}");
     }
 }
+
+/// Answers every turn with an observation and ends episodes after their third turn; episode
+/// 0's first turn is answered only once every other episode is over (when it is alone in its
+/// batch; `None` in `gated` says it was not).
+struct Gate {
+    others: usize,
+    over: std::sync::Mutex<usize>,
+    changed: std::sync::Condvar,
+    gated: std::sync::Mutex<Option<bool>>,
+}
+
+impl Gate {
+    fn new(others: usize) -> Self {
+        Self {
+            others,
+            over: std::sync::Mutex::new(0),
+            changed: std::sync::Condvar::new(),
+            gated: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl aligner_gen::env::Environment for Gate {
+    fn name(&self) -> &str {
+        "gate"
+    }
+
+    fn step(&self, turns: &[aligner_gen::env::Turn<'_>]) -> Vec<aligner_gen::env::TurnResult> {
+        if turns.iter().any(|t| t.episode == 0 && t.turn == 0) {
+            let mut gated = self.gated.lock().unwrap();
+            if turns.len() == 1 {
+                // Held until the others are over: they go on meanwhile, or never.
+                let over = self.over.lock().unwrap();
+                let (over, _) = self
+                    .changed
+                    .wait_timeout_while(over, std::time::Duration::from_secs(120), |n| *n < self.others)
+                    .unwrap();
+                *gated = Some(*over == self.others);
+            } else {
+                *gated = Some(false);
+            }
+        }
+        turns
+            .iter()
+            .map(|t| {
+                if t.episode != 0 && t.turn == 2 {
+                    *self.over.lock().unwrap() += 1;
+                    self.changed.notify_all();
+                }
+                Ok(aligner_gen::env::Reply {
+                    observation: Some(" Mom said yes.".into()),
+                    reward: Some(t.turn as f64),
+                    done: t.turn == 2,
+                    tool_calls: 0,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Episodes in flight (`run_episodes_continuous`): while episode 0's environment holds its
+/// first answer until every other episode is over, the engine goes on decoding the others'
+/// turns (in lock step they would all wait for it) — and the episodes are the same tokens as
+/// in lock step (log-probs within 1e-4), on both forward paths, the host path reusing each
+/// turn's cache.
+#[test]
+fn episodes_go_on_while_another_waits_for_its_environment() {
+    use aligner_gen::env::{EpisodeLimits, EpisodeStart, run_episodes, run_episodes_continuous};
+    let lm = shipped();
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| lm.tokenizer.encode(p, true).unwrap())
+        .collect();
+    let metadata = serde_json::Map::new();
+    // Episode 0 talks at length; the others end each turn at their first space.
+    let starts: Vec<EpisodeStart<'_>> = prompts
+        .iter()
+        .zip(PROMPTS)
+        .enumerate()
+        .map(|(i, (ids, text))| EpisodeStart {
+            prompt_ids: ids,
+            prompt: text,
+            metadata: &metadata,
+            params: SamplingParams {
+                temperature: 1.0,
+                seed: 7 + i as u64,
+                stop_strings: if i == 0 { vec![] } else { vec![" ".into()] },
+                ..SamplingParams::default()
+            },
+        })
+        .collect();
+    // Episode 0's first turn takes 400 decode steps: time for the others' three turns each.
+    let limits = EpisodeLimits {
+        max_turns: 3,
+        max_tokens: 480,
+        turn_max_new_tokens: 400,
+    };
+    for path in PATHS {
+        let gate = Gate::new(starts.len() - 1);
+        let mut engine = engine(&lm, 8, path).with_eos_ids(vec![]);
+        let in_flight = run_episodes_continuous(
+            &starts,
+            0,
+            &limits,
+            &lm.tokenizer,
+            &mut |feed, done| engine.serve(feed, &mut |i, out| done(i, out)),
+            &gate,
+        )
+        .unwrap();
+        assert_eq!(
+            *gate.gated.lock().unwrap(),
+            Some(true),
+            "{path:?}: episode 0's first turn was answered alone, after the others were over"
+        );
+        assert!(in_flight[1..].iter().all(|e| e.turns == 3), "{path:?}");
+        assert!(in_flight[0].generation.token_ids.len() >= 400, "{path:?}");
+        let stats = engine.stats();
+        assert!(stats.admitted_mid_batch > 0, "{path:?}");
+        if path == ForwardPath::Host {
+            assert!(stats.reused_positions > 0);
+        }
+        let plain = Gate::new(0);
+        let mut fresh = self::engine(&lm, 8, path).with_eos_ids(vec![]);
+        let lock_step = run_episodes(
+            &starts,
+            0,
+            &limits,
+            &lm.tokenizer,
+            &mut |r| fresh.generate(r),
+            &mut |turns| Ok(aligner_gen::env::Environment::step(&plain, turns)),
+        )
+        .unwrap();
+        for (a, b) in in_flight.iter().zip(&lock_step) {
+            assert_same(
+                std::slice::from_ref(&a.generation),
+                std::slice::from_ref(&b.generation),
+            );
+            assert_eq!(a.observed, b.observed, "{path:?}");
+            assert_eq!(a.turn_rewards, b.turn_rewards, "{path:?}");
+        }
+    }
+}

@@ -11,7 +11,9 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::parallel::{map_balanced, map_sharded};
 use aligner_core::run::RunDir;
 use aligner_core::train::EpochOrder;
-use aligner_gen::env::{Environment, Episode, EpisodeStats, run_episodes};
+use aligner_gen::env::{
+    Environment, Episode, EpisodeLimits, EpisodeStart, EpisodeStats, run_episodes, run_episodes_continuous,
+};
 use aligner_gen::{
     GenError, Generation, GenerationRequest, RewardInput, Rewards, SamplingParams, StopReason, WorkerPool,
 };
@@ -245,10 +247,45 @@ impl Sampler<'_> {
         let starts = section.starts(requests, |i| prompts[(i / group.max(1)).min(prompts.len() - 1)]);
         let mut per_rank: Vec<f64> = Vec::new();
         let comm = self.run.comm();
-        let episodes = run_episodes(
-            &starts,
+        let limits = section.limits(self.config.ppo.max_new_tokens);
+        // One process: each episode goes on as soon as its environment answers, the others
+        // decoding meanwhile. Data parallel: turn by turn, every rank with the others.
+        let episodes = if comm.world_size() == 1 {
+            run_episodes_continuous(
+                &starts,
+                first_episode,
+                &limits,
+                self.tokenizer,
+                &mut |feed, done| pool.serve(feed, done).map(|_| ()),
+                env,
+            )?
+        } else {
+            self.episodes_in_lock_step(env, pool, &starts, first_episode, &limits, &mut per_rank)?
+        };
+        Ok(Samples {
+            generations: episodes.iter().map(|e| e.generation.clone()).collect(),
+            episodes: Some(episodes),
+            per_rank,
+        })
+    }
+
+    /// `starts` run turn by turn over the data-parallel ranks: each turn's requests shared out
+    /// among them, the environment's replies made on rank 0 and shared ([`run_episodes`]);
+    /// each rank's generation seconds added to `per_rank`.
+    fn episodes_in_lock_step(
+        &self,
+        env: &dyn Environment,
+        pool: &mut WorkerPool,
+        starts: &[EpisodeStart<'_>],
+        first_episode: u64,
+        limits: &EpisodeLimits,
+        per_rank: &mut Vec<f64>,
+    ) -> Result<Vec<Episode>> {
+        let comm = self.run.comm();
+        Ok(run_episodes(
+            starts,
             first_episode,
-            &section.limits(self.config.ppo.max_new_tokens),
+            limits,
             self.tokenizer,
             &mut |turn_requests| {
                 let (generations, seconds) = self
@@ -268,12 +305,7 @@ impl Sampler<'_> {
                     ))
                 })
             },
-        )?;
-        Ok(Samples {
-            generations: episodes.iter().map(|e| e.generation.clone()).collect(),
-            episodes: Some(episodes),
-            per_rank,
-        })
+        )?)
     }
 
     /// Each sample's score and each reward part's: the reward functions' (on the whole

@@ -16,6 +16,7 @@
 //! never the run.
 
 mod command;
+mod flight;
 mod http;
 mod tools;
 
@@ -26,6 +27,7 @@ use serde_json::{Map, Value};
 use crate::{Generation, GenerationRequest, Result, SamplingParams, StopReason};
 
 pub use command::CommandEnvironment;
+pub use flight::{TurnDone, run_episodes_continuous};
 pub use http::HttpEnvironment;
 pub use tools::{ToolCallFormat, ToolEnvironment, ToolSpec, parse_tool_call, tools_json};
 
@@ -161,7 +163,8 @@ impl Episode {
 /// Episodes run in lock step: every episode still going samples its next turn in one batch
 /// (`generate`, in request order), then `step` answers every turn (the caller decides where
 /// the environment runs: data-parallel ranks share rank 0's replies). `first_id` numbers the
-/// episodes (`first_id + i`).
+/// episodes (`first_id + i`). [`run_episodes_continuous`] runs the same episodes without the
+/// lock step, to the same tokens.
 pub fn run_episodes(
     starts: &[EpisodeStart<'_>],
     first_id: u64,
@@ -170,9 +173,39 @@ pub fn run_episodes(
     generate: &mut dyn FnMut(&[GenerationRequest]) -> Result<Vec<Generation>>,
     step: &mut dyn FnMut(&[Turn<'_>]) -> Result<Vec<TurnResult>>,
 ) -> Result<Vec<Episode>> {
-    let mut episodes: Vec<Episode> = starts
-        .iter()
-        .map(|_| Episode {
+    let mut episodes: Vec<Episode> = starts.iter().map(|_| Episode::empty()).collect();
+    let mut going: Vec<usize> = (0..starts.len()).filter(|_| limits.max_tokens > 0).collect();
+    while !going.is_empty() {
+        let requests: Vec<GenerationRequest> = going
+            .iter()
+            .map(|&i| turn_request(&starts[i], &episodes[i], limits))
+            .collect();
+        let outputs = generate(&requests)?;
+        let mut texts = Vec::with_capacity(going.len());
+        for (&i, out) in going.iter().zip(outputs) {
+            texts.push(take_turn(&starts[i], &mut episodes[i], out, tokenizer)?);
+        }
+        let turns: Vec<Turn<'_>> = going
+            .iter()
+            .zip(&texts)
+            .map(|(&i, text)| starts[i].turn(first_id, i, episodes[i].turns - 1, text))
+            .collect();
+        let replies = step(&turns)?;
+        let mut next = Vec::with_capacity(going.len());
+        for (&i, reply) in going.iter().zip(replies) {
+            if take_reply(&mut episodes[i], reply, limits, tokenizer)? {
+                next.push(i);
+            }
+        }
+        going = next;
+    }
+    Ok(episodes)
+}
+
+impl Episode {
+    /// An episode before its first turn.
+    fn empty() -> Self {
+        Self {
             generation: Generation {
                 token_ids: Vec::new(),
                 token_logprobs: Vec::new(),
@@ -183,104 +216,107 @@ pub fn run_episodes(
             turn_rewards: Vec::new(),
             tool_calls: 0,
             error: None,
-        })
-        .collect();
-    let mut going: Vec<usize> = (0..starts.len()).collect();
-    for turn in 0..limits.max_turns.max(1) {
-        going.retain(|&i| episodes[i].generation.token_ids.len() < limits.max_tokens);
-        if going.is_empty() {
-            break;
         }
-        let requests: Vec<GenerationRequest> = going
-            .iter()
-            .map(|&i| {
-                let (start, episode) = (&starts[i], &episodes[i]);
-                let left = limits.max_tokens - episode.generation.token_ids.len();
-                let mut prompt_ids = start.prompt_ids.to_vec();
-                prompt_ids.extend(&episode.generation.token_ids);
-                GenerationRequest::new(
-                    prompt_ids,
-                    SamplingParams {
-                        max_new_tokens: limits.turn_max_new_tokens.min(left),
-                        // Each turn its own random stream.
-                        seed: start
-                            .params
-                            .seed
-                            .wrapping_add((turn as u64).wrapping_mul(0x9e37_79b9)),
-                        // The next turn continues this sequence: its cache is kept, and only
-                        // the observation is computed then.
-                        keep_cache: turn + 1 < limits.max_turns,
-                        ..start.params.clone()
-                    },
-                )
-            })
-            .collect();
-        let outputs = generate(&requests)?;
-        let mut texts = Vec::with_capacity(going.len());
-        for (&i, out) in going.iter().zip(&outputs) {
-            let episode = &mut episodes[i];
-            let context: Vec<u32> = starts[i]
-                .prompt_ids
-                .iter()
-                .chain(&episode.generation.token_ids)
-                .copied()
-                .collect();
-            texts.push(tokenizer.decode_continuation(&context, &out.token_ids)?);
-            episode.generation.token_ids.extend(&out.token_ids);
-            episode.generation.token_logprobs.extend(&out.token_logprobs);
-            episode.observed.resize(episode.generation.token_ids.len(), false);
-            episode.generation.stop_reason = out.stop_reason;
-            episode.turns += 1;
-        }
-        let turns: Vec<Turn<'_>> = going
-            .iter()
-            .zip(&texts)
-            .map(|(&i, text)| Turn {
-                episode: first_id.wrapping_add(i as u64),
-                turn,
-                prompt: starts[i].prompt,
-                response: text,
-                metadata: starts[i].metadata,
-            })
-            .collect();
-        let replies = step(&turns)?;
-        let mut next = Vec::with_capacity(going.len());
-        for ((&i, reply), out) in going.iter().zip(replies).zip(&outputs) {
-            let episode = &mut episodes[i];
-            match reply {
-                Err(error) => {
-                    episode.turn_rewards.push(0.0);
-                    if error.tool {
-                        episode.tool_calls += 1;
-                    }
-                    episode.error = Some(error);
-                }
-                Ok(reply) => {
-                    episode.turn_rewards.push(reply.reward.unwrap_or(0.0));
-                    episode.tool_calls += reply.tool_calls;
-                    let observation = match reply.observation.as_deref() {
-                        Some(text) if !text.is_empty() => tokenizer.encode(text, false)?,
-                        _ => Vec::new(),
-                    };
-                    let room = limits
-                        .max_tokens
-                        .saturating_sub(episode.generation.token_ids.len());
-                    let observation = &observation[..observation.len().min(room)];
-                    episode.generation.token_ids.extend(observation);
-                    episode
-                        .generation
-                        .token_logprobs
-                        .extend(std::iter::repeat_n(0.0, observation.len()));
-                    episode.observed.resize(episode.generation.token_ids.len(), true);
-                    if !reply.done && out.stop_reason != StopReason::ContextFull {
-                        next.push(i);
-                    }
-                }
-            }
-        }
-        going = next;
     }
-    Ok(episodes)
+}
+
+impl<'a> EpisodeStart<'a> {
+    /// Episode `i`'s turn `turn` as the environment sees it.
+    fn turn(&self, first_id: u64, i: usize, turn: usize, response: &'a str) -> Turn<'a> {
+        Turn {
+            episode: first_id.wrapping_add(i as u64),
+            turn,
+            prompt: self.prompt,
+            response,
+            metadata: self.metadata,
+        }
+    }
+}
+
+/// The request of `episode`'s next model turn: the prompt and the episode so far.
+fn turn_request(start: &EpisodeStart<'_>, episode: &Episode, limits: &EpisodeLimits) -> GenerationRequest {
+    let turn = episode.turns;
+    let left = limits.max_tokens - episode.generation.token_ids.len();
+    let mut prompt_ids = start.prompt_ids.to_vec();
+    prompt_ids.extend(&episode.generation.token_ids);
+    GenerationRequest::new(
+        prompt_ids,
+        SamplingParams {
+            max_new_tokens: limits.turn_max_new_tokens.min(left),
+            // Each turn its own random stream.
+            seed: start
+                .params
+                .seed
+                .wrapping_add((turn as u64).wrapping_mul(0x9e37_79b9)),
+            // The next turn continues this sequence: its cache is kept, and only the
+            // observation is computed then.
+            keep_cache: turn + 1 < limits.max_turns,
+            ..start.params.clone()
+        },
+    )
+}
+
+/// Appends a model turn to `episode`; returns its text, as the environment reads it.
+fn take_turn(
+    start: &EpisodeStart<'_>,
+    episode: &mut Episode,
+    out: Generation,
+    tokenizer: &TextTokenizer,
+) -> Result<String> {
+    let context: Vec<u32> = start
+        .prompt_ids
+        .iter()
+        .chain(&episode.generation.token_ids)
+        .copied()
+        .collect();
+    let text = tokenizer.decode_continuation(&context, &out.token_ids)?;
+    episode.generation.token_ids.extend(&out.token_ids);
+    episode.generation.token_logprobs.extend(&out.token_logprobs);
+    episode.observed.resize(episode.generation.token_ids.len(), false);
+    episode.generation.stop_reason = out.stop_reason;
+    episode.turns += 1;
+    Ok(text)
+}
+
+/// Appends the environment's answer to `episode`'s last turn; returns whether the episode
+/// takes another turn (not done, not failed, its context, turns and tokens not spent).
+fn take_reply(
+    episode: &mut Episode,
+    reply: TurnResult,
+    limits: &EpisodeLimits,
+    tokenizer: &TextTokenizer,
+) -> Result<bool> {
+    let reply = match reply {
+        Err(error) => {
+            episode.turn_rewards.push(0.0);
+            if error.tool {
+                episode.tool_calls += 1;
+            }
+            episode.error = Some(error);
+            return Ok(false);
+        }
+        Ok(reply) => reply,
+    };
+    episode.turn_rewards.push(reply.reward.unwrap_or(0.0));
+    episode.tool_calls += reply.tool_calls;
+    let observation = match reply.observation.as_deref() {
+        Some(text) if !text.is_empty() => tokenizer.encode(text, false)?,
+        _ => Vec::new(),
+    };
+    let room = limits
+        .max_tokens
+        .saturating_sub(episode.generation.token_ids.len());
+    let observation = &observation[..observation.len().min(room)];
+    episode.generation.token_ids.extend(observation);
+    episode
+        .generation
+        .token_logprobs
+        .extend(std::iter::repeat_n(0.0, observation.len()));
+    episode.observed.resize(episode.generation.token_ids.len(), true);
+    Ok(!reply.done
+        && episode.generation.stop_reason != StopReason::ContextFull
+        && episode.turns < limits.max_turns.max(1)
+        && episode.generation.token_ids.len() < limits.max_tokens)
 }
 
 /// What a batch of episodes did, for a step's metrics.
@@ -439,7 +475,7 @@ impl EnvironmentSection {
     }
 
     /// Runs `requests` as episodes in `env` on `engine` in this process ([`Self::starts`],
-    /// [`run_episodes`] within the section's limits, `max_new_tokens` a turn unless
+    /// [`run_episodes_continuous`] within the section's limits, `max_new_tokens` a turn unless
     /// `turn_max_new_tokens` says otherwise; episode ids from `first_id`).
     #[allow(clippy::too_many_arguments)]
     pub fn run<'a>(
@@ -452,13 +488,13 @@ impl EnvironmentSection {
         first_id: u64,
         max_new_tokens: usize,
     ) -> Result<Vec<Episode>> {
-        run_episodes(
+        run_episodes_continuous(
             &self.starts(requests, owner),
             first_id,
             &self.limits(max_new_tokens),
             tokenizer,
-            &mut |r| engine.generate(r),
-            &mut |turns| Ok(env.step(turns)),
+            &mut |feed, done| engine.serve(feed, &mut |i, out| done(i, out)),
+            env,
         )
     }
 
@@ -714,6 +750,98 @@ pub(crate) mod tests {
         assert_eq!(stats.env_errors, 1.0);
         assert_eq!(stats.turns, 2.5);
         assert!((stats.reward_per_turn - 4.0 / 5.0).abs() < 1e-12);
+    }
+
+    /// The fake model served from a feed, as an engine would.
+    fn serve_fake(
+        feed: &dyn crate::RequestFeed,
+        done: &TurnDone<'_>,
+        tokenizer: &TextTokenizer,
+    ) -> Result<()> {
+        while let Some((key, request)) = feed.next(true)? {
+            let out = generate(std::slice::from_ref(&request), tokenizer).remove(0);
+            done(key, out)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn episodes_in_flight_are_the_lock_step_episodes() {
+        let tok = tokenizer();
+        let prompt = tok.encode("Once upon a time", true).unwrap();
+        let metadata = Map::new();
+        let start = EpisodeStart {
+            prompt_ids: &prompt,
+            prompt: "Once upon a time",
+            metadata: &metadata,
+            params: SamplingParams::default(),
+        };
+        let yes = tok.encode(" yes", false).unwrap().len();
+        let ok = tok.encode(" ok.", false).unwrap().len();
+        for (max_turns, max_tokens) in [(5, 100), (10, yes + ok + 1), (3, 0)] {
+            let limits = EpisodeLimits {
+                max_turns,
+                max_tokens,
+                turn_max_new_tokens: 8,
+            };
+            let starts = vec![start.clone(), start.clone(), start.clone()];
+            let lock_step = run_episodes(
+                &starts,
+                10,
+                &limits,
+                &tok,
+                &mut |r| Ok(generate(r, &tok)),
+                &mut |turns| Ok(Echo.step(turns)),
+            )
+            .unwrap();
+            let in_flight = run_episodes_continuous(
+                &starts,
+                10,
+                &limits,
+                &tok,
+                &mut |feed, done| serve_fake(feed, done, &tok),
+                &Echo,
+            )
+            .unwrap();
+            assert_eq!(in_flight, lock_step, "{limits:?}");
+        }
+    }
+
+    /// A failing engine ends the run with its error; nothing waits for it.
+    #[test]
+    fn a_failing_engine_stops_episodes_in_flight() {
+        let tok = tokenizer();
+        let prompt = tok.encode("Once", true).unwrap();
+        let metadata = Map::new();
+        let start = EpisodeStart {
+            prompt_ids: &prompt,
+            prompt: "Once",
+            metadata: &metadata,
+            params: SamplingParams::default(),
+        };
+        let limits = EpisodeLimits {
+            max_turns: 4,
+            max_tokens: 50,
+            turn_max_new_tokens: 4,
+        };
+        let mut served = 0;
+        let err = run_episodes_continuous(
+            &[start.clone(), start],
+            0,
+            &limits,
+            &tok,
+            &mut |feed, done| {
+                let (key, request) = feed.next(true)?.expect("a first turn");
+                done(key, generate(std::slice::from_ref(&request), &tok).remove(0))?;
+                served += 1;
+                feed.close();
+                Err(crate::GenError::WorkerPanicked(3))
+            },
+            &Echo,
+        )
+        .unwrap_err();
+        assert_eq!(served, 1);
+        assert!(err.to_string().contains("worker 3"), "{err}");
     }
 
     #[test]
