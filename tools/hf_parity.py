@@ -18,6 +18,10 @@
       (past the window) to OUT_DIR/<name>/expected_logits.json. They take the shipped model's
       512-token vocabulary and tokenizer files (assets/stories260K), so `aligner sft --set
       model.path=OUT_DIR/<name>` and every other command run on them.
+  python3 tools/hf_parity.py padded_aux DIR ...
+      Adds to mixture-of-experts fixtures (tests/reference/hf_random/{mixtral_moe,
+      qwen3_moe_dense_layer}) transformers' load-balancing loss of a right-padded two-row batch
+      with its attention mask, and without it (`padded` in expected_logits.json).
   python3 tools/hf_parity.py load DIR [IDS_JSON]
       Loads an aligner-saved folder with AutoModelForCausalLM / AutoModelForSequenceClassification,
       fails on missing or unexpected keys, prints the logits of IDS as JSON.
@@ -152,6 +156,25 @@ def architectures(out, *names):
         print(name, "saved; greedy", greedy[0, len(prompt[0]):].tolist())
 
 
+def padded_aux(*paths):
+    """Adds to a mixture-of-experts fixture transformers' load-balancing loss of a right-padded
+    batch with its attention mask (padding left out of the loss)."""
+    rows = [[1, 403, 407, 261, 378, 2, 17, 80, 341, 3, 44, 91], [1, 261, 378, 17, 80]]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    for path in paths:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model.config._attn_implementation = "eager"
+        with torch.no_grad():
+            masked = model(ids, attention_mask=mask).aux_loss.item()
+            unmasked = model(ids).aux_loss.item()
+        expected = json.load(open(f"{path}/expected_logits.json"))
+        expected["padded"] = {"rows": rows, "aux_loss": masked, "aux_loss_without_mask": unmasked}
+        json.dump(expected, open(f"{path}/expected_logits.json", "w"))
+        print(path, "padded aux", masked, "without the mask", unmasked)
+
+
 def load(path, ids_json=None):
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (config.architectures or ["LlamaForCausalLM"])[0]
@@ -167,4 +190,4 @@ def load(path, ids_json=None):
 
 
 if __name__ == "__main__":
-    {"fixtures": fixtures, "architectures": architectures, "load": load}[sys.argv[1]](*sys.argv[2:])
+    {"fixtures": fixtures, "architectures": architectures, "load": load, "padded_aux": padded_aux}[sys.argv[1]](*sys.argv[2:])

@@ -99,7 +99,8 @@ fn pair_rewards(model: &RewardModel, batch: &[&PairExample], device: &Device) ->
     rows.extend(batch.iter().map(|p| p.rejected.as_slice()));
     let lengths: Vec<usize> = rows.iter().map(|r| r.len()).collect();
     let tokens = pad_right(&rows, 0, device);
-    let rewards = model.forward(tokens, &lengths);
+    let valid = crate::score::right_padding_valid(&rows);
+    let rewards = crate::model::with_valid_tokens(valid, || model.forward(tokens, &lengths));
     let b = batch.len();
     let r = rewards.narrow(1, 0, 1).reshape([2 * b]);
     (r.clone().narrow(0, 0, b), r.narrow(0, b, b))

@@ -92,6 +92,14 @@ pub fn pad_right(rows: &[&[u32]], pad: u32, device: &Device) -> Tensor<2, Int> {
     Tensor::from_data(TensorData::new(flat, [rows.len(), max_len]), device)
 }
 
+/// Which entries of [`pad_right`]`(rows)` are tokens of a row (`false`: padding), row by row.
+pub fn right_padding_valid(rows: &[&[u32]]) -> Vec<bool> {
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    rows.iter()
+        .flat_map(|r| (0..width).map(move |t| t < r.len()))
+        .collect()
+}
+
 /// Response log-probs of `sequences`, `batch_size` at a time (right-padded).
 pub fn response_logprobs(
     model: &CausalLm,
@@ -147,7 +155,9 @@ pub fn sequence_logprobs(model: &CausalLm, seqs: &[&ScoredSequence]) -> (Tensor<
         counts.push(s.n_response_tokens().max(1) as f32);
     }
     let mask = Tensor::<2>::from_data(TensorData::new(mask, [n, width - 1]), &device);
-    let sums = (model.token_logprobs(tokens) * mask).sum_dim(1).reshape([n]);
+    let logprobs =
+        crate::model::with_valid_tokens(right_padding_valid(&rows), || model.token_logprobs(tokens));
+    let sums = (logprobs * mask).sum_dim(1).reshape([n]);
     (sums, counts)
 }
 

@@ -254,20 +254,23 @@ fn logprobs_and_masks(
         .iter()
         .map(|&skip_end| trained_mask(batch, width, skip_end, device))
         .collect();
-    let logprobs = if batch.iter().any(|e| e.starts.len() > 1) {
-        let segments: Vec<Vec<Option<usize>>> = batch
-            .iter()
-            .map(|e| {
-                let mut s: Vec<Option<usize>> = e.segments().into_iter().map(Some).collect();
-                s.resize(width, None);
-                s
-            })
-            .collect();
-        let (positions, attention) = crate::model::packed_layout(&segments, device);
-        model.token_logprobs_with(tokens, &positions, Some(&attention))
-    } else {
-        model.token_logprobs(tokens)
-    };
+    let valid = crate::score::right_padding_valid(&rows);
+    let logprobs = crate::model::with_valid_tokens(valid, || {
+        if batch.iter().any(|e| e.starts.len() > 1) {
+            let segments: Vec<Vec<Option<usize>>> = batch
+                .iter()
+                .map(|e| {
+                    let mut s: Vec<Option<usize>> = e.segments().into_iter().map(Some).collect();
+                    s.resize(width, None);
+                    s
+                })
+                .collect();
+            let (positions, attention) = crate::model::packed_layout(&segments, device);
+            model.token_logprobs_with(tokens, &positions, Some(&attention))
+        } else {
+            model.token_logprobs(tokens)
+        }
+    });
     (logprobs, masks)
 }
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use aligner_core::model::{FeedForward, with_router_loss};
-use aligner_core::score::{ScoredSequence, response_logprobs};
+use aligner_core::score::{ScoredSequence, response_logprobs, sequence_logprobs};
 use aligner_core::{Device, LoadedModel};
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
@@ -343,6 +343,44 @@ fn mixtures_of_experts_add_transformers_load_balancing_loss() {
                 assert!(norm > 0.0, "{name}: a router without gradient");
             }
         }
+        // A right-padded batch: padding is left out of the loss as transformers leaves out
+        // what the attention mask hides, by the path every preference loss takes.
+        let padded = &expected["padded"];
+        let rows: Vec<Vec<u32>> = padded["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|row| {
+                row.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect();
+        let seqs: Vec<ScoredSequence> = rows
+            .iter()
+            .map(|r| ScoredSequence {
+                ids: r.clone(),
+                prompt_len: 1,
+                observed: Vec::new(),
+            })
+            .collect();
+        let refs: Vec<&ScoredSequence> = seqs.iter().collect();
+        let (_, term) = with_router_loss(|| sequence_logprobs(&model, &refs));
+        let aux = term.unwrap().into_scalar::<f32>() as f64 / coef;
+        let (want, unmasked) = (
+            padded["aux_loss"].as_f64().unwrap(),
+            padded["aux_loss_without_mask"].as_f64().unwrap(),
+        );
+        assert!(
+            (aux - want).abs() < 1e-4,
+            "{name}: padded batch's load-balancing loss {aux} against {want} ({unmasked} with the padding)"
+        );
+        assert!(
+            (want - unmasked).abs() > 1e-3,
+            "{name}: the padding changes nothing"
+        );
         // Outside a recording scope nothing is collected; a pass without gradients records
         // nothing either.
         let (_, none) =

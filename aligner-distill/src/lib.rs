@@ -508,7 +508,9 @@ impl DistillObjective {
         let positions = [0..b, 0..width - 1, 0..self.vocab];
         let teacher_device = self.teacher.model.embed_tokens.weight.device();
         let target = with_teacher.then(|| self.target_hidden(tokens.clone().to_device(&teacher_device)));
-        let student = model.forward(tokens.clone()).slice(positions);
+        let valid = aligner_core::score::right_padding_valid(&rows);
+        let student =
+            aligner_core::model::with_valid_tokens(valid, || model.forward(tokens.clone())).slice(positions);
         Logits {
             target,
             student,

@@ -55,6 +55,8 @@ pub struct Layout {
     /// `T`, the response width.
     pub response_width: usize,
     pub lengths: Vec<usize>,
+    /// `[batch · (P + T)]`: which tokens are not padding.
+    pub valid: Vec<bool>,
 }
 
 impl Layout {
@@ -81,6 +83,7 @@ impl Layout {
                 .extend((0..t).map(|j| (j < s.response_ids.len() && !s.is_observed(j)) as u8 as f32));
         }
         let (positions, mask) = left_padded_layout(&valid, width, device);
+        let valid = valid.concat();
         Self {
             tokens: Tensor::from_data(TensorData::new(flat, [seqs.len(), width]), device),
             positions,
@@ -89,6 +92,7 @@ impl Layout {
             prompt_width: p,
             response_width: t,
             lengths: seqs.iter().map(|s| s.response_ids.len()).collect(),
+            valid,
         }
     }
 
@@ -200,6 +204,8 @@ pub struct Packed {
     /// Tokens in the rows (real and padding), and real ones.
     pub slots: usize,
     pub real: usize,
+    /// `[rows · width]`: which tokens are a sequence's (not padding).
+    pub valid: Vec<bool>,
 }
 
 impl Packed {
@@ -228,6 +234,7 @@ impl Packed {
             }
         }
         let (positions, mask) = aligner_core::model::packed_layout(&segments, device);
+        let valid = segments.iter().flatten().map(Option::is_some).collect();
         Self {
             tokens: Tensor::from_data(TensorData::new(flat, [rows.len(), width]), device),
             positions,
@@ -237,6 +244,7 @@ impl Packed {
             response_width: t,
             slots: rows.len() * width,
             real: lengths.iter().sum(),
+            valid,
         }
     }
 
@@ -306,6 +314,15 @@ mod tests {
         ));
         let packed = Packed::new(&seqs, &device);
         assert!(packed.slots < seqs.len() * (layout.prompt_width + layout.response_width));
+        // Both layouts mark their real tokens (what the load-balancing loss counts).
+        let real: usize = seqs
+            .iter()
+            .map(|s| s.prompt_ids.len() + s.response_ids.len())
+            .sum();
+        assert_eq!(packed.valid.iter().filter(|&&v| v).count(), real);
+        assert_eq!(packed.valid.len(), packed.slots);
+        assert_eq!(layout.valid.iter().filter(|&&v| v).count(), real);
+        assert_eq!(layout.valid.len(), layout.tokens.dims().iter().product::<usize>());
         let lp = packed.response_columns(model.token_logprobs_with(
             packed.tokens.clone(),
             &packed.positions,

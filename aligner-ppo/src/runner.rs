@@ -553,11 +553,13 @@ impl PpoRunner<'_> {
         let packed = cfg
             .pack_sequences
             .then(|| Packed::new(&scored.sequences[start..end], device));
-        let (tokens, positions, mask) = match &packed {
-            Some(p) => (&p.tokens, &p.positions, &p.mask),
-            None => (&layout.tokens, &layout.positions, &layout.mask),
+        let (tokens, positions, mask, valid) = match &packed {
+            Some(p) => (&p.tokens, &p.positions, &p.mask, &p.valid),
+            None => (&layout.tokens, &layout.positions, &layout.mask, &layout.valid),
         };
-        let hidden = actor.model.forward(tokens.clone(), positions, Some(mask), None);
+        let hidden = aligner_core::model::with_valid_tokens(valid.clone(), || {
+            actor.model.forward(tokens.clone(), positions, Some(mask), None)
+        });
         let [rows, width, d] = hidden.dims();
         let inputs = hidden
             .clone()

@@ -84,7 +84,8 @@ fn predictions(model: &RewardModel, batch: &[&AttributeExample]) -> Tensor<2> {
     let device = model.score.weight.device();
     let rows: Vec<&[u32]> = batch.iter().map(|e| e.ids.as_slice()).collect();
     let lengths: Vec<usize> = rows.iter().map(|r| r.len()).collect();
-    model.forward(pad_right(&rows, 0, &device), &lengths)
+    let valid = aligner_core::score::right_padding_valid(&rows);
+    aligner_core::model::with_valid_tokens(valid, || model.forward(pad_right(&rows, 0, &device), &lengths))
 }
 
 /// Masked MSE regression on every configured attribute.

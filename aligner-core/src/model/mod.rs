@@ -21,7 +21,10 @@ pub use attention::Attention;
 pub use cache::{KvCache, LayerCache};
 pub use layer::{DecoderLayer, Mlp};
 pub use lora::{LoraAdapter, LoraLinear};
-pub use moe::{ExpertNaming, FeedForward, SparseMoe, load_balancing_loss, top_k_rows, with_router_loss};
+pub use moe::{
+    ExpertNaming, FeedForward, SparseMoe, load_balancing_loss, top_k_rows, with_router_loss,
+    with_valid_tokens,
+};
 pub use norm::RmsNorm;
 pub use rope::{Rope, RotaryAngles, inverse_frequencies, long_context_frequencies};
 

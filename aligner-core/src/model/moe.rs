@@ -227,14 +227,27 @@ impl SparseMoe {
         if let Some(coef) = self.aux_loss_coef
             && probs.is_tracked()
         {
+            // Padding is left out, as transformers leaves out what the attention mask hides.
+            let valid = VALID_TOKENS.with(|v| v.borrow().clone().filter(|v| v.len() == n));
+            let is_valid = |row: usize| valid.as_ref().is_none_or(|v| v[row]);
             let mut counts = vec![0.0f32; experts];
-            for &e in &chosen {
-                counts[e] += 1.0;
+            for (slot, &e) in chosen.iter().enumerate() {
+                if is_valid(slot / self.top_k) {
+                    counts[e] += 1.0;
+                }
             }
+            let (probability_sums, rows) = match &valid {
+                None => (probs.sum_dim(0), n),
+                Some(valid) => {
+                    let mask: Vec<f32> = valid.iter().map(|&v| f32::from(u8::from(v))).collect();
+                    let mask = Tensor::<2>::from_data(TensorData::new(mask, [n, 1]), &device);
+                    ((probs * mask).sum_dim(0), valid.iter().filter(|&&v| v).count())
+                }
+            };
             record_routing(Routing {
-                probability_sums: probs.sum_dim(0).reshape([experts]),
+                probability_sums: probability_sums.reshape([experts]),
                 counts,
-                rows: n,
+                rows,
                 coef,
             });
         }
@@ -269,6 +282,27 @@ struct Routing {
 thread_local! {
     /// The routings recorded inside [`with_router_loss`] (none outside it).
     static ROUTINGS: RefCell<Option<Vec<Routing>>> = const { RefCell::new(None) };
+}
+
+thread_local! {
+    /// Which tokens of the forward passes inside [`with_valid_tokens`] are not padding.
+    static VALID_TOKENS: RefCell<Option<Vec<bool>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` (forward passes over a padded batch) with `valid` marking its tokens that are
+/// not padding (`[batch · seq]`, row by row): the load-balancing loss leaves the others out,
+/// as transformers' does with an attention mask. A pass over another number of tokens
+/// counts every token.
+pub fn with_valid_tokens<T>(valid: Vec<bool>, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<Vec<bool>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let outer = self.0.take();
+            VALID_TOKENS.with(|v| *v.borrow_mut() = outer);
+        }
+    }
+    let _restore = Restore(VALID_TOKENS.with(|v| v.borrow_mut().replace(valid)));
+    f()
 }
 
 fn record_routing(routing: Routing) {
