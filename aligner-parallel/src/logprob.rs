@@ -41,9 +41,11 @@ pub fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>, chunk_tokens: 
 /// The projection itself is chunked too, so neither `[batch, seq, vocab]` logits nor their
 /// log-softmax are ever materialised at once. Differentiable with respect to `hidden` and
 /// `weight`. The weight is cast to the hidden states' type (f32 master weights under half
-/// precision activations) and the log-probs come out in f32. On the Flex CPU backend and on Cube devices (wgpu, CUDA) each chunk is one
-/// [`crate::fused_token_logprobs`] node (hand-written backward); elsewhere, and under a
-/// `softcap` (Gemma's `final_logit_softcapping`: logits become `cap · tanh(logit / cap)`), it
+/// precision activations) and the log-probs come out in f32. On the Flex CPU backend every row
+/// goes through one [`crate::fused_token_logprobs`] node, which computes its logits
+/// [`crate::fused::host::LOGIT_BLOCK_ROWS`] rows at a time; on Cube devices (wgpu, CUDA) each
+/// chunk of `chunk_tokens` rows is one such node (hand-written backwards); elsewhere, and under
+/// a `softcap` (Gemma's `final_logit_softcapping`: logits become `cap · tanh(logit / cap)`), it
 /// is composed from Burn ops.
 pub fn token_logprobs_from_hidden(
     hidden: Tensor<3>,
@@ -59,8 +61,13 @@ pub fn token_logprobs_from_hidden(
     let flat = hidden.reshape([rows, d_model]);
     let flat_targets = targets.reshape([rows, 1]);
     let device = flat.device();
-    let fused =
-        softcap.is_none() && (crate::fused_available(&device) || crate::cube_kernels_available(&device));
+    // On the CPU one fused node takes every row (its logits computed a block of rows at a
+    // time): one copy of the weight for the backward, however many rows.
+    if softcap.is_none() && crate::fused_available(&device) {
+        let out = crate::fused_token_logprobs(flat, weight, flat_targets.reshape([rows]));
+        return out.reshape([batch, seq]).cast(burn::tensor::FloatDType::F32);
+    }
+    let fused = softcap.is_none() && crate::cube_kernels_available(&device);
     let out = chunked_rows(rows, chunk_tokens, |start, end| {
         let chunk = flat.clone().slice([start..end, 0..d_model]);
         let ids = flat_targets.clone().slice([start..end, 0..1]);

@@ -283,18 +283,19 @@ impl HostWeights {
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
         let width = head_panel_width(vocab);
         let (norm, embed_scale) = (HostNorm::new(&m.norm), m.embedding_scale.map(|s| s as f32));
-        let embedding = values(m.embed_tokens.weight.val());
-        // The trunk's last tensors go before the output projection's copy is made.
-        drop(m);
-        // Tied embeddings are read from the output projection's panels (one copy, not two).
+        // Taken out of the model, not cloned: where the engine holds the only reference, its
+        // values are the tensor's own buffer, not a copy.
+        let embedding = values(m.embed_tokens.weight.into_value());
+        // A tied embedding table becomes the output projection's panels in its own buffer
+        // (held once); the lookup reads its rows there.
         let (embed, head) = match lm_head {
             Some(head) => (
                 Some(embedding),
-                ColumnPanels::from_row_major(&values(head.weight.val()), hidden, vocab, width),
+                ColumnPanels::from_row_major(&values(head.weight.into_value()), hidden, vocab, width),
             ),
             None => (
                 None,
-                ColumnPanels::from_transpose(&embedding, hidden, vocab, width),
+                ColumnPanels::from_transpose(embedding, hidden, vocab, width),
             ),
         };
         Self {

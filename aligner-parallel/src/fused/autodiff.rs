@@ -8,9 +8,10 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, tensor::FloatTensor, tensor::IntTensor};
-use burn::tensor::TensorData;
+use burn::tensor::{DType, TensorData};
 
 use super::host::{self, AttentionShape, SoftmaxRows};
 use super::{FusedOps, attention_shape, host_floats, host_ints, host_values};
@@ -28,10 +29,52 @@ fn register<B: Backend>(
     }
 }
 
+/// The output projection `[d, v]` the token log-probs read: the tensor itself when its f32
+/// buffer holds exactly it, row-major or as the transpose of a row-major `[v, d]` (a tied
+/// embedding) — read in place, not copied (a 0.5B model's is 545 MB) — else a copy.
+#[derive(Clone)]
+enum HostWeight {
+    InPlace { tensor: FlexTensor, transposed: bool },
+    Copied(Vec<f32>),
+}
+
+impl HostWeight {
+    fn new(tensor: FlexTensor) -> (Self, [usize; 2]) {
+        let dims = tensor.layout().shape().to_vec();
+        let [d, v] = dims[..] else {
+            panic!("a token log-prob weight is [d, vocab], not {dims:?}")
+        };
+        let layout = tensor.layout();
+        let whole = tensor.dtype() == DType::F32
+            && layout.start_offset() == 0
+            && tensor.bytes().len() == d * v * std::mem::size_of::<f32>();
+        let transposed = match layout.strides() {
+            [row, 1] if *row == v as isize => Some(false),
+            [1, column] if *column == d as isize => Some(true),
+            _ => None,
+        };
+        let weight = match (whole, transposed) {
+            (true, Some(transposed)) => HostWeight::InPlace { tensor, transposed },
+            _ => HostWeight::Copied(host_floats::<Flex, 2>(tensor).0),
+        };
+        (weight, [d, v])
+    }
+
+    fn view(&self) -> host::WeightRef<'_> {
+        match self {
+            HostWeight::InPlace { tensor, transposed } => host::WeightRef {
+                values: tensor.storage::<f32>(),
+                transposed: *transposed,
+            },
+            HostWeight::Copied(values) => host::WeightRef::rows(values),
+        }
+    }
+}
+
 /// What the token log-prob backward keeps: inputs, targets and the softmax rows.
 struct LogprobState {
     hidden: Vec<f32>,
-    weight: Vec<f32>,
+    weight: HostWeight,
     targets: Vec<i64>,
     rows: SoftmaxRows,
     d: usize,
@@ -73,8 +116,15 @@ impl<B: Backend> Backward<B, 2> for TokenLogprobs {
             v: shared.v,
         });
         let (n, d, v) = (state.targets.len(), state.d, state.v);
-        let (d_hidden, d_weight) =
-            host::token_logprobs_backward(&state.hidden, &state.weight, &state.targets, state.rows, &g, d, v);
+        let (d_hidden, d_weight) = host::token_logprobs_backward(
+            &state.hidden,
+            state.weight.view(),
+            &state.targets,
+            state.rows,
+            &g,
+            d,
+            v,
+        );
         register::<B>(grads, hidden_node.map(|n| n.id), d_hidden, vec![n, d], &device);
         register::<B>(grads, weight_node.map(|n| n.id), d_weight, vec![d, v], &device);
     }
@@ -228,13 +278,13 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let nodes = [hidden.node(), weight.node()];
         let device = hidden.primitive().device();
         let (h, [_, d]) = host_floats::<Flex, 2>(hidden.into_primitive());
-        let (w, [_, v]) = host_floats::<Flex, 2>(weight.into_primitive());
+        let (w, [_, v]) = HostWeight::new(weight.into_primitive());
         let t = host_ints::<Flex>(targets);
         let n = t.len();
-        let (out, rows) = host::token_logprobs_forward(&h, &w, &t, d, v);
-        let out = Flex::float_from_data(TensorData::new(out, [n]), &device);
+        let output = |out: Vec<f32>| Flex::float_from_data(TensorData::new(out, [n]), &device);
         match TokenLogprobs.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
+                let (out, rows) = host::token_logprobs_forward(&h, w.view(), &t, (d, v), true);
                 let state = LogprobState {
                     hidden: h,
                     weight: w,
@@ -243,9 +293,11 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
                     d,
                     v,
                 };
-                prep.finish(Arc::new(state), out)
+                prep.finish(Arc::new(state), output(out))
             }
-            OpsKind::UnTracked(prep) => prep.finish(out),
+            OpsKind::UnTracked(prep) => prep.finish(output(
+                host::token_logprobs_forward(&h, w.view(), &t, (d, v), false).0,
+            )),
         }
     }
 

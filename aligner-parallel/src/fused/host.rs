@@ -238,39 +238,82 @@ pub struct SoftmaxRows {
 /// Softmax rows above this many floats (256 MB) are recomputed in the backward pass.
 pub const KEEP_PROBS_LIMIT: usize = 1 << 26;
 
+/// An output projection `[d, v]` as the host kernels read it: row-major, or (`transposed`) the
+/// row-major `[v, d]` it is the transpose of (a tied embedding), read in place.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightRef<'a> {
+    pub values: &'a [f32],
+    pub transposed: bool,
+}
+
+impl<'a> WeightRef<'a> {
+    /// A row-major `[d, v]` weight.
+    pub fn rows(values: &'a [f32]) -> Self {
+        Self {
+            values,
+            transposed: false,
+        }
+    }
+}
+
+/// Rows of logits computed at once by [`token_logprobs_forward`] and its backward: one
+/// `[rows, vocab]` block at a time, whatever the number of rows.
+pub const LOGIT_BLOCK_ROWS: usize = crate::logprob::DEFAULT_CHUNK_TOKENS;
+
 /// Log-probabilities of `targets` under `softmax(hidden · weight)`.
 ///
 /// `hidden: [n, d]`, `weight: [d, v]`; a target outside `0..v` (padding) gets log-prob 0 and no
-/// gradient.
+/// gradient. The logits are computed [`LOGIT_BLOCK_ROWS`] rows at a time, so one call serves
+/// every row with a single copy of the weight and no `[n, v]` tensor beyond the kept softmax
+/// (kept for a backward, `for_backward`, when it fits [`KEEP_PROBS_LIMIT`]).
 pub fn token_logprobs_forward(
     hidden: &[f32],
-    weight: &[f32],
+    weight: WeightRef<'_>,
     targets: &[i64],
-    d: usize,
-    v: usize,
+    (d, v): (usize, usize),
+    for_backward: bool,
 ) -> (Vec<f32>, SoftmaxRows) {
     let n = targets.len();
-    let mut logits = vec![0.0f32; n * v];
-    matmul(&mut logits, hidden, weight, n, v, d, false, false, false);
     let mut lse = vec![0.0f32; n];
     let mut out = vec![0.0f32; n];
-    logits
-        .par_chunks_mut(v.max(1))
-        .zip(lse.par_iter_mut())
-        .zip(out.par_iter_mut())
-        .zip(targets.par_iter())
-        .for_each(|(((row, lse), out), &target)| {
-            (*lse, *out) = log_softmax_row(row, valid(target, v));
-        });
-    let probs = (n * v <= KEEP_PROBS_LIMIT).then_some(logits);
-    (out, SoftmaxRows { lse, probs })
+    let mut kept = (for_backward && n * v <= KEEP_PROBS_LIMIT).then(|| Vec::with_capacity(n * v));
+    let mut block = vec![0.0f32; n.min(LOGIT_BLOCK_ROWS) * v];
+    for start in (0..n).step_by(LOGIT_BLOCK_ROWS) {
+        let end = (start + LOGIT_BLOCK_ROWS).min(n);
+        let logits = &mut block[..(end - start) * v];
+        let (w, w_t) = (weight.values, weight.transposed);
+        matmul(
+            logits,
+            &hidden[start * d..end * d],
+            w,
+            end - start,
+            v,
+            d,
+            false,
+            w_t,
+            false,
+        );
+        logits
+            .par_chunks_mut(v.max(1))
+            .zip(lse[start..end].par_iter_mut())
+            .zip(out[start..end].par_iter_mut())
+            .zip(targets[start..end].par_iter())
+            .for_each(|(((row, lse), out), &target)| {
+                (*lse, *out) = log_softmax_row(row, valid(target, v));
+            });
+        if let Some(kept) = kept.as_mut() {
+            kept.extend_from_slice(logits);
+        }
+    }
+    (out, SoftmaxRows { lse, probs: kept })
 }
 
 /// Gradients of [`token_logprobs_forward`] for the upstream gradient `grad: [n]`:
-/// `(d hidden [n, d], d weight [d, v])`, with `d logits = grad · (onehot(target) − softmax)`.
+/// `(d hidden [n, d], d weight [d, v])`, with `d logits = grad · (onehot(target) − softmax)`,
+/// [`LOGIT_BLOCK_ROWS`] rows at a time (the weight's gradient summed over the blocks in place).
 pub fn token_logprobs_backward(
     hidden: &[f32],
-    weight: &[f32],
+    weight: WeightRef<'_>,
     targets: &[i64],
     rows: SoftmaxRows,
     grad: &[f32],
@@ -278,26 +321,48 @@ pub fn token_logprobs_backward(
     v: usize,
 ) -> (Vec<f32>, Vec<f32>) {
     let n = targets.len();
-    let mut g = match rows.probs {
-        Some(probs) => probs,
-        None => {
-            let mut logits = vec![0.0f32; n * v];
-            matmul(&mut logits, hidden, weight, n, v, d, false, false, false);
-            logits
-                .par_chunks_mut(v.max(1))
-                .zip(rows.lse.par_iter())
-                .for_each(|(row, &lse)| exp_shifted_row(row, lse));
-            logits
-        }
-    };
-    g.par_chunks_mut(v.max(1))
-        .zip(grad.par_iter())
-        .zip(targets.par_iter())
-        .for_each(|((row, &gi), &target)| softmax_grad_row(row, gi, valid(target, v)));
+    let (w, w_t) = (weight.values, weight.transposed);
     let mut d_hidden = vec![0.0f32; n * d];
-    matmul(&mut d_hidden, &g, weight, n, d, v, false, true, false);
     let mut d_weight = vec![0.0f32; d * v];
-    matmul(&mut d_weight, hidden, &g, d, v, n, true, false, false);
+    let mut probs = rows.probs;
+    // Softmax rows recomputed block by block when they were not kept.
+    let mut block = match probs {
+        Some(_) => Vec::new(),
+        None => vec![0.0f32; n.min(LOGIT_BLOCK_ROWS) * v],
+    };
+    for start in (0..n).step_by(LOGIT_BLOCK_ROWS) {
+        let end = (start + LOGIT_BLOCK_ROWS).min(n);
+        let m = end - start;
+        let h = &hidden[start * d..end * d];
+        let g = match probs.as_mut() {
+            Some(probs) => &mut probs[start * v..end * v],
+            None => {
+                let logits = &mut block[..m * v];
+                matmul(logits, h, w, m, v, d, false, w_t, false);
+                logits
+                    .par_chunks_mut(v.max(1))
+                    .zip(rows.lse[start..end].par_iter())
+                    .for_each(|(row, &lse)| exp_shifted_row(row, lse));
+                logits
+            }
+        };
+        g.par_chunks_mut(v.max(1))
+            .zip(grad[start..end].par_iter())
+            .zip(targets[start..end].par_iter())
+            .for_each(|((row, &gi), &target)| softmax_grad_row(row, gi, valid(target, v)));
+        matmul(
+            &mut d_hidden[start * d..end * d],
+            g,
+            w,
+            m,
+            d,
+            v,
+            false,
+            !w_t,
+            false,
+        );
+        matmul(&mut d_weight, h, g, d, v, m, true, false, start > 0);
+    }
     (d_hidden, d_weight)
 }
 

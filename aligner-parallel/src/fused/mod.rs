@@ -45,7 +45,7 @@ pub trait FusedOps: Backend {
         let (w, [_, v]) = host_floats::<Self, 2>(weight);
         let t = host_ints::<Self>(targets);
         let n = t.len();
-        let (out, _) = host::token_logprobs_forward(&h, &w, &t, d, v);
+        let (out, _) = host::token_logprobs_forward(&h, host::WeightRef::rows(&w), &t, (d, v), false);
         Self::float_from_data(TensorData::new(out, [n]), &device)
     }
 

@@ -56,18 +56,32 @@ impl ColumnPanels {
     }
 
     /// Panels of `width` columns of the `[k, n]` matrix whose transpose `w_t` (row-major
-    /// `[n, k]`, e.g. an embedding table) is given: no transposed copy is made.
-    pub fn from_transpose(w_t: &[f32], k: usize, n: usize, width: usize) -> Self {
+    /// `[n, k]`, e.g. an embedding table) is given, made in `w_t`'s own buffer: panel `p` takes
+    /// exactly the place of the table's rows it is made of, so each block of `width` rows is
+    /// transposed in place through one panel of scratch — never a second copy of the table.
+    pub fn from_transpose(mut w_t: Vec<f32>, k: usize, n: usize, width: usize) -> Self {
         assert_eq!(w_t.len(), k * n, "panel source is [n, k]");
         let width = width.clamp(1, n.max(1));
-        let mut data = Vec::with_capacity(w_t.len());
+        let mut rows = Vec::with_capacity(width * k);
         for start in (0..n).step_by(width) {
             let end = (start + width).min(n);
-            for r in 0..k {
-                data.extend((start..end).map(|c| w_t[c * k + r]));
+            let block = &mut w_t[start * k..end * k];
+            rows.clear();
+            rows.extend_from_slice(block);
+            // `block` held rows `start..end` (`[end − start, k]`); it becomes `[k, end − start]`.
+            let w = end - start;
+            for (c, row) in rows.chunks_exact(k.max(1)).enumerate() {
+                for (r, &x) in row.iter().enumerate() {
+                    block[r * w + c] = x;
+                }
             }
         }
-        Self { data, k, n, width }
+        Self {
+            data: w_t,
+            k,
+            n,
+            width,
+        }
     }
 
     /// Appends column `j` (`k` values) to `out`: a tied embedding's row read from the output
@@ -199,7 +213,7 @@ mod tests {
                 .flat_map(|r| (0..n).map(move |c| (r, c)))
                 .map(|(r, c)| table[c * k + r])
                 .collect();
-            let panels = ColumnPanels::from_transpose(&table, k, n, width);
+            let panels = ColumnPanels::from_transpose(table.clone(), k, n, width);
             assert_eq!(panels, ColumnPanels::from_row_major(&w, k, n, width));
             for j in 0..n {
                 let mut column = Vec::new();
