@@ -43,7 +43,7 @@ pub fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>, chunk_tokens: 
 /// `weight`. The weight is cast to the hidden states' type (f32 master weights under half
 /// precision activations) and the log-probs come out in f32. On the Flex CPU backend every row
 /// goes through one [`crate::fused_token_logprobs`] node, which computes its logits
-/// [`crate::fused::host::LOGIT_BLOCK_ROWS`] rows at a time; on Cube devices (wgpu, CUDA) each
+/// [`crate::fused::host::logit_block_rows`] rows at a time; on Cube devices (wgpu, CUDA) each
 /// chunk of `chunk_tokens` rows is one such node (hand-written backwards); elsewhere, and under
 /// a `softcap` (Gemma's `final_logit_softcapping`: logits become `cap · tanh(logit / cap)`), it
 /// is composed from Burn ops.

@@ -41,6 +41,15 @@ fn token_logprobs_values_and_gradients_match_composed_ops() {
     }
 }
 
+/// A large vocabulary takes fewer rows per block of logits: 256 MB at most.
+#[test]
+fn logit_blocks_stay_within_their_budget() {
+    use aligner_parallel::fused::host::{LOGIT_BLOCK_ROWS, logit_block_rows};
+    assert_eq!(logit_block_rows(151_936), 441);
+    assert_eq!(logit_block_rows(512), LOGIT_BLOCK_ROWS);
+    assert_eq!(logit_block_rows(1 << 30), 1);
+}
+
 /// The backward recomputing the softmax block by block (rows too many to keep) gives the
 /// gradients of the kept softmax.
 #[test]

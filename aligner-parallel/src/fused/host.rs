@@ -235,7 +235,8 @@ pub struct SoftmaxRows {
     pub probs: Option<Vec<f32>>,
 }
 
-/// Softmax rows above this many floats (256 MB) are recomputed in the backward pass.
+/// Softmax rows are kept for the backward when a block of [`LOGIT_BLOCK_ROWS`] of them fits this
+/// many floats (256 MB), and recomputed there otherwise.
 pub const KEEP_PROBS_LIMIT: usize = 1 << 26;
 
 /// An output projection `[d, v]` as the host kernels read it: row-major, or (`transposed`) the
@@ -256,16 +257,27 @@ impl<'a> WeightRef<'a> {
     }
 }
 
-/// Rows of logits computed at once by [`token_logprobs_forward`] and its backward: one
+/// Rows of logits computed at once by [`token_logprobs_forward`] and its backward at most: one
 /// `[rows, vocab]` block at a time, whatever the number of rows.
 pub const LOGIT_BLOCK_ROWS: usize = crate::logprob::DEFAULT_CHUNK_TOKENS;
+
+/// Values of one block of logits at most (256 MB): a large vocabulary takes fewer rows at once
+/// (441 of Qwen2.5's 151,936-wide rows), since the block is live beside the activations when
+/// the backward starts.
+pub const LOGIT_BLOCK_VALUES: usize = 1 << 26;
+
+/// Rows per block of logits for a vocabulary of `v`.
+pub fn logit_block_rows(v: usize) -> usize {
+    (LOGIT_BLOCK_VALUES / v.max(1)).clamp(1, LOGIT_BLOCK_ROWS)
+}
 
 /// Log-probabilities of `targets` under `softmax(hidden · weight)`.
 ///
 /// `hidden: [n, d]`, `weight: [d, v]`; a target outside `0..v` (padding) gets log-prob 0 and no
-/// gradient. The logits are computed [`LOGIT_BLOCK_ROWS`] rows at a time, so one call serves
+/// gradient. The logits are computed [`logit_block_rows`] at a time, so one call serves
 /// every row with a single copy of the weight and no `[n, v]` tensor beyond the kept softmax
-/// (kept for a backward, `for_backward`, when it fits [`KEEP_PROBS_LIMIT`]).
+/// (kept for a backward, `for_backward`, when the vocabulary is narrow enough:
+/// [`KEEP_PROBS_LIMIT`]).
 pub fn token_logprobs_forward(
     hidden: &[f32],
     weight: WeightRef<'_>,
@@ -276,11 +288,23 @@ pub fn token_logprobs_forward(
     let n = targets.len();
     let mut lse = vec![0.0f32; n];
     let mut out = vec![0.0f32; n];
-    let mut kept = (for_backward && n * v <= KEEP_PROBS_LIMIT).then(|| Vec::with_capacity(n * v));
-    let mut block = vec![0.0f32; n.min(LOGIT_BLOCK_ROWS) * v];
-    for start in (0..n).step_by(LOGIT_BLOCK_ROWS) {
-        let end = (start + LOGIT_BLOCK_ROWS).min(n);
-        let logits = &mut block[..(end - start) * v];
+    // A vocabulary whose 1,024-row block fits the limit keeps its softmax for the backward
+    // (the 16M benchmark's 50k words: the backward then skips a product as wide as the
+    // forward's); a wider one (Qwen's 152k) recomputes it block by block.
+    let keep = for_backward && v * LOGIT_BLOCK_ROWS <= KEEP_PROBS_LIMIT;
+    // Kept, the logits are computed in their place in the kept softmax; else in one block.
+    let mut kept = keep.then(|| vec![0.0f32; n * v]);
+    let rows = logit_block_rows(v);
+    let mut block = match keep {
+        true => Vec::new(),
+        false => vec![0.0f32; n.min(rows) * v],
+    };
+    for start in (0..n).step_by(rows) {
+        let end = (start + rows).min(n);
+        let logits = match kept.as_mut() {
+            Some(kept) => &mut kept[start * v..end * v],
+            None => &mut block[..(end - start) * v],
+        };
         let (w, w_t) = (weight.values, weight.transposed);
         matmul(
             logits,
@@ -301,16 +325,13 @@ pub fn token_logprobs_forward(
             .for_each(|(((row, lse), out), &target)| {
                 (*lse, *out) = log_softmax_row(row, valid(target, v));
             });
-        if let Some(kept) = kept.as_mut() {
-            kept.extend_from_slice(logits);
-        }
     }
     (out, SoftmaxRows { lse, probs: kept })
 }
 
 /// Gradients of [`token_logprobs_forward`] for the upstream gradient `grad: [n]`:
 /// `(d hidden [n, d], d weight [d, v])`, with `d logits = grad · (onehot(target) − softmax)`,
-/// [`LOGIT_BLOCK_ROWS`] rows at a time (the weight's gradient summed over the blocks in place).
+/// [`logit_block_rows`] at a time (the weight's gradient summed over the blocks in place).
 pub fn token_logprobs_backward(
     hidden: &[f32],
     weight: WeightRef<'_>,
@@ -328,10 +349,11 @@ pub fn token_logprobs_backward(
     // Softmax rows recomputed block by block when they were not kept.
     let mut block = match probs {
         Some(_) => Vec::new(),
-        None => vec![0.0f32; n.min(LOGIT_BLOCK_ROWS) * v],
+        None => vec![0.0f32; n.min(logit_block_rows(v)) * v],
     };
-    for start in (0..n).step_by(LOGIT_BLOCK_ROWS) {
-        let end = (start + LOGIT_BLOCK_ROWS).min(n);
+    let block_rows = logit_block_rows(v);
+    for start in (0..n).step_by(block_rows) {
+        let end = (start + block_rows).min(n);
         let m = end - start;
         let h = &hidden[start * d..end * d];
         let g = match probs.as_mut() {
