@@ -417,7 +417,8 @@ impl Engine {
                     let Some((key, request)) = feed.next(wait)? else {
                         break;
                     };
-                    validate(std::slice::from_ref(&request), max_positions)?;
+                    // Named by the feed's key (a slice's index), as `validate` names them.
+                    validate_one(key, &request, max_positions)?;
                     if request.guidance.is_some() && !guided {
                         return Err(GenError::GuidanceNeedsTwoSlots);
                     }
@@ -800,26 +801,32 @@ pub(crate) fn inference_weights(model: &CausalLm) -> CausalLm {
 /// Rejects requests no engine can run.
 pub(crate) fn validate(requests: &[GenerationRequest], max_positions: usize) -> Result<()> {
     for (i, r) in requests.iter().enumerate() {
-        r.params.check().map_err(|bad| GenError::BadSampling {
-            request: i,
-            why: bad.to_string(),
-        })?;
-        if let Some(scale) = r.guidance.as_ref().map(|g| g.scale)
-            && !(scale.is_finite() && scale >= 0.0)
-        {
-            return Err(GenError::BadGuidanceScale { request: i, scale });
+        validate_one(i, r, max_positions)?;
+    }
+    Ok(())
+}
+
+/// Rejects request `i` when no engine can run it.
+fn validate_one(i: usize, r: &GenerationRequest, max_positions: usize) -> Result<()> {
+    r.params.check().map_err(|bad| GenError::BadSampling {
+        request: i,
+        why: bad.to_string(),
+    })?;
+    if let Some(scale) = r.guidance.as_ref().map(|g| g.scale)
+        && !(scale.is_finite() && scale >= 0.0)
+    {
+        return Err(GenError::BadGuidanceScale { request: i, scale });
+    }
+    let negative = r.guidance.as_ref().map(|g| &g.negative_prompt_ids);
+    for ids in std::iter::once(&r.prompt_ids).chain(negative) {
+        if ids.is_empty() {
+            return Err(GenError::EmptyPrompt(i));
         }
-        let negative = r.guidance.as_ref().map(|g| &g.negative_prompt_ids);
-        for ids in std::iter::once(&r.prompt_ids).chain(negative) {
-            if ids.is_empty() {
-                return Err(GenError::EmptyPrompt(i));
-            }
-            if ids.len() >= max_positions {
-                return Err(GenError::PromptTooLong {
-                    tokens: ids.len(),
-                    max: max_positions,
-                });
-            }
+        if ids.len() >= max_positions {
+            return Err(GenError::PromptTooLong {
+                tokens: ids.len(),
+                max: max_positions,
+            });
         }
     }
     Ok(())

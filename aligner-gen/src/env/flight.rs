@@ -47,6 +47,11 @@ pub fn run_episodes_continuous(
     flight.finish()
 }
 
+/// The error of a run stopped for `why`.
+fn failed(why: String) -> GenError {
+    GenError::Core(aligner_core::CoreError::Invalid(why))
+}
+
 /// Takes a decoded turn: the key the feed gave it, and the engine's output.
 pub type TurnDone<'a> = dyn Fn(usize, Generation) -> Result<()> + Sync + 'a;
 
@@ -198,7 +203,7 @@ impl<'s, 'a> Flight<'s, 'a> {
     fn finish(self) -> Result<Vec<Episode>> {
         let state = self.state.into_inner().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = state.failure {
-            return Err(GenError::Core(aligner_core::CoreError::Invalid(why)));
+            return Err(failed(why));
         }
         Ok(state.episodes)
     }
@@ -220,7 +225,7 @@ impl RequestFeed for Flight<'_, '_> {
         let mut state = self.lock();
         loop {
             if let Some(why) = &state.failure {
-                return Err(GenError::Core(aligner_core::CoreError::Invalid(why.clone())));
+                return Err(failed(why.clone()));
             }
             if state.closed {
                 return Ok(None);

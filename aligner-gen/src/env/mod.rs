@@ -637,6 +637,20 @@ pub(crate) mod tests {
         TextTokenizer::from_dir(&dir).expect("the shipped tokenizer loads")
     }
 
+    /// An episode starting from `prompt` (its tokens and text), default sampling.
+    fn start_of<'a>(
+        prompt_ids: &'a [u32],
+        prompt: &'a str,
+        metadata: &'a Map<String, Value>,
+    ) -> EpisodeStart<'a> {
+        EpisodeStart {
+            prompt_ids,
+            prompt,
+            metadata,
+            params: SamplingParams::default(),
+        }
+    }
+
     /// A fake model: each turn answers "a" then ends (EOS), logprob −1 per token.
     fn generate(requests: &[GenerationRequest], tokenizer: &TextTokenizer) -> Vec<Generation> {
         requests
@@ -684,12 +698,7 @@ pub(crate) mod tests {
         let tok = tokenizer();
         let prompt = tok.encode("Once upon a time", true).unwrap();
         let metadata = Map::new();
-        let start = EpisodeStart {
-            prompt_ids: &prompt,
-            prompt: "Once upon a time",
-            metadata: &metadata,
-            params: SamplingParams::default(),
-        };
+        let start = start_of(&prompt, "Once upon a time", &metadata);
         let limits = EpisodeLimits {
             max_turns: 5,
             max_tokens: 100,
@@ -770,12 +779,7 @@ pub(crate) mod tests {
         let tok = tokenizer();
         let prompt = tok.encode("Once upon a time", true).unwrap();
         let metadata = Map::new();
-        let start = EpisodeStart {
-            prompt_ids: &prompt,
-            prompt: "Once upon a time",
-            metadata: &metadata,
-            params: SamplingParams::default(),
-        };
+        let start = start_of(&prompt, "Once upon a time", &metadata);
         let yes = tok.encode(" yes", false).unwrap().len();
         let ok = tok.encode(" ok.", false).unwrap().len();
         for (max_turns, max_tokens) in [(5, 100), (10, yes + ok + 1), (3, 0)] {
@@ -813,12 +817,7 @@ pub(crate) mod tests {
         let tok = tokenizer();
         let prompt = tok.encode("Once", true).unwrap();
         let metadata = Map::new();
-        let start = EpisodeStart {
-            prompt_ids: &prompt,
-            prompt: "Once",
-            metadata: &metadata,
-            params: SamplingParams::default(),
-        };
+        let start = start_of(&prompt, "Once", &metadata);
         let limits = EpisodeLimits {
             max_turns: 4,
             max_tokens: 50,
@@ -849,12 +848,7 @@ pub(crate) mod tests {
         let tok = tokenizer();
         let prompt = tok.encode("Once", true).unwrap();
         let metadata = Map::new();
-        let start = EpisodeStart {
-            prompt_ids: &prompt,
-            prompt: "Once",
-            metadata: &metadata,
-            params: SamplingParams::default(),
-        };
+        let start = start_of(&prompt, "Once", &metadata);
         let yes = tok.encode(" yes", false).unwrap().len();
         let ok = tok.encode(" ok.", false).unwrap().len();
         let limits = EpisodeLimits {
