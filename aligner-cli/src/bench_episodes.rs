@@ -112,9 +112,9 @@ pub fn run(device: &Device, model: Option<&std::path::Path>, shape: Shape) -> Re
         ..EngineOptions::default()
     };
     println!(
-        "| mode | episodes × turns | latency (mean) | model tokens | prefills | decode steps | seconds | model tokens/s |"
+        "| mode | episodes × turns | latency (mean) | model tokens | prefills | positions from the cache | decode steps | seconds | model tokens/s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for in_flight in [false, true] {
         let mut engine = Engine::for_model(&lm, options.clone());
         let begun = Instant::now();
@@ -142,12 +142,13 @@ pub fn run(device: &Device, model: Option<&std::path::Path>, shape: Shape) -> Re
         let turns: usize = episodes.iter().map(|e| e.turns).sum();
         let stats = engine.stats();
         println!(
-            "| {} | {} × {:.1} | {} ms | {tokens} | {} | {} | {seconds:.2} | {:.0} |",
+            "| {} | {} × {:.1} | {} ms | {tokens} | {} | {} | {} | {seconds:.2} | {:.0} |",
             if in_flight { "in flight" } else { "lock step" },
             episodes.len(),
             turns as f64 / episodes.len().max(1) as f64,
             shape.latency.as_millis(),
             stats.prefills,
+            stats.reused_positions,
             stats.decode_steps,
             tokens as f64 / seconds
         );

@@ -477,3 +477,66 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
         "the resumed run ends on the uninterrupted run's weights"
     );
 }
+
+/// A multi-turn episode's next turn on wgpu: a prompt continuing a kept sequence
+/// (`SamplingParams::keep_cache`) starts from its cached keys and values — under sliding
+/// windows, q/k norms, logit caps and experts too (tests/reference/hf_random) — and samples the
+/// tokens and log-probs (1e-4) of a fresh engine computing it whole beside another prompt.
+/// Phi-3's LongRoPE keeps nothing (its switch of factors recomputes a sequence whole).
+#[test]
+fn continued_sequences_on_wgpu_reuse_their_cache() {
+    use aligner_core::LoadedModel;
+    use aligner_gen::{Engine, EngineOptions, ForwardPath, GenerationRequest, SamplingParams};
+    use burn::tensor::Device;
+    let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+    let families = std::fs::read_to_string(repo().join("tests/reference/hf_random/families.txt")).unwrap();
+    for name in families.lines() {
+        let dir = repo().join("tests/reference/hf_random").join(name);
+        let lm = LoadedModel::from_dir(&dir, &device).unwrap();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
+                .unwrap();
+        let input: Vec<u32> = expected["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let engine = || {
+            let options = EngineOptions {
+                slots: 3,
+                cache_len: None,
+                path: ForwardPath::Burn,
+            };
+            Engine::for_model(&lm, options).with_eos_ids(vec![])
+        };
+        let mut kept = engine();
+        let first = GenerationRequest::new(
+            input[..8].to_vec(),
+            SamplingParams {
+                keep_cache: true,
+                ..SamplingParams::greedy(12)
+            },
+        );
+        let out = kept.generate(std::slice::from_ref(&first)).unwrap();
+        let continued = [&input[..8], out[0].token_ids.as_slice(), &input[20..27]].concat();
+        let batch = [
+            GenerationRequest::new(input[30..34].to_vec(), SamplingParams::greedy(8)),
+            GenerationRequest::new(continued, SamplingParams::greedy(16)),
+        ];
+        let got = kept.generate(&batch).unwrap();
+        let reused = kept.stats().reused_positions;
+        if name == "phi3_longrope" {
+            assert_eq!(reused, 0, "{name}");
+        } else {
+            assert_eq!(reused, 8 + 11, "{name}");
+        }
+        let fresh = engine().generate(&batch).unwrap();
+        for (a, b) in got.iter().zip(&fresh) {
+            assert_eq!(a.token_ids, b.token_ids, "{name}");
+            for (x, y) in a.token_logprobs.iter().zip(&b.token_logprobs) {
+                assert!((x - y).abs() < 1e-4, "{name}: {x} against {y}");
+            }
+        }
+    }
+}

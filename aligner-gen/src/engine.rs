@@ -444,7 +444,6 @@ impl Engine {
                     // What the last call or this one kept of a sequence this prompt continues.
                     let parked = take_continued(&mut kept, &request.prompt_ids)
                         .or_else(|| take_continued(&mut self.parked, &request.prompt_ids));
-                    self.stats.reused_positions += parked.as_ref().map_or(0, |p| p.len);
                     reused.push(parked);
                     active.push(Slot::new(i, keys[i], &request.params, request.prompt_ids.len()));
                     if let Some(guidance) = &request.guidance {
@@ -458,7 +457,7 @@ impl Engine {
                         active.push(negative);
                     }
                 }
-                let logits = self.runner.prefill(&prompts, &reused);
+                let logits = self.runner.prefill(&prompts, &reused, &mut self.stats);
                 self.sample_rows(logits, first_row, &requests, &mut active, max_positions, done)?;
             }
             if active.is_empty() {

@@ -25,7 +25,7 @@ pub struct SamplingParams {
     pub stop_strings: Vec<String>,
     /// Keep the finished sequence's KV cache in the engine until its next `generate` call, for
     /// a request whose prompt continues this sequence (a multi-turn episode's next turn): that
-    /// request prefills only its new tokens (the host path; the Burn path prefills whole).
+    /// request prefills only its new tokens.
     pub keep_cache: bool,
 }
 

@@ -551,56 +551,84 @@ fn prompts_beyond_one_prefill_pass_are_split_between_passes() {
 
 /// A multi-turn episode's next turn (`SamplingParams::keep_cache`): a prompt that continues a
 /// kept sequence (its prompt and output, then an "observation") starts from that sequence's
-/// cached keys and values and computes only the new tokens on the host path — the same greedy
-/// tokens and log-probs (1e-4) as a fresh engine computing it whole, beside another prompt. The
-/// Burn path prefills whole. Nothing kept outlives the next call or a refit.
+/// cached keys and values and computes only the new tokens — the same greedy tokens and
+/// log-probs (1e-4) as a fresh engine computing it whole, beside another prompt. Two
+/// continuations of different lengths are admitted together: the Burn path runs them as one
+/// batch, recomputing what the shorter-kept one needs beyond its cache. Nothing kept outlives
+/// the next call or a refit.
 #[test]
 fn a_continued_sequence_reuses_its_cache_and_samples_the_same_tokens() {
     let lm = shipped();
-    let prompt = lm.tokenizer.encode("Once upon a time, Lily", true).unwrap();
-    let observation = lm
-        .tokenizer
-        .encode(" Mom said, \"Tell me about the ball.\"", false)
-        .unwrap();
+    let encode = |text: &str, bos| lm.tokenizer.encode(text, bos).unwrap();
+    let prompts = [
+        encode("Once upon a time, Lily", true),
+        encode("Tom had a big red", true),
+    ];
+    let observations = [
+        encode(" Mom said, \"Tell me about the ball.\"", false),
+        encode(" The end.", false),
+    ];
+    // How many tokens each kept sequence generated.
+    let lengths = [20, 12];
     for path in PATHS {
         let mut kept = engine(&lm, 4, path).with_eos_ids(vec![]);
-        let first = GenerationRequest::new(
-            prompt.clone(),
-            SamplingParams {
-                keep_cache: true,
-                ..SamplingParams::greedy(20)
-            },
-        );
-        let out = kept.generate(std::slice::from_ref(&first)).unwrap();
-        let mut continued = prompt.clone();
-        continued.extend(&out[0].token_ids);
-        continued.extend(&observation);
-        let next = GenerationRequest::new(continued.clone(), SamplingParams::greedy(20));
+        let firsts: Vec<GenerationRequest> = prompts
+            .iter()
+            .zip(lengths)
+            .map(|(prompt, n)| {
+                let params = SamplingParams {
+                    keep_cache: true,
+                    ..SamplingParams::greedy(n)
+                };
+                GenerationRequest::new(prompt.clone(), params)
+            })
+            .collect();
+        let outs = kept.generate(&firsts).unwrap();
+        let nexts: Vec<GenerationRequest> = (0..2)
+            .map(|i| {
+                let continued = [prompts[i].as_slice(), &outs[i].token_ids, &observations[i]].concat();
+                GenerationRequest::new(continued, SamplingParams::greedy(20))
+            })
+            .collect();
         let other = GenerationRequest::new(vec![1, 7, 7, 3], SamplingParams::greedy(10));
-        let got = kept.generate(&[other.clone(), next.clone()]).unwrap();
-        // Every position but the last sampled token's (never fed) came from the cache.
+        let batch = [other, nexts[0].clone(), nexts[1].clone()];
+        let got = kept.generate(&batch).unwrap();
+        // Every position but the last sampled token's (never fed) came from the cache on the
+        // host path; the Burn path recomputes the longer observation's extra tokens for the
+        // sequence with the shorter one.
         let reused = kept.stats().reused_positions;
-        let expected = if path == ForwardPath::Host {
-            prompt.len() + 19
-        } else {
-            0
+        let kept_positions: usize = prompts.iter().zip(lengths).map(|(p, n)| p.len() + n - 1).sum();
+        let longest_rest = (0..2)
+            .map(|i| nexts[i].prompt_ids.len() - (prompts[i].len() + lengths[i] - 1))
+            .max()
+            .unwrap();
+        let expected = match path {
+            ForwardPath::Host => kept_positions,
+            _ => nexts
+                .iter()
+                .map(|n| n.prompt_ids.len().saturating_sub(longest_rest))
+                .sum(),
         };
         assert_eq!(reused, expected, "{path:?}");
+        // Both sequences took some of their cache (the Burn path included).
+        assert!(expected > nexts[0].prompt_ids.len() - longest_rest, "{path:?}");
         let fresh = engine(&lm, 4, path)
             .with_eos_ids(vec![])
-            .generate(&[other, next.clone()])
+            .generate(&batch)
             .unwrap();
-        assert_eq!(got[1].token_ids, fresh[1].token_ids, "{path:?}");
-        for (a, b) in got[1].token_logprobs.iter().zip(&fresh[1].token_logprobs) {
-            assert!((a - b).abs() < 1e-4, "{path:?}: {a} against {b}");
+        for (a, b) in got.iter().zip(&fresh) {
+            assert_eq!(a.token_ids, b.token_ids, "{path:?}");
+            for (x, y) in a.token_logprobs.iter().zip(&b.token_logprobs) {
+                assert!((x - y).abs() < 1e-4, "{path:?}: {x} against {y}");
+            }
         }
         // Kept only until the next call: the same continuation again computes it whole.
-        kept.generate(std::slice::from_ref(&next)).unwrap();
+        kept.generate(&nexts).unwrap();
         assert_eq!(kept.stats().reused_positions, reused, "{path:?}");
         // A refit drops what was kept (its keys and values are the old weights').
-        kept.generate(std::slice::from_ref(&first)).unwrap();
+        kept.generate(&firsts).unwrap();
         kept.refit(&lm.model).unwrap();
-        kept.generate(std::slice::from_ref(&next)).unwrap();
+        kept.generate(&nexts).unwrap();
         assert_eq!(kept.stats().reused_positions, reused, "{path:?}");
     }
 }
@@ -722,9 +750,7 @@ fn episodes_go_on_while_another_waits_for_its_environment() {
         assert!(in_flight[0].generation.token_ids.len() >= 400, "{path:?}");
         let stats = engine.stats();
         assert!(stats.admitted_mid_batch > 0, "{path:?}");
-        if path == ForwardPath::Host {
-            assert!(stats.reused_positions > 0);
-        }
+        assert!(stats.reused_positions > 0, "{path:?}");
         let plain = Gate::new(0);
         let mut fresh = self::engine(&lm, 8, path).with_eos_ids(vec![]);
         let lock_step = run_episodes(

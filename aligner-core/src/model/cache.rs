@@ -134,12 +134,35 @@ impl KvCache {
             block <= end,
             "a {block}-position block does not fit before cursor {end}"
         );
-        for (dst, from) in self.layers.iter_mut().zip(&src.layers) {
+        self.copy_positions(src, src_row, 0..block, dst_row, end - block);
+    }
+
+    /// Copies positions `from` of `src`'s row `src_row` into row `dst_row` from position `at`
+    /// on (the cursor does not move): to keep a finished sequence's keys and values, or to put
+    /// them back for a request that continues it.
+    pub fn copy_positions(
+        &mut self,
+        src: &KvCache,
+        src_row: usize,
+        from: Range<usize>,
+        dst_row: usize,
+        at: usize,
+    ) {
+        let n = from.len();
+        assert!(
+            at + n <= self.capacity() && from.end <= src.capacity(),
+            "positions {from:?} do not fit at {at}..{} of {}",
+            at + n,
+            self.capacity()
+        );
+        for (dst, src) in self.layers.iter_mut().zip(&src.layers) {
             let [_, heads, _, dim] = dst.keys.dims();
-            let slot = [dst_row..dst_row + 1, 0..heads, end - block..end, 0..dim];
-            let take = |t: &Tensor<4>| t.clone().narrow(0, src_row, 1).narrow(2, 0, block);
-            assign(&mut dst.keys, slot.clone(), take(&from.keys));
-            assign(&mut dst.values, slot, take(&from.values));
+            let slot = [dst_row..dst_row + 1, 0..heads, at..at + n, 0..dim];
+            // A narrowed view, consumed by the write: nothing keeps a reference to the source
+            // buffer, which its own in-place writes need.
+            let take = |t: &Tensor<4>| t.clone().narrow(0, src_row, 1).narrow(2, from.start, n);
+            assign(&mut dst.keys, slot.clone(), take(&src.keys));
+            assign(&mut dst.values, slot, take(&src.values));
         }
     }
 

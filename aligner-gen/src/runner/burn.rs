@@ -4,7 +4,8 @@
 //! All cache rows share one write cursor; a sequence occupies the positions from its `start`
 //! to the cursor, and the attention mask hides everything before its start (stale keys of the
 //! row's earlier occupants, left padding). A new prompt is prefilled in a scratch cache and
-//! copied into its row so that it ends at the cursor. When the cursor reaches the end of the
+//! copied into its row so that it ends at the cursor; a prompt that continues a kept sequence
+//! starts that scratch row from the kept keys and values. When the cursor reaches the end of the
 //! buffers, every row shifts left by the positions no running sequence uses any more.
 
 use aligner_core::model::{KvCache, default_positions, left_padded_layout, with_weights_in};
@@ -99,16 +100,106 @@ impl BurnRunner {
         self.prompt_width = prompt_width;
     }
 
-    /// Prefills `prompts` together (left-padded) into a scratch cache, copies each into the
-    /// next free row, and returns their last-position logits (on the device).
-    pub(crate) fn prefill(&mut self, prompts: &[&[u32]]) -> Tensor<2> {
-        let (scratch, logits) = self.encode(prompts);
+    /// Prefills `prompts` into the next free rows and returns their last-position logits (on
+    /// the device), in order. A prompt given a kept sequence (`reused[j]`) starts from that
+    /// sequence's keys and values; the others run together, left-padded, from scratch.
+    pub(crate) fn prefill(
+        &mut self,
+        prompts: &[&[u32]],
+        reused: &[Option<&KvCache>],
+        stats: &mut EngineStats,
+    ) -> Tensor<2> {
+        let (continued, fresh): (Vec<usize>, Vec<usize>) =
+            (0..prompts.len()).partition(|&j| reused.get(j).is_some_and(Option::is_some));
+        // Each group's scratch cache and logits; `place[j]`: prompt j's group and row in it.
+        let mut groups = Vec::new();
+        let mut place = vec![(0, 0); prompts.len()];
+        for (members, is_continued) in [(fresh, false), (continued, true)] {
+            if members.is_empty() {
+                continue;
+            }
+            let texts: Vec<&[u32]> = members.iter().map(|&j| prompts[j]).collect();
+            let (scratch, logits) = if is_continued {
+                let kept: Vec<&KvCache> = members.iter().filter_map(|&j| reused[j]).collect();
+                self.encode_continued(&texts, &kept, stats)
+            } else {
+                self.encode(&texts)
+            };
+            for (r, &j) in members.iter().enumerate() {
+                place[j] = (groups.len(), r);
+            }
+            groups.push((scratch, logits));
+        }
         let cache = self.cache.as_mut().expect("reserve comes first");
-        for (j, prompt) in prompts.iter().enumerate() {
-            cache.copy_row_block(&scratch, j, self.starts.len());
+        for (prompt, &(group, r)) in prompts.iter().zip(&place) {
+            cache.copy_row_block(&groups[group].0, r, self.starts.len());
             self.starts.push(cache.len() - prompt.len());
         }
-        logits
+        if groups.len() == 1 {
+            return groups.pop().map(|(_, logits)| logits).expect("one group");
+        }
+        // Both groups: their logits back in the prompts' order.
+        let first = groups[0].1.dims()[0];
+        let order: Vec<i64> = place
+            .iter()
+            .map(|&(group, r)| (if group == 0 { r } else { first + r }) as i64)
+            .collect();
+        let order = Tensor::<1, Int>::from_data(TensorData::new(order, [prompts.len()]), &self.device);
+        Tensor::cat(groups.into_iter().map(|(_, logits)| logits).collect(), 0).select(0, order)
+    }
+
+    /// Row `row`'s first `len` cached positions (its sequence), copied out for a request that
+    /// continues it.
+    pub(crate) fn park(&self, row: usize, len: usize) -> KvCache {
+        let cache = self.cache.as_ref().expect("a running row has a cache");
+        let start = self.starts[row];
+        debug_assert_eq!(start + len, cache.len(), "a row's sequence ends at the cursor");
+        let mut block = KvCache::new(&self.config, 1, len, &self.device);
+        block.copy_positions(cache, row, start..start + len, 0, 0);
+        block.set_len(len);
+        block
+    }
+
+    /// `prompts` that continue kept sequences (`kept[j]`, a prefix of `prompts[j]`), right-aligned
+    /// in a scratch cache: each one's kept keys and values are put back and only the last
+    /// `rest` positions run, `rest` being the most new tokens of any of them. A prompt whose
+    /// kept part covers less than the others' recomputes the difference (the same keys and
+    /// values), so that all of them run as one batch.
+    fn encode_continued(
+        &self,
+        prompts: &[&[u32]],
+        kept: &[&KvCache],
+        stats: &mut EngineStats,
+    ) -> (KvCache, Tensor<2>) {
+        let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let rest = prompts
+            .iter()
+            .zip(kept)
+            .map(|(p, k)| p.len() - k.len().min(p.len()))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut scratch = KvCache::new(&self.config, prompts.len(), width, &self.device);
+        let mut flat = Vec::with_capacity(prompts.len() * rest);
+        let mut valid = Vec::with_capacity(prompts.len());
+        for (j, (prompt, kept)) in prompts.iter().zip(kept).enumerate() {
+            let begin = width - prompt.len();
+            let reuse = prompt.len().saturating_sub(rest).min(kept.len());
+            if reuse > 0 {
+                scratch.copy_positions(kept, 0, 0..reuse, j, begin);
+                stats.reused_positions += reuse;
+            }
+            // The queries: the row's positions `width - rest ..` (padding before its start).
+            flat.extend(
+                (width - rest..width).map(|at| at.checked_sub(begin).map_or(0, |i| prompt[i] as i64)),
+            );
+            valid.push((0..width).map(|k| k >= begin).collect::<Vec<bool>>());
+        }
+        scratch.set_len(width - rest);
+        let tokens = Tensor::<2, Int>::from_data(TensorData::new(flat, [prompts.len(), rest]), &self.device);
+        let (positions, mask) = left_padded_layout(&valid, rest, &self.device);
+        let logits = self.last_logits(tokens, &positions, Some(&mask), &mut scratch);
+        (scratch, logits)
     }
 
     /// `prompts` (whole sequences) run together, left-padded, through a scratch cache of their

@@ -380,7 +380,7 @@ impl HostCache {
     }
 
     /// Row `row`'s first `len` positions of every layer, copied out.
-    pub(crate) fn park(&self, row: usize, len: usize) -> ParkedRow {
+    pub(crate) fn park(&self, row: usize, len: usize) -> HostParked {
         let copy = |buffers: &[Vec<f32>], kind| -> Vec<Vec<f32>> {
             buffers
                 .iter()
@@ -393,7 +393,7 @@ impl HostCache {
                 })
                 .collect()
         };
-        ParkedRow {
+        HostParked {
             keys: copy(&self.keys, CacheBuffer::Keys),
             values: copy(&self.values, CacheBuffer::Values),
             len,
@@ -401,7 +401,7 @@ impl HostCache {
     }
 
     /// Writes `parked`'s positions into row `row` (its first `parked.len` positions).
-    pub(crate) fn restore(&mut self, row: usize, parked: &ParkedRow) {
+    pub(crate) fn restore(&mut self, row: usize, parked: &HostParked) {
         let layout = self.layout;
         for (buffers, saved, kind) in [
             (&mut self.keys, &parked.keys, CacheBuffer::Keys),
@@ -436,7 +436,7 @@ impl HostCache {
 
 /// A finished sequence's cached keys and values (every layer, its first `len` positions),
 /// kept for a request that continues it.
-pub(crate) struct ParkedRow {
+pub(crate) struct HostParked {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     pub(crate) len: usize,

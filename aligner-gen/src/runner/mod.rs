@@ -13,8 +13,7 @@ use aligner_parallel::fused::infer::LANES;
 
 use self::burn::BurnRunner;
 use self::forward::forward;
-pub(crate) use self::host::ParkedRow;
-use self::host::{HostCache, HostRunner, HostWeights};
+use self::host::{HostCache, HostParked, HostRunner, HostWeights};
 use crate::error::{GenError, Result};
 use crate::options::{EngineStats, ForwardPath};
 
@@ -40,6 +39,14 @@ impl Logits {
                 .expect("logits are floats"),
         }
     }
+}
+
+/// A finished sequence's cached keys and values (every layer, its first positions), kept for
+/// a request that continues it: host buffers, or one row of a KV cache on the Burn path's
+/// device.
+pub(crate) enum ParkedRow {
+    Host(HostParked),
+    Device(aligner_core::model::KvCache),
 }
 
 pub(crate) enum Runner {
@@ -145,21 +152,34 @@ impl Runner {
         }
     }
 
-    /// Copies running row `row`'s first `len` cached positions out (the host path; `None` on
-    /// the Burn path, whose rows share one write cursor).
+    /// Copies running row `row`'s first `len` cached positions out.
     pub(crate) fn park(&self, row: usize, len: usize) -> Option<ParkedRow> {
         match self {
-            Runner::Burn(_) => None,
-            Runner::Host(h) => h.cache.as_ref().map(|c| c.park(row, len)),
+            Runner::Burn(b) => Some(ParkedRow::Device(b.park(row, len))),
+            Runner::Host(h) => h.cache.as_ref().map(|c| ParkedRow::Host(c.park(row, len))),
         }
     }
 
     /// Puts `prompts` into the next free rows; returns each one's next-token logits. A prompt
-    /// given a parked row (`reused[j]`, the host path only) starts from its cached positions
-    /// and computes only the rest.
-    pub(crate) fn prefill(&mut self, prompts: &[&[u32]], reused: &[Option<ParkedRow>]) -> Logits {
+    /// given a parked row (`reused[j]`) starts from its cached positions and computes only the
+    /// rest.
+    pub(crate) fn prefill(
+        &mut self,
+        prompts: &[&[u32]],
+        reused: &[Option<ParkedRow>],
+        stats: &mut EngineStats,
+    ) -> Logits {
         match self {
-            Runner::Burn(b) => Logits::Device(Box::new(b.prefill(prompts))),
+            Runner::Burn(b) => {
+                let kept: Vec<Option<&aligner_core::model::KvCache>> = reused
+                    .iter()
+                    .map(|r| match r {
+                        Some(ParkedRow::Device(cache)) => Some(cache),
+                        _ => None,
+                    })
+                    .collect();
+                Logits::Device(Box::new(b.prefill(prompts, &kept, stats)))
+            }
             Runner::Host(h) => {
                 let cache = h.cache.as_mut().expect("reserve comes first");
                 // The first pass's buffer holds the result; later passes append to it.
@@ -180,11 +200,12 @@ impl Runner {
                         let row = cache.lens.len();
                         cache.lens.push(prompt.len());
                         let from = match reused.get(done + j).and_then(Option::as_ref) {
-                            Some(parked) => {
+                            Some(ParkedRow::Host(parked)) => {
                                 cache.restore(row, parked);
+                                stats.reused_positions += parked.len;
                                 parked.len
                             }
-                            None => 0,
+                            _ => 0,
                         };
                         tokens.extend_from_slice(&prompt[from..]);
                         rows.extend((from..prompt.len()).map(|pos| (row, pos)));
