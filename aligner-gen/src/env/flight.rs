@@ -211,12 +211,14 @@ impl<'s, 'a> Flight<'s, 'a> {
 
 impl RequestFeed for Flight<'_, '_> {
     fn bounds(&self) -> FeedBounds {
-        // A turn's prompt is the episode's prompt and at most `max_tokens` of the episode.
+        // A turn's prompt is the episode's prompt and less than `max_tokens` of the episode,
+        // and a turn samples at most what is left of `max_tokens` (`turn_request`): no
+        // sequence goes past the longest prompt and `max_tokens`.
         let prompt_width =
             self.starts.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(0) + self.limits.max_tokens;
         FeedBounds {
             prompt_width,
-            span: prompt_width + self.limits.turn_max_new_tokens,
+            span: prompt_width,
             guided: false,
         }
     }
