@@ -47,6 +47,22 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
     }
 }
 
+/// tests/reference/hf_random's families beyond Llama and Qwen2 (families.txt, one a line),
+/// each loaded on `device`: its name, the model and transformers' expected values.
+fn hf_random_models(device: &burn::tensor::Device) -> Vec<(String, aligner_core::LoadedModel, Value)> {
+    let root = repo().join("tests/reference/hf_random");
+    let families = std::fs::read_to_string(root.join("families.txt")).unwrap();
+    families
+        .lines()
+        .map(|name| {
+            let dir = root.join(name);
+            let lm = aligner_core::LoadedModel::from_dir(&dir, device).unwrap();
+            let text = std::fs::read_to_string(dir.join("expected_logits.json")).unwrap();
+            (name.to_owned(), lm, serde_json::from_str(&text).unwrap())
+        })
+        .collect()
+}
+
 /// Random Qwen3 (per-head q/k norms, sliding-window layers), Mistral (12-token window) and
 /// OLMo 2 (output norms, whole-projection q/k norms) models made by transformers (tools/hf_parity.py) on the wgpu device: the logits of a
 /// 70-token input (the flash-attention kernels under the window mask) match transformers' to
@@ -54,7 +70,6 @@ fn greedy_tokens_on_wgpu_equal_transformers() {
 /// a windowed cache) is transformers' token for token.
 #[test]
 fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
-    use aligner_core::LoadedModel;
     use aligner_gen::{Engine, EngineOptions, ForwardPath, GenerationRequest, SamplingParams};
     use burn::tensor::{Device, Int, Tensor, TensorData};
     let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
@@ -65,14 +80,7 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    // tests/reference/hf_random's families beyond Llama and Qwen2, one a line.
-    let families = std::fs::read_to_string(repo().join("tests/reference/hf_random/families.txt")).unwrap();
-    for name in families.lines() {
-        let dir = repo().join("tests/reference/hf_random").join(name);
-        let lm = LoadedModel::from_dir(&dir, &device).unwrap();
-        let expected: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
-                .unwrap();
+    for (name, lm, expected) in hf_random_models(&device) {
         let input = ids(&expected["ids"]);
         let tokens = Tensor::<2, Int>::from_data(
             TensorData::new(
@@ -485,17 +493,10 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
 /// Phi-3's LongRoPE keeps nothing (its switch of factors recomputes a sequence whole).
 #[test]
 fn continued_sequences_on_wgpu_reuse_their_cache() {
-    use aligner_core::LoadedModel;
     use aligner_gen::{Engine, EngineOptions, ForwardPath, GenerationRequest, SamplingParams};
     use burn::tensor::Device;
     let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
-    let families = std::fs::read_to_string(repo().join("tests/reference/hf_random/families.txt")).unwrap();
-    for name in families.lines() {
-        let dir = repo().join("tests/reference/hf_random").join(name);
-        let lm = LoadedModel::from_dir(&dir, &device).unwrap();
-        let expected: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("expected_logits.json")).unwrap())
-                .unwrap();
+    for (name, lm, expected) in hf_random_models(&device) {
         let input: Vec<u32> = expected["ids"]
             .as_array()
             .unwrap()
