@@ -434,6 +434,9 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
         run.comm(),
     );
     let mut model = aligner_core::train::config::to_train_device(model, train_device);
+    if optim.full() {
+        model = aligner_core::train::full::shard_parameters(model, run.comm_handle())?;
+    }
     model = step.step(0, model, &mut optim)?.model;
     let start = Instant::now();
     for k in 1..total {

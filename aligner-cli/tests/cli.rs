@@ -446,7 +446,7 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             set("dpo", "train.shard_optimizer=true".into()),
             "train.shard_optimizer is now train.sharding (true: sharding = \"optimizer\"",
         ),
-        (set("sft", "train.sharding=full".into()), "train.sharding"),
+        (set("sft", "train.sharding=zero3".into()), "train.sharding"),
         (
             set("ppo", "train.batch_size=4".into()),
             "train.batch_size = 4 is not used by ppo: a step samples ppo.rollout_prompts prompts",
@@ -1028,8 +1028,9 @@ fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
     assert!(!ok);
     assert!(
         stderr.contains("nothing aligner runs fits on 2 devices of 4.00 GB each")
-            && stderr.contains("The smallest cluster that would: none up to 4096 devices")
-            && stderr.contains("full sharding, tensor parallel): "),
+            // Fully sharded, four ranks hold what two cannot.
+            && stderr.contains("The smallest cluster that would: 4 devices (4 × 1, sharding full, peak 3.83 GB)")
+            && stderr.contains("(tensor parallel, full recomputation): "),
         "{stderr}"
     );
     let (ok, _, stderr) = plan(&["--gpus", "2", "--gpu-memory", "80XB"]);

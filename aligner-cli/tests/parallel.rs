@@ -256,9 +256,18 @@ fn sft_on_two_and_three_ranks_trains_as_one_process() {
         "train.eval_examples=30".into(),
         "train.sync_check_every=1".into(),
     ];
-    // ZeRO stages 0 and 2 at 2 and 3 ranks (stage 1 in the resume test below); 3 ranks shard
-    // the parameters unevenly.
-    let layouts = [(2, "none"), (3, "none"), (2, "gradients"), (3, "gradients")];
+    // ZeRO stages 0, 2 and 3 at 2 and 3 ranks (stage 1 in the resume test below); 3 ranks
+    // shard the parameters unevenly (with `full`, rows of every parameter: 3 ranks split
+    // stories260K's 64-row weights 22 + 21 + 21), and the rank with an empty shard of the
+    // last batch still takes part in its gathers.
+    let layouts = [
+        (2, "none"),
+        (3, "none"),
+        (2, "gradients"),
+        (3, "gradients"),
+        (2, "full"),
+        (3, "full"),
+    ];
     trains_as_one_process_sharded(&["sft"], 12, &sets, dir.path(), &layouts);
 }
 
@@ -270,10 +279,10 @@ fn rm_and_dpo_on_two_and_three_ranks_train_as_one_process() {
         "train.eval_examples=20".into(),
         "train.eval_every=5".into(),
     ];
-    let layouts = [(2, "optimizer"), (3, "gradients")];
+    let layouts = [(2, "optimizer"), (3, "gradients"), (2, "full")];
     trains_as_one_process_sharded(&["rm"], 12, &sets, dir.path(), &layouts);
     // DPO's reference log-probs are computed a shard per rank and gathered into one cache.
-    let layouts = [(2, "gradients"), (3, "none")];
+    let layouts = [(2, "gradients"), (3, "none"), (3, "full")];
     trains_as_one_process_sharded(&["dpo"], 12, &sets, dir.path(), &layouts);
     let single = std::fs::read_to_string(dir.path().join("dpo-np1-none/reference_train.jsonl")).unwrap();
     let three = std::fs::read_to_string(dir.path().join("dpo-np3-none/reference_train.jsonl")).unwrap();
@@ -365,6 +374,89 @@ fn a_sharded_checkpoint_resumes_in_another_layout_where_one_uninterrupted_proces
     ranks(2, &args);
     let diff = weights_diff(&whole.join("final"), &grown.join("final"));
     assert!(diff <= 1e-5, "the whole run resumed sharded ends {diff} away");
+    same_metrics(&whole, &grown, 1e-5);
+}
+
+/// LoRA fully sharded: the frozen base is split over the ranks too (gathered in each pass, no
+/// gradient reduced), the adapters train as in one process; DPO's reference is the base with
+/// the adapters off.
+#[test]
+fn lora_fully_sharded_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "train.max_steps=4".to_string(),
+        "model.lora_rank=8".into(),
+        "train.eval_examples=20".into(),
+        "train.eval_every=2".into(),
+    ];
+    // `final/model.safetensors` is the base with the adapters merged in.
+    for command in ["sft", "dpo"] {
+        trains_as_one_process_sharded(&[command], 8, &sets, dir.path(), &[(2, "full")]);
+    }
+}
+
+/// `train.sharding = "full"` checkpoints hold each rank's rows of AdamW's moments: two ranks'
+/// resumed by one process (the rows joined), and one process's resumed on three fully sharded
+/// ranks (each keeps its rows), both end where one uninterrupted process does.
+#[test]
+fn a_fully_sharded_checkpoint_resumes_in_another_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["--set", "train.max_steps=8", "--set", "train.save_every=3"];
+    let run = |name: &str, np: usize, batch: usize, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let batch = format!("train.batch_size={batch}");
+        let mut args = vec!["sft", "--out", out.to_str().unwrap(), "--set", &batch];
+        args.extend(sets);
+        args.extend(extra);
+        ranks(np, &args);
+        out
+    };
+    let whole = run("whole", 1, 12, &[]);
+    let split = run(
+        "split",
+        2,
+        6,
+        &["--set", "train.sharding=full", "--stop-after", "4"],
+    );
+    let checkpoint = split.join("checkpoints/step-3");
+    assert!(checkpoint.join("optimizer-rank-1.bin").exists());
+    let state = std::fs::read_to_string(checkpoint.join("trainer_state.json")).unwrap();
+    assert!(state.contains("\"optimizer_rows\": true"), "{state}");
+    // The model folder is whole: transformers' shapes.
+    assert!(weights_diff(&checkpoint, &whole.join("checkpoints/step-3")) <= 1e-5);
+    let one = [
+        "--set",
+        "train.batch_size=12",
+        "--set",
+        "train.sharding=none",
+        "--allow-change",
+    ];
+    let mut args = vec!["sft", "--resume", split.to_str().unwrap()];
+    args.extend(one);
+    ranks(1, &args);
+    let diff = weights_diff(&whole.join("final"), &split.join("final"));
+    assert!(
+        diff <= 1e-5,
+        "the fully sharded run resumed whole ends {diff} away"
+    );
+    same_metrics(&whole, &split, 1e-5);
+
+    let grown = run("grown", 1, 12, &["--stop-after", "4"]);
+    let three = [
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.sharding=full",
+        "--allow-change",
+    ];
+    let mut args = vec!["sft", "--resume", grown.to_str().unwrap()];
+    args.extend(three);
+    ranks(3, &args);
+    let diff = weights_diff(&whole.join("final"), &grown.join("final"));
+    assert!(
+        diff <= 1e-5,
+        "the whole run resumed fully sharded ends {diff} away"
+    );
     same_metrics(&whole, &grown, 1e-5);
 }
 
@@ -467,7 +559,7 @@ fn ppo_on_two_ranks_raises_the_held_out_reward_like_one_process() {
 }
 
 /// GRPO (critic-free, the lexicon as its reward) trains to the same weights on one process and
-/// on two and three ranks with ZeRO-2 and ZeRO-1: the rollouts carry their own seeds, the
+/// on two and three ranks with ZeRO-2, ZeRO-1 and ZeRO-3: the rollouts carry their own seeds, the
 /// actor's mini-batches are split over the ranks and their gradients summed.
 #[test]
 fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
@@ -489,7 +581,8 @@ fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
     .map(|s| s.to_string())
     .collect();
     // PPO's batch is `ppo.rollout_prompts` whatever the ranks: no per-rank batch to scale.
-    let layouts = [(2, "gradients"), (3, "optimizer")];
+    // With `full` the engines and the reference pass read the actor gathered whole each step.
+    let layouts = [(2, "gradients"), (3, "optimizer"), (2, "full")];
     let run_of = |np: usize, sharding: &str| dir.path().join(format!("grpo-np{np}-{sharding}"));
     for &(np, sharding) in [(1, "none")].iter().chain(&layouts) {
         let out = run_of(np, sharding);
@@ -808,7 +901,7 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
 
 /// `aligner plan`'s memory model against the peak memory `aligner bench train` measures (the
 /// largest rank's resident memory) on the 16M-parameter benchmark model: one process, and two
-/// ranks with each sharding stage, within 15%.
+/// ranks with each sharding stage (`full` included), within 15%.
 #[test]
 fn plan_predicts_the_peak_memory_that_training_measures() {
     let dir = tempfile::tempdir().unwrap();
@@ -824,7 +917,13 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
     )
     .unwrap();
     let global_batch = 16;
-    for (np, sharding) in [(1, "none"), (2, "none"), (2, "optimizer"), (2, "gradients")] {
+    for (np, sharding) in [
+        (1, "none"),
+        (2, "none"),
+        (2, "optimizer"),
+        (2, "gradients"),
+        (2, "full"),
+    ] {
         let bench = [
             "bench",
             "--only",

@@ -15,11 +15,15 @@
 //!   tensors the backward leaves alive; with N > 1 ranks, the synchronisation's buffers on
 //!   top: the flat f32 buffer the all-reduce fills (`none`, `optimizer`), or with
 //!   `gradients` the rank's reduced 1/N and its tensors (the gradients themselves become the
-//!   send buffer as they are copied out).
+//!   send buffer as they are copied out);
+//! - with `full` sharding: 1/N of the weights, gradients and moments, plus what is whole for a
+//!   while: the output projection (gathered for the forward, kept until its backward), one
+//!   layer gathered with its whole gradient, and the largest whole gradient's host copy and
+//!   send buffer as it is reduce-scattered; no embedding-sized gradient outlives the backward.
 //!
 //! Its constants (the tensors autodiff keeps per layer) were measured against aligner's peak
-//! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (`full` sharding,
-//! tensor parallel) are predicted from the same counts and marked as such.
+//! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (tensor parallel,
+//! full recomputation) are predicted from the same counts and marked as such.
 
 use crate::config::{LlamaConfig, Precision, QkNorm};
 
@@ -74,8 +78,7 @@ pub struct Workload {
     pub precision: Precision,
 }
 
-/// What each data-parallel rank keeps only its share of (ZeRO's stages; `full` is predicted
-/// but not yet run by aligner).
+/// What each data-parallel rank keeps only its share of (ZeRO's stages).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Stage {
     None,
@@ -113,9 +116,9 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Whether aligner runs this layout today (no tensor parallel, no `full` sharding yet).
+    /// Whether aligner runs this layout today (no tensor parallel yet).
     pub fn runs_today(&self) -> bool {
-        self.tensor == 1 && self.sharding != Stage::Full && !self.recompute
+        self.tensor == 1 && !self.recompute
     }
 
     pub fn devices(&self) -> usize {
@@ -269,10 +272,12 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     };
     let full = layout.sharding == Stage::Full;
     let shard = |stage: Stage| if layout.sharding >= stage { d } else { 1.0 };
-    // The weights a rank holds between layers: all of them, or its share plus the layer being
-    // computed (gathered) with `full`.
+    // The weights a rank holds: all of them, or with `full` its share, plus the output
+    // projection (gathered once per forward and kept by the log-prob op until its backward)
+    // and the layer being computed (gathered, with its whole gradient in the backward).
+    let output_projection = (config.vocab_size * config.hidden_size) as f64;
     let held = if full {
-        p / (t * d) + 2.0 * counts.per_layer as f64 / t
+        p / (t * d) + (output_projection + 2.0 * counts.per_layer as f64) / t
     } else {
         p / t
     };
@@ -327,7 +332,11 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         DeviceKind::Cpu => CPU_RUNTIME_BYTES,
         DeviceKind::Gpu => GPU_RUNTIME_BYTES,
     };
-    b.kept = EMBEDDING_COPIES_KEPT * (config.vocab_size * config.hidden_size) as f64 * w.max(4.0) / t;
+    // With `full` each whole gradient is reduce-scattered as the backward makes it: none of
+    // the embedding-sized ones outlives it.
+    if !full {
+        b.kept = EMBEDDING_COPIES_KEPT * output_projection * w.max(4.0) / t;
+    }
     let states = b.weights + b.master_weights + b.optimizer + b.companions + b.runtime + b.kept;
     // The activations peak as the backward starts, before the gradients are built.
     let forward = states + b.activations + b.logits;
@@ -339,7 +348,9 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
             Stage::None | Stage::Optimizer => flat,
             // The gradients become the buffer; the rank's reduced share and its tensors.
             Stage::Gradients => 2.0 * flat / d,
-            Stage::Full => 2.0 * flat / d,
+            // One whole gradient at a time, the largest (the embedding's): its host copy and
+            // the reduce-scatter's send buffer.
+            Stage::Full => 2.0 * 4.0 * output_projection / t,
         };
     }
     b.peak = forward.max(after_backward + b.sync);

@@ -93,7 +93,8 @@ impl RewardModel {
     /// The head on pooled hidden states `[rows, hidden]`, in the trunk's compute type; the
     /// outputs are f32.
     fn head(&self, pooled: Tensor<2>) -> Tensor<2> {
-        let weight = crate::model::as_type_of(self.score.weight.val(), &pooled);
+        let weight =
+            crate::model::as_type_of(crate::model::param_value(&self.score.weight, &pooled), &pooled);
         pooled.matmul(weight).cast(burn::tensor::FloatDType::F32)
     }
 

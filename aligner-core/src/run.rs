@@ -90,6 +90,11 @@ impl RunDir {
         self.comm.as_ref()
     }
 
+    /// The process group, shared (what a fully sharded parameter's collectives run on).
+    pub fn comm_handle(&self) -> Arc<dyn Communicator> {
+        self.comm.clone()
+    }
+
     /// Whether this process writes the run folder (rank 0).
     pub fn is_writer(&self) -> bool {
         self.comm.is_root()

@@ -26,6 +26,7 @@
 pub mod comm;
 pub mod fused;
 mod logprob;
+pub mod shard;
 
 pub use comm::{
     CommError, Communicator, Launch, ReduceOp, Single, Traffic, WorkQueue, launch, launched_by_mpi,

@@ -486,21 +486,34 @@ impl PpoRunner<'_> {
             // loss, clip fraction, approximate KL, entropy
             let mut stats = [0.0f64; 4];
             let mut grads = GradientsParams::new();
-            if !mine.is_empty() {
+            // Fully sharded, each pass gathers and reduce-scatters with the other ranks': a rank
+            // without rows here still runs one, on the mini-batch's first row, at weight 0.
+            let idle = mine.is_empty();
+            let rows = match idle && optim.full() {
+                true => range.start..range.start + 1,
+                false => mine,
+            };
+            if !rows.is_empty() {
                 // Before the first update the actor is the policy that sampled: its log-probs
                 // against the engine's are the rollout/trainer mismatch.
-                let measure = batches == 0;
+                let measure = batches == 0 && !idle;
                 // A mixture of experts' load-balancing term joins the loss, as in training.
                 let (result, router_loss) = aligner_core::model::with_router_loss(|| {
-                    self.actor_loss(&actor, scored, mine, &device, measure)
+                    self.actor_loss(&actor, scored, rows, &device, measure)
                 });
                 let (mut loss, values, measured) = result?;
                 if let Some(term) = router_loss {
                     loss = loss + term;
                 }
-                stats = values;
+                if !idle {
+                    stats = values;
+                }
                 mismatch = mismatch.or(measured);
-                let loss = if world > 1 { loss.mul_scalar(share) } else { loss };
+                let loss = match (world > 1, idle) {
+                    (_, true) => loss.mul_scalar(0.0),
+                    (true, false) => loss.mul_scalar(share),
+                    (false, false) => loss,
+                };
                 grads = GradientsParams::from_grads(loss.backward(), &actor);
             }
             if world > 1 {
@@ -657,6 +670,10 @@ struct PpoStep<'r, 'scope> {
 impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
     type Error = PpoError;
 
+    fn shards_fully(&self) -> bool {
+        true
+    }
+
     fn begin(&mut self, actor: &CausalLm, resumed: Option<&std::path::Path>) -> Result<()> {
         if let (Some(dir), Some(critic)) = (resumed, self.critic) {
             critic.load(dir.join("critic")).wait()?;
@@ -680,6 +697,13 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         let cfg = &runner.config.ppo;
         let critic = self.critic;
         let began = Instant::now();
+        // What the engines and the log-prob passes read: fully sharded, the actor gathered
+        // whole (a collective).
+        let whole = match optim.full() {
+            true => Some(aligner_core::train::full::gather_parameters(&actor)),
+            false => None,
+        };
+        let whole_actor = whole.as_ref().unwrap_or(&actor);
         let mut times = StepTimes::default();
 
         // This step's samples: drawn now from the current weights, or (one-step-off) drawn
@@ -693,7 +717,7 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             }
             None => {
                 let engines = engines(&mut self.pool)?;
-                engines.refit(&actor)?;
+                engines.refit(whole_actor)?;
                 times.refit = t.elapsed().as_secs_f64();
                 (runner.sampler().rollout(engines, step)?, 0)
             }
@@ -712,7 +736,7 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
                 .pool
                 .take()
                 .ok_or_else(|| PpoError::Invalid("the generation engines were not handed back".into()))?;
-            lent.refit(&actor)?;
+            lent.refit(whole_actor)?;
             times.refit += t.elapsed().as_secs_f64();
             let sampler = runner.sampler();
             self.ahead = Some(Ahead::Drawing(self.scope.spawn(move || {
@@ -730,12 +754,13 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             .filter(|_| needs_critic)
             .map(|c| c.infer(sequences.clone()));
         let t = Instant::now();
-        let ref_logprobs = runner.reference_logprobs(&actor, self.reference.as_ref(), &sequences)?;
+        let ref_logprobs = runner.reference_logprobs(whole_actor, self.reference.as_ref(), &sequences)?;
         // Truncated importance sampling: the actor's own log-probs of what the engine sampled.
         let trainer_old = match cfg.tis_cap > 0.0 {
-            true => Some(runner.reference_logprobs(&actor, Some(&actor.valid()), &sequences)?),
+            true => Some(runner.reference_logprobs(whole_actor, Some(&whole_actor.valid()), &sequences)?),
             false => None,
         };
+        drop(whole);
         times.logprobs = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let critic_out: InferReply = if needs_critic {

@@ -133,7 +133,7 @@ impl Attention {
         let heads = |mut h: Tensor<3>, n: usize, norm: Option<&RmsNorm>| {
             let hd = self.head_dim;
             if let Some(norm) = norm {
-                h = if norm.gamma.dims()[0] == hd {
+                h = if norm.width() == hd {
                     // Each head normalised on its own: [batch, seq·heads, head_dim].
                     super::layer::norm(norm, h.reshape([batch, seq * n, hd])).reshape([batch, seq, n * hd])
                 } else {

@@ -93,7 +93,7 @@ pub struct DecoderLayer {
 /// mean, add, sqrt, div, mul).
 pub fn norm(norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
     if fused_here(&x) {
-        let scale = super::as_type_of(norm.scale(), &x);
+        let scale = super::as_type_of(norm.scale_for(&x), &x);
         aligner_parallel::fused_rms_norm(x, scale, norm.epsilon)
     } else {
         norm.forward(x)

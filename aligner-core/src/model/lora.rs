@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{as_type_of, named_param};
+use super::{as_type_of, named_param, param_value, shard_spec};
 use burn::tensor::module::linear;
 
 /// The trainable factors of one adapted layer: `a: [in, r]`, `b: [r, out]` (Burn layout; PEFT's
@@ -84,9 +84,29 @@ impl From<Linear> for LoraLinear {
 
 impl LoraLinear {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let weight = as_type_of(self.base.weight.val(), &x);
-        let bias = self.base.bias.as_ref().map(|b| as_type_of(b.val(), &x));
-        let y = linear(x.clone(), weight, bias);
+        let bias = self
+            .base
+            .bias
+            .as_ref()
+            .map(|b| as_type_of(param_value(b, &x), &x));
+        let y = match shard_spec(&self.base.weight) {
+            // Fully sharded: the whole weight exists only inside the product.
+            Some(spec) => {
+                let [b, s, d] = x.dims();
+                let out = spec.dims[1];
+                let y = aligner_parallel::shard::shard_matmul(
+                    x.clone().reshape([b * s, d]),
+                    self.base.weight.val(),
+                    spec,
+                )
+                .reshape([b, s, out]);
+                match bias {
+                    Some(bias) => y + bias.unsqueeze(),
+                    None => y,
+                }
+            }
+            None => linear(x.clone(), as_type_of(self.base.weight.val(), &x), bias),
+        };
         match &self.lora {
             Some(lora) if self.adapter_enabled => {
                 let [b, s, d] = x.dims();
@@ -94,8 +114,8 @@ impl LoraLinear {
                     .dropout
                     .forward(x.clone())
                     .reshape([b * s, d])
-                    .matmul(as_type_of(lora.a.val(), &x))
-                    .matmul(as_type_of(lora.b.val(), &x));
+                    .matmul(as_type_of(param_value(&lora.a, &x), &x))
+                    .matmul(as_type_of(param_value(&lora.b, &x), &x));
                 let [_, out] = low.dims();
                 y + low.reshape([b, s, out]).mul_scalar(lora.scale)
             }

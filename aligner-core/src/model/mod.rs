@@ -83,7 +83,12 @@ impl LlamaModel {
         mask: Option<&Tensor<4, Bool>>,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor<3> {
-        let mut x = self.embed_tokens.forward(tokens);
+        let mut x = match shard_spec(&self.embed_tokens.weight) {
+            Some(spec) => {
+                aligner_parallel::shard::shard_embedding(self.embed_tokens.weight.val(), tokens, spec)
+            }
+            None => self.embed_tokens.forward(tokens),
+        };
         if let Some(scale) = self.embedding_scale {
             x = x.mul_scalar(scale as f32);
         }
@@ -138,8 +143,8 @@ impl CausalLm {
     /// stored type (see [`as_type_of`] for the compute type).
     pub fn output_weight(&self) -> Tensor<2> {
         match &self.lm_head {
-            Some(head) => head.weight.val(),
-            None => self.model.embed_tokens.weight.val().transpose(),
+            Some(head) => whole_value(&head.weight),
+            None => whole_value(&self.model.embed_tokens.weight).transpose(),
         }
     }
 
@@ -436,6 +441,36 @@ pub fn packed_layout(segments: &[Vec<Option<usize>>], device: &Device) -> (Tenso
 /// The trainable parameter count of any module.
 pub fn parameter_count<M: Module>(module: &M) -> usize {
     module.num_params()
+}
+
+/// How `param` is split when it is a shard of a fully sharded trainer's parameter
+/// (`train.sharding = "full"`); `None` for a whole tensor.
+pub fn shard_spec<const D: usize>(param: &Param<Tensor<D>>) -> Option<aligner_parallel::shard::ShardSpec> {
+    aligner_parallel::shard::spec_of(param.id.val(), &param.val().dims())
+}
+
+/// The whole value of `param`: the tensor itself, or, for a shard, the whole tensor gathered
+/// from the ranks (differentiable; `anchor`, the activation it is used with, places the
+/// gradient's reduce-scatter right after its user in the backward).
+pub fn param_value<const D: usize, const E: usize>(
+    param: &Param<Tensor<D>>,
+    anchor: &Tensor<E>,
+) -> Tensor<D> {
+    let value = param.val();
+    match aligner_parallel::shard::spec_of(param.id.val(), &value.dims()) {
+        Some(spec) => aligner_parallel::shard::shard_gather(value, anchor, spec),
+        None => value,
+    }
+}
+
+/// [`param_value`] without an activation at hand (its reduce-scatter runs at the end of the
+/// backward).
+pub fn whole_value<const D: usize>(param: &Param<Tensor<D>>) -> Tensor<D> {
+    let value = param.val();
+    match aligner_parallel::shard::spec_of(param.id.val(), &value.dims()) {
+        Some(spec) => aligner_parallel::shard::shard_gather(value.clone(), &value, spec),
+        None => value,
+    }
 }
 
 /// A trainable parameter whose id is derived from its HF name, so the same checkpoint always

@@ -177,7 +177,7 @@ impl SparseMoe {
         let n = b * s;
         let device = x.device();
         let flat = x.reshape([n, d]);
-        let router = super::as_type_of(self.router.weight.val(), &flat);
+        let router = super::as_type_of(super::param_value(&self.router.weight, &flat), &flat);
         // The router's softmax in f32, as transformers computes it.
         let probs = softmax(flat.clone().matmul(router).cast(FloatDType::F32), 1);
         let experts = self.experts.len();
@@ -214,6 +214,15 @@ impl SparseMoe {
         let mut out = flat.zeros_like();
         for (expert, (tokens, slots)) in self.experts.iter().zip(&routed) {
             if tokens.is_empty() {
+                if aligner_parallel::shard::active() {
+                    // Fully sharded, an expert's weights are gathered in its forward and
+                    // backward (collectives): every rank runs every expert, one without
+                    // tokens on the first token at weight 0.
+                    let first = Tensor::<1, Int>::from_data(TensorData::new(vec![0i64], [1]), &device);
+                    let input = flat.clone().select(0, first.clone()).reshape([1, 1, d]);
+                    let y = expert.forward(input).reshape([1, d]).mul_scalar(0.0);
+                    out = out.select_assign(0, first, y, IndexingUpdateOp::Add);
+                }
                 continue;
             }
             let m = tokens.len();

@@ -30,6 +30,12 @@ impl RmsNorm {
         }
     }
 
+    /// The width it normalises (its weight's length; the whole one's when the weight is a
+    /// fully sharded trainer's shard).
+    pub fn width(&self) -> usize {
+        super::shard_spec(&self.gamma).map_or(self.gamma.dims()[0], |spec| spec.dims[0])
+    }
+
     /// The factor the normalised values are multiplied by: `w`, or `1 + w` (in f32, as
     /// transformers adds it).
     pub fn scale(&self) -> Tensor<1> {
@@ -37,11 +43,17 @@ impl RmsNorm {
         if self.unit_offset { w.add_scalar(1.0) } else { w }
     }
 
+    /// [`RmsNorm::scale`] for normalising `x` (the weight gathered there when it is sharded).
+    pub fn scale_for<const D: usize>(&self, x: &Tensor<D>) -> Tensor<1> {
+        let w = super::param_value(&self.gamma, x);
+        if self.unit_offset { w.add_scalar(1.0) } else { w }
+    }
+
     /// Burn ops: `x · rsqrt(mean(x²) + ε) · scale` over the last axis, the mean square in f32.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let dtype = x.dtype();
         let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.epsilon).sqrt();
-        let scale = self.scale().cast(dtype);
+        let scale = self.scale_for(&x).cast(dtype);
         (x / rms.cast(dtype)) * scale.unsqueeze()
     }
 }

@@ -125,6 +125,11 @@ pub enum Sharding {
     /// ZeRO stage 2: as `optimizer`, and gradients are reduce-scattered: each rank receives
     /// (and keeps) only the summed gradients of its own parameters.
     Gradients,
+    /// ZeRO stage 3: each rank keeps its block of rows of every trainable parameter, with
+    /// their gradients and moments. A layer's whole weight is all-gathered for its forward
+    /// and again for its backward, which reduce-scatters its gradient at once
+    /// (`aligner_parallel::shard`).
+    Full,
 }
 
 impl Sharding {
@@ -139,6 +144,7 @@ impl Sharding {
             Sharding::None => "none",
             Sharding::Optimizer => "optimizer",
             Sharding::Gradients => "gradients",
+            Sharding::Full => "full",
         }
     }
 }

@@ -147,6 +147,12 @@ impl<'a> Optimizer<'a> {
         self.shards
     }
 
+    /// Whether the parameters themselves are sharded (`train.sharding = "full"` over more
+    /// than one rank): the state holds each rank's rows of every parameter.
+    pub fn full(&self) -> bool {
+        self.shards > 0 && self.sharding == Sharding::Full
+    }
+
     /// Sums `grads`, this rank's gradients, over the ranks (a collective: every rank calls
     /// it), clips them to the global norm (`max_grad_norm`, 0 = no clipping) and takes one
     /// step at `lr`; the updated model and the norm before clipping out.
@@ -159,6 +165,14 @@ impl<'a> Optimizer<'a> {
         let owners = self
             .owners
             .get_or_insert_with(|| grads::optimizer_owners(&model, self.shards));
+        if self.sharding == Sharding::Full {
+            // The backward reduce-scattered each gradient: `grads` are this rank's rows.
+            let mut squares = [grads::squared_grad_norm(&model, &grads)];
+            self.comm.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
+            let norm = squares[0].sqrt();
+            grads::scale_to_norm(&model, &mut grads, norm, self.max_grad_norm);
+            return Ok((self.adam.step(lr, model, grads), norm));
+        }
         let rank = self.comm.rank();
         let norm = if self.sharding == Sharding::Gradients {
             grads::reduce_scatter_gradients(&model, &mut grads, owners, self.comm)?;
@@ -220,10 +234,11 @@ impl<'a> Optimizer<'a> {
         mut self,
         dir: &Path,
         layout: &CheckpointLayout,
-        saved_shards: usize,
+        saved: &LoopState,
         model: &M,
     ) -> Result<Self> {
-        if saved_shards == self.shards {
+        let saved_shards = saved.optimizer_shards;
+        if saved_shards == self.shards && saved.optimizer_rows == self.full() {
             let file = self.file(layout);
             self.adam = load_optimizer(self.adam, &dir.join(file))?;
             return Ok(self);
@@ -232,7 +247,12 @@ impl<'a> Optimizer<'a> {
             0 => vec![dir.join(layout.optimizer)],
             n => (0..n).map(|rank| dir.join(optimizer_shard(rank))).collect(),
         };
-        let owned: Option<HashSet<u64>> = (self.shards > 0).then(|| {
+        // A fully sharded state's parts are rows of each moment: joined, they are whole.
+        let rows = match self.full() {
+            true => Some((self.comm.rank(), self.shards)),
+            false => None,
+        };
+        let owned: Option<HashSet<u64>> = (self.shards > 0 && !self.full()).then(|| {
             let owners = grads::optimizer_owners(model, self.shards);
             grads::trainable_ids(model)
                 .into_iter()
@@ -241,7 +261,9 @@ impl<'a> Optimizer<'a> {
                 .map(|(id, _)| id)
                 .collect()
         });
-        let merged = merge_optimizer_states(&files, |id| owned.as_ref().is_none_or(|o| o.contains(&id)))?;
+        let merged = merge_optimizer_states(&files, saved.optimizer_rows, rows, |id| {
+            owned.as_ref().is_none_or(|o| o.contains(&id))
+        })?;
         self.adam = self
             .adam
             .from_bytes(burn::tensor::Bytes::from_bytes_vec(merged))
@@ -258,12 +280,23 @@ impl<'a> Optimizer<'a> {
 /// One optimizer state out of AdamW states saved by [`save_optimizer`] or as shards (burnpack
 /// files whose tensors carry their parameter id, and whose scalars and metadata are keyed
 /// `"{id}"` / `"{id}.{name}"`): the parameters `keep` accepts, from whichever file has them.
-fn merge_optimizer_states(files: &[PathBuf], keep: impl Fn(u64) -> bool) -> Result<Vec<u8>> {
+///
+/// `joined`: the files are a fully sharded state's parts, in rank order, each holding its
+/// rank's rows of every tensor: a tensor's parts are joined along the first axis. `rows`:
+/// keep only rank `r`'s rows of each tensor of `n` ranks (the state of a fully sharded run).
+fn merge_optimizer_states(
+    files: &[PathBuf],
+    joined: bool,
+    rows: Option<(usize, usize)>,
+    keep: impl Fn(u64) -> bool,
+) -> Result<Vec<u8>> {
     let bad = |path: &Path, e: burn_pack::Error| {
         CoreError::Invalid(format!("{}: optimizer state: {e:?}", path.display()))
     };
     let id_of = |key: &str| key.split('.').next().and_then(|id| id.parse::<u64>().ok());
-    let mut tensors = Vec::new();
+    // (name, dtype, shape, parameter id, bytes) of each tensor kept.
+    type Part = (String, burn::tensor::DType, Vec<usize>, Option<u64>, Vec<u8>);
+    let mut tensors: Vec<Part> = Vec::new();
     let mut scalars = Vec::new();
     let mut metadata = Vec::new();
     for path in files {
@@ -285,11 +318,32 @@ fn merge_optimizer_states(files: &[PathBuf], keep: impl Fn(u64) -> bool) -> Resu
         );
         for tensor in reader.into_tensors().map_err(|e| bad(path, e))? {
             let (name, dtype, shape, id, bytes) = tensor.into_parts().map_err(|e| bad(path, e))?;
-            if id.is_some_and(&keep) {
-                tensors.push(burn_pack::Tensor::new(name, dtype, shape, id, bytes));
+            if !id.is_some_and(&keep) {
+                continue;
+            }
+            let earlier = tensors.iter().position(|t: &Part| t.0 == name && t.3 == id);
+            match earlier {
+                Some(at) if joined => {
+                    let part = &mut tensors[at];
+                    part.2[0] += shape[0];
+                    part.4.extend_from_slice(&bytes);
+                }
+                _ => tensors.push((name, dtype, shape.to_vec(), id, bytes.to_vec())),
             }
         }
     }
+    let tensors: Vec<burn_pack::Tensor> = tensors
+        .into_iter()
+        .map(|(name, dtype, mut shape, id, mut bytes)| {
+            if let Some((rank, world)) = rows {
+                let row_bytes = bytes.len() / shape[0].max(1);
+                let own = aligner_parallel::shard_range(shape[0], rank, world);
+                bytes = bytes[own.start * row_bytes..own.end * row_bytes].to_vec();
+                shape[0] = own.len();
+            }
+            burn_pack::Tensor::new(name, dtype, shape, id, burn::tensor::Bytes::from_bytes_vec(bytes))
+        })
+        .collect();
     let mut writer = burn_pack::Writer::new(tensors);
     for (key, value) in &scalars {
         writer = writer.with_scalar(key, *value);
@@ -326,6 +380,13 @@ pub trait Method<M: Module> {
     /// for the method's own parts of it.
     fn begin(&mut self, _model: &M, _resumed: Option<&Path>) -> Result<(), Self::Error> {
         Ok(())
+    }
+
+    /// Whether [`Method::step`] trains a fully sharded model (`train.sharding = "full"`): its
+    /// forward and backward passes must be the same on every rank, since each sharded
+    /// parameter's use is a collective, and it must read parameters only through the model.
+    fn shards_fully(&self) -> bool {
+        false
     }
 
     /// Step `step` (0-based): the model in, updated through `optim`, out with its metrics.
@@ -370,6 +431,10 @@ pub struct LoopState {
     /// Ranks the optimiser state was sharded over (`optimizer-rank-R.bin`); 0 = one file.
     #[serde(default)]
     pub optimizer_shards: usize,
+    /// Whether each shard holds its rank's rows of every parameter's moments (a fully
+    /// sharded run) rather than whole moments of the parameters it owns.
+    #[serde(default)]
+    pub optimizer_rows: bool,
 }
 
 /// The end of a run.
@@ -429,7 +494,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let model = master::load_with_masters(store, &dir.join(layout.model), train_device)?;
             let model = super::config::to_train_device(model, train_device);
             let state: LoopState = crate::checkpoint::read_json(&dir.join(layout.state))?;
-            optim = optim.load(dir, layout, state.optimizer_shards, &model)?;
+            optim = optim.load(dir, layout, &state, &model)?;
             tracing::info!(step, dir = %dir.display(), "resuming");
             (model, *step)
         }
@@ -437,16 +502,29 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     };
     // The method's own parts load first: a resume that fails there (a critic that does not
     // answer) leaves the log as it was.
+    let full = optim.full();
+    if full && !method.shards_fully() {
+        return Err(CoreError::Invalid(format!(
+            "train.sharding = \"full\" is not available for this method's {} loop yet; use \"gradients\"",
+            settings.label
+        ))
+        .into());
+    }
     method.begin(&model, resume.as_ref().map(|(_, dir)| dir.as_path()))?;
+    // Sharded after `begin`, which may read the whole weights (PPO's engines).
+    if full {
+        model = super::full::shard_parameters(model, run.comm_handle())?;
+    }
     let log =
         MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;
     let initial_eval = if start == 0 && method.validates() {
-        let eval = method.evaluate(&model)?;
+        let whole_model = whole_of(&model, full);
+        let eval = method.evaluate(&whole_model)?;
         let mut row = Map::new();
         row.insert("step".into(), 0.into());
         row.extend(eval.clone());
         log.write(&row)?;
-        keep_if_best(settings, run, store, &model, 0, &eval)?;
+        keep_if_best(settings, run, store, &whole_model, 0, &eval)?;
         // As metrics.jsonl holds it: text summaries go to TensorBoard only.
         Some(
             eval.into_iter()
@@ -470,6 +548,8 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     for step in start..total {
         if run.stops_at(step) {
             bar.abandon();
+            let model = whole_of(&model, full).into_owned();
+            aligner_parallel::shard::clear();
             return Ok((model, summary(run, step, initial_eval, Map::new())));
         }
         let stepped = match method.step(step, model, &mut optim) {
@@ -481,7 +561,9 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         };
         model = stepped.model;
         let done = step + 1;
+        // A fully sharded model's ranks hold different rows: nothing to compare.
         if world > 1
+            && !full
             && (done == total
                 || (settings.sync_check_every > 0 && done.is_multiple_of(settings.sync_check_every)))
         {
@@ -495,8 +577,9 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let mut row = stepped.row;
             row.insert("step".into(), done.into());
             if eval_now {
-                let eval = method.evaluate(&model)?;
-                keep_if_best(settings, run, store, &model, done, &eval)?;
+                let whole_model = whole_of(&model, full);
+                let eval = method.evaluate(&whole_model)?;
+                keep_if_best(settings, run, store, &whole_model, done, &eval)?;
                 row.extend(eval);
             }
             log.write(&row)?;
@@ -507,14 +590,16 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                 total_steps: total,
                 seed: settings.seed,
                 optimizer_shards: optim.shards(),
+                optimizer_rows: full,
             };
             let shards = optim.gather()?;
+            let whole_model = whole_of(&model, full);
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
                     // A half-precision model folder rounds the weights; training resumes from
                     // the master weights saved beside them.
                     let dir = tmp.join(layout.model);
-                    master::save_with_masters(store, &model.valid(), &dir)?;
+                    master::save_with_masters(store, &whole_model.valid(), &dir)?;
                     optim.save(tmp, layout, &shards)
                 })?;
                 Ok::<_, T::Error>(crate::checkpoint::write_json(&tmp.join(layout.state), &state)?)
@@ -522,6 +607,8 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         }
     }
     bar.finish_and_clear();
+    let model = whole_of(&model, full).into_owned();
+    aligner_parallel::shard::clear();
     let keys = method.plot_keys();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut final_eval = Map::new();
@@ -547,6 +634,15 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     })?;
     let final_eval = run.agree(&final_eval)?;
     Ok((model, summary(run, total, initial_eval, final_eval)))
+}
+
+/// What evaluation, checkpoints and the final save see: the whole model, gathered from the
+/// ranks when its parameters are `full`y sharded (a collective).
+fn whole_of<M: Module>(model: &M, full: bool) -> std::borrow::Cow<'_, M> {
+    match full {
+        true => std::borrow::Cow::Owned(super::full::gather_parameters(model)),
+        false => std::borrow::Cow::Borrowed(model),
+    }
 }
 
 fn summary(
@@ -685,8 +781,14 @@ mod tests {
         // PPO's (`step`, `seed`) and online DPO's (`step`) states of earlier versions.
         let ppo: LoopState = serde_json::from_str(r#"{"step": 4, "seed": 7}"#).unwrap();
         assert_eq!(
-            (ppo.step, ppo.seed, ppo.total_steps, ppo.optimizer_shards),
-            (4, 7, 0, 0)
+            (
+                ppo.step,
+                ppo.seed,
+                ppo.total_steps,
+                ppo.optimizer_shards,
+                ppo.optimizer_rows
+            ),
+            (4, 7, 0, 0, false)
         );
         let online: LoopState = serde_json::from_str(r#"{"step": 2}"#).unwrap();
         assert_eq!(online.step, 2);

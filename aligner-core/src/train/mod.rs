@@ -14,6 +14,7 @@
 
 pub mod config;
 pub mod driver;
+pub mod full;
 pub mod grads;
 pub mod master;
 pub mod metrics;
@@ -354,9 +355,15 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
                     }
                 }
             };
-            if batch.is_empty() {
-                continue;
-            }
+            // Fully sharded, each pass gathers and reduce-scatters with the other ranks': a rank
+            // whose shard is empty still runs one, on the micro-batch's first example, at
+            // weight 0 (its `share`), adding nothing.
+            let idle = batch.is_empty();
+            let batch = match idle && optim.full() {
+                true => vec![&self.train[indices[0]]],
+                false if idle => continue,
+                false => batch,
+            };
             let (out, router_loss) = crate::model::with_router_loss(|| match totals.is_empty() {
                 true => self.objective.step(&model, &batch),
                 false => self.objective.step_with_totals(&model, &batch, &totals),
@@ -367,7 +374,9 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
                 return Err(non_finite(self.run, "loss", loss_value, step, TRAINER_STATE));
             }
             loss_sum += share * loss_value;
-            tokens += out.tokens;
+            if !idle {
+                tokens += out.tokens;
+            }
             for (name, v) in out.metrics {
                 match metric_sums.iter_mut().find(|m| m.0 == name) {
                     Some(m) => m.1 += share * v,
@@ -416,6 +425,10 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             row,
             message: format!("loss {loss:.4} · {tokens_per_s:.0} tok/s"),
         })
+    }
+
+    fn shards_fully(&self) -> bool {
+        true
     }
 
     fn validates(&self) -> bool {

@@ -342,7 +342,7 @@ fn ready<T>(future: impl std::future::Future<Output = T>) -> T {
 }
 
 /// A float tensor's values in row-major order, and its shape.
-fn host_values<B: Backend>(tensor: FloatTensor<B>) -> (Vec<f32>, Vec<usize>) {
+pub(crate) fn host_values<B: Backend>(tensor: FloatTensor<B>) -> (Vec<f32>, Vec<usize>) {
     let data = ready(B::float_into_data(tensor)).expect("reading a CPU tensor cannot fail");
     let dims = data.shape().to_vec();
     let values = data
@@ -361,7 +361,7 @@ fn host_floats<B: Backend, const D: usize>(tensor: FloatTensor<B>) -> (Vec<f32>,
     (values, dims)
 }
 
-fn host_ints<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
+pub(crate) fn host_ints<B: Backend>(tensor: IntTensor<B>) -> Vec<i64> {
     let data = ready(B::int_into_data(tensor)).expect("reading a CPU tensor cannot fail");
     data.convert::<i64>()
         .try_into_vec::<i64>()

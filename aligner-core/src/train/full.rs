@@ -1,0 +1,104 @@
+//! `train.sharding = "full"` (ZeRO stage 3): each rank keeps its block of rows of every
+//! parameter, trainable or frozen; the model's ops gather a whole weight while they use it and
+//! reduce-scatter its gradient in the backward (`aligner_parallel::shard`), so the gradients
+//! a step hands the optimizer are already this rank's rows, and AdamW's moments follow.
+
+use std::sync::Arc;
+
+use aligner_parallel::Communicator;
+use aligner_parallel::shard::{ShardSpec, register, spec_of};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::error::{CoreError, Result};
+
+/// `model` with each parameter replaced by this rank's rows of it (registered, so the model's
+/// ops gather it where they use it): the trainable ones and the frozen ones (LoRA's base,
+/// which the ops gather without reducing a gradient). A trainable parameter with fewer rows
+/// than ranks is refused; a frozen one stays whole.
+pub fn shard_parameters<M: Module>(model: M, comm: Arc<dyn Communicator>) -> Result<M> {
+    struct Shard {
+        comm: Arc<dyn Communicator>,
+        refused: Option<String>,
+    }
+    impl ModuleMapper for Shard {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let value = param.val();
+            if spec_of(param.id.val(), &value.dims()).is_some() {
+                return param;
+            }
+            let trainable = value.is_require_grad();
+            let dims = value.dims().to_vec();
+            let world = self.comm.world_size();
+            if dims[0] < world {
+                // A frozen tensor this small stays whole; a trainable one cannot.
+                if trainable {
+                    self.refused.get_or_insert(format!(
+                        "train.sharding = \"full\": a parameter of shape {dims:?} has fewer rows than \
+                         the {world} ranks it would be split over; use \"gradients\" or fewer ranks"
+                    ));
+                }
+                return param;
+            }
+            let spec = ShardSpec {
+                dims: dims.clone(),
+                comm: self.comm.clone(),
+            };
+            let rows = spec.rows(self.comm.rank());
+            let row: usize = dims[1..].iter().product();
+            let shard_dims = spec.shard_dims();
+            register(param.id.val(), spec);
+            param.map(|tensor| {
+                let device = tensor.device();
+                let values: Vec<f32> = tensor
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .unwrap_or_default();
+                let own = values[rows.start * row..rows.end * row].to_vec();
+                drop(values);
+                let shard: [usize; D] = shard_dims.try_into().unwrap_or_else(|_| unreachable!("rank D"));
+                let shard = Tensor::<D>::from_data(TensorData::new(own, shard), &device);
+                if trainable { shard.require_grad() } else { shard }
+            })
+        }
+    }
+    let mut shard = Shard { comm, refused: None };
+    let model = model.map(&mut shard);
+    match shard.refused {
+        Some(why) => Err(CoreError::Invalid(why)),
+        None => Ok(model),
+    }
+}
+
+/// A copy of `model` with every sharded parameter whole again (a collective: every rank
+/// calls it and gets the same model). Evaluation, checkpoints and the final save use it.
+pub fn gather_parameters<M: Module>(model: &M) -> M {
+    struct Gather;
+    impl ModuleMapper for Gather {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let value = param.val();
+            let Some(spec) = spec_of(param.id.val(), &value.dims()) else {
+                return param;
+            };
+            let trainable = value.is_require_grad();
+            param.map(|tensor| {
+                let device = tensor.device();
+                let own: Vec<f32> = tensor
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .unwrap_or_default();
+                let whole = spec.gather_values(&own);
+                let dims: [usize; D] = spec
+                    .dims
+                    .clone()
+                    .try_into()
+                    .unwrap_or_else(|_| unreachable!("rank D"));
+                let whole = Tensor::<D>::from_data(TensorData::new(whole, dims), &device);
+                if trainable { whole.require_grad() } else { whole }
+            })
+        }
+    }
+    model.clone().map(&mut Gather)
+}
