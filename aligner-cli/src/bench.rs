@@ -60,9 +60,13 @@ pub enum BenchCommand {
         #[arg(long)]
         activation_checkpointing: bool,
         /// What each rank keeps only its share of under `mpirun` (`train.sharding`: none,
-        /// optimizer, gradients).
+        /// optimizer, gradients, full).
         #[arg(long, default_value = "none", value_parser = parse_sharding)]
         sharding: Sharding,
+        /// With `--sharding full`: keep each layer's gathered weight for its backward
+        /// (`train.keep_gathered`).
+        #[arg(long)]
+        keep_gathered: bool,
         /// The device's peak dense TFLOP/s (990 for an H200 in bf16): adds model FLOPs
         /// utilisation (6 · params + attention, per token) to the table.
         #[arg(long)]
@@ -247,6 +251,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             steps,
             activation_checkpointing,
             sharding,
+            keep_gathered,
             peak_tflops,
         } => train(
             device,
@@ -257,6 +262,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             TrainSection {
                 activation_checkpointing,
                 sharding,
+                keep_gathered,
                 ..TrainSection::default()
             },
             peak_tflops,
@@ -434,15 +440,19 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
         run.comm(),
     );
     let mut model = aligner_core::train::config::to_train_device(model, train_device);
+    config.check()?;
     if optim.full() {
         model = aligner_core::train::full::shard_parameters(model, run.comm_handle())?;
+        aligner_parallel::shard::keep_gathered(config.keep_gathered);
     }
     model = step.step(0, model, &mut optim)?.model;
     let start = Instant::now();
     for k in 1..total {
         model = step.step(k, model, &mut optim)?.model;
     }
-    Ok(start.elapsed().as_secs_f64() / (total - 1) as f64)
+    let seconds = start.elapsed().as_secs_f64() / (total - 1) as f64;
+    aligner_parallel::shard::clear();
+    Ok(seconds)
 }
 
 /// `len` token ids of a fixed pseudo-random pattern for `salt`.
@@ -539,7 +549,10 @@ fn train(
                 } else {
                     "off"
                 },
-                train_config.sharding.name(),
+                match train_config.keep_gathered {
+                    true => format!("{} (kept)", train_config.sharding.name()),
+                    false => train_config.sharding.name().to_string(),
+                },
                 per * 1e3,
                 1.0 / per,
                 tokens_per_s,

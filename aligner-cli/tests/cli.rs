@@ -448,6 +448,10 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         ),
         (set("sft", "train.sharding=zero3".into()), "train.sharding"),
         (
+            set("sft", "train.keep_gathered=true".into()),
+            "train.keep_gathered = true keeps the weights `train.sharding = \"full\"` gathers, but train.sharding is \"none\"",
+        ),
+        (
             set("ppo", "train.batch_size=4".into()),
             "train.batch_size = 4 is not used by ppo: a step samples ppo.rollout_prompts prompts",
         ),

@@ -397,7 +397,8 @@ fn lora_fully_sharded_trains_as_one_process() {
 
 /// `train.sharding = "full"` checkpoints hold each rank's rows of AdamW's moments: two ranks'
 /// resumed by one process (the rows joined), and one process's resumed on three fully sharded
-/// ranks (each keeps its rows), both end where one uninterrupted process does.
+/// ranks keeping their gathered weights (each keeps its rows), both end where one
+/// uninterrupted process does.
 #[test]
 fn a_fully_sharded_checkpoint_resumes_in_another_layout() {
     let dir = tempfile::tempdir().unwrap();
@@ -424,40 +425,30 @@ fn a_fully_sharded_checkpoint_resumes_in_another_layout() {
     assert!(state.contains("\"optimizer_rows\": true"), "{state}");
     // The model folder is whole: transformers' shapes.
     assert!(weights_diff(&checkpoint, &whole.join("checkpoints/step-3")) <= 1e-5);
-    let one = [
-        "--set",
-        "train.batch_size=12",
-        "--set",
-        "train.sharding=none",
-        "--allow-change",
-    ];
-    let mut args = vec!["sft", "--resume", split.to_str().unwrap()];
-    args.extend(one);
-    ranks(1, &args);
-    let diff = weights_diff(&whole.join("final"), &split.join("final"));
-    assert!(
-        diff <= 1e-5,
-        "the fully sharded run resumed whole ends {diff} away"
-    );
-    same_metrics(&whole, &split, 1e-5);
+    // `run` resumed on `np` ranks with `sets`, ending where the uninterrupted run does.
+    let resume_ends_as_whole = |run: &Path, np: usize, sets: &[&str]| {
+        let mut args = vec!["sft", "--resume", run.to_str().unwrap()];
+        args.extend(sets);
+        args.push("--allow-change");
+        ranks(np, &args);
+        let diff = weights_diff(&whole.join("final"), &run.join("final"));
+        assert!(diff <= 1e-5, "{}: resumed, it ends {diff} away", run.display());
+        same_metrics(&whole, run, 1e-5);
+    };
+    let one = ["--set", "train.batch_size=12", "--set", "train.sharding=none"];
+    resume_ends_as_whole(&split, 1, &one);
 
     let grown = run("grown", 1, 12, &["--stop-after", "4"]);
+    // With the gathered weights kept from each forward to its backward.
     let three = [
         "--set",
         "train.batch_size=4",
         "--set",
         "train.sharding=full",
-        "--allow-change",
+        "--set",
+        "train.keep_gathered=true",
     ];
-    let mut args = vec!["sft", "--resume", grown.to_str().unwrap()];
-    args.extend(three);
-    ranks(3, &args);
-    let diff = weights_diff(&whole.join("final"), &grown.join("final"));
-    assert!(
-        diff <= 1e-5,
-        "the whole run resumed fully sharded ends {diff} away"
-    );
-    same_metrics(&whole, &grown, 1e-5);
+    resume_ends_as_whole(&grown, 3, &three);
 }
 
 #[test]

@@ -22,6 +22,7 @@
 //! backward right after its user rather than at the end.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 #[cfg(feature = "cube")]
@@ -114,9 +115,23 @@ impl ShardSpec {
 }
 
 static SHARDED: RwLock<Option<HashMap<u64, ShardSpec>>> = RwLock::new(None);
+static KEEP_GATHERED: AtomicBool = AtomicBool::new(false);
 
-/// Registers parameter `id` as sharded as `spec` says (a fully sharded trainer does, for each
-/// trainable parameter).
+/// Whether a linear layer keeps its gathered weight from its forward to its backward
+/// ([`shard_gather`]) instead of gathering it again there ([`shard_matmul`]):
+/// `train.keep_gathered`, one all-gather a step instead of two for the memory of the whole
+/// weights through the step.
+pub fn keep_gathered(keep: bool) {
+    KEEP_GATHERED.store(keep, Ordering::Relaxed);
+}
+
+/// [`keep_gathered`]'s setting.
+pub fn keeps_gathered() -> bool {
+    KEEP_GATHERED.load(Ordering::Relaxed)
+}
+
+/// Registers the shard that carries `id` ([`shard_id`]) as split as `spec` says (a fully
+/// sharded trainer does, for each parameter).
 pub fn register(id: u64, spec: ShardSpec) {
     let mut map = SHARDED.write().unwrap_or_else(|e| e.into_inner());
     map.get_or_insert_with(HashMap::new).insert(id, spec);
@@ -131,19 +146,38 @@ pub fn active() -> bool {
         .is_some_and(|m| !m.is_empty())
 }
 
-/// Forgets every registered parameter (the trainer that registered them is done).
+/// Forgets every registered parameter (the trainer that registered them is done) and the
+/// [`keep_gathered`] setting.
 pub fn clear() {
+    keep_gathered(false);
     if let Some(map) = SHARDED.write().unwrap_or_else(|e| e.into_inner()).as_mut() {
         map.clear();
     }
 }
 
-/// The split of parameter `id` when `dims`, its tensor's shape, is a shard of it; `None` for
-/// a whole tensor (every model but the one a fully sharded trainer trains: a frozen reference
-/// with the same ids, an inference copy).
+/// The id a parameter's shard carries: its whole tensor's id with a fixed mask, so no other
+/// model (a reference, a reward model or a teacher named as the trained one) is taken for a
+/// shard, and the whole tensor's id comes back the same way ([`whole_id`]).
+pub fn shard_id(id: u64) -> u64 {
+    id ^ SHARD_ID_MASK
+}
+
+/// The whole tensor's id of a shard's ([`shard_id`] is its own inverse).
+pub fn whole_id(id: u64) -> u64 {
+    id ^ SHARD_ID_MASK
+}
+
+/// `SHARDED!` in ASCII.
+const SHARD_ID_MASK: u64 = 0x5348_4152_4445_4421;
+
+/// The split of the parameter whose shard carries `id` when `dims`, its tensor's shape, is
+/// this rank's shard; `None` for anything else.
 pub fn spec_of(id: u64, dims: &[usize]) -> Option<ShardSpec> {
     let map = SHARDED.read().unwrap_or_else(|e| e.into_inner());
-    map.as_ref()?.get(&id).filter(|spec| spec.dims != dims).cloned()
+    map.as_ref()?
+        .get(&id)
+        .filter(|spec| spec.dims != dims && spec.shard_dims() == dims)
+        .cloned()
 }
 
 /// Ops on sharded parameters, as a Burn backend extension: the default bodies compute without

@@ -90,8 +90,9 @@ impl LoraLinear {
             .as_ref()
             .map(|b| as_type_of(param_value(b, &x), &x));
         let y = match shard_spec(&self.base.weight) {
-            // Fully sharded: the whole weight exists only inside the product.
-            Some(spec) => {
+            // Fully sharded: the whole weight exists only inside the product (or, with
+            // `train.keep_gathered`, from the forward to the backward, through `param_value`).
+            Some(spec) if !aligner_parallel::shard::keeps_gathered() => {
                 let [b, s, d] = x.dims();
                 let out = spec.dims[1];
                 let y = aligner_parallel::shard::shard_matmul(
@@ -105,7 +106,11 @@ impl LoraLinear {
                     None => y,
                 }
             }
-            None => linear(x.clone(), as_type_of(self.base.weight.val(), &x), bias),
+            _ => linear(
+                x.clone(),
+                as_type_of(param_value(&self.base.weight, &x), &x),
+                bias,
+            ),
         };
         match &self.lora {
             Some(lora) if self.adapter_enabled => {

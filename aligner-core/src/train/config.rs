@@ -101,6 +101,10 @@ pub struct TrainSection {
     /// gradient checkpointing: memory-bound ops are recomputed, compute-bound ones such as the
     /// matmuls and aligner's fused ops keep their outputs). Less memory, more time per step.
     pub activation_checkpointing: bool,
+    /// With `sharding = "full"`: keep each linear layer's gathered weight from its forward to
+    /// its backward instead of gathering it again there (one all-gather a step instead of two;
+    /// the whole weights stay in memory through the step, as without sharding).
+    pub keep_gathered: bool,
     /// Keep the model of the best validation by this metric (e.g. `"eval_nll"`) in `best/`
     /// and make it `final/` (the step it is from is in `final_step.json`); none = the last.
     pub keep_best: Option<String>,
@@ -189,6 +193,7 @@ impl Default for TrainSection {
             sync_check_every: 50,
             sharding: Sharding::None,
             activation_checkpointing: false,
+            keep_gathered: false,
             keep_best: None,
             keep_best_mode: BestMode::Min,
             tensorboard: true,
@@ -372,7 +377,15 @@ impl TrainSection {
         ])?;
         check_value("train.lr", self.lr, Range::Positive)?;
         check_value("train.max_grad_norm", self.max_grad_norm, Range::NonNegative)?;
-        check_value("train.weight_decay", self.weight_decay, Range::NonNegative)
+        check_value("train.weight_decay", self.weight_decay, Range::NonNegative)?;
+        if self.keep_gathered && self.sharding != Sharding::Full {
+            return Err(CoreError::Invalid(format!(
+                "train.keep_gathered = true keeps the weights `train.sharding = \"full\"` gathers, \
+                 but train.sharding is \"{}\"",
+                self.sharding.name()
+            )));
+        }
+        Ok(())
     }
 
     /// Refuses the keys of `unused` (each with what the method uses instead) that differ from

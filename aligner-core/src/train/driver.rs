@@ -63,6 +63,8 @@ pub struct LoopSettings {
     /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters.
     /// What each data-parallel rank keeps only its share of (`train.sharding`).
     pub sharding: Sharding,
+    /// `full` sharding: keep each layer's gathered weight for its backward (`train.keep_gathered`).
+    pub keep_gathered: bool,
     /// A metrics row every this many steps (evaluation steps and the last step always).
     pub log_every: usize,
     /// Evaluate every this many steps (0 = at the start and the end only).
@@ -90,6 +92,7 @@ impl LoopSettings {
             weight_decay: config.weight_decay,
             max_grad_norm: config.max_grad_norm,
             sharding: config.sharding,
+            keep_gathered: config.keep_gathered,
             log_every: config.log_every,
             eval_every: config.eval_every,
             save_every: config.save_every,
@@ -293,7 +296,32 @@ fn merge_optimizer_states(
     let bad = |path: &Path, e: burn_pack::Error| {
         CoreError::Invalid(format!("{}: optimizer state: {e:?}", path.display()))
     };
-    let id_of = |key: &str| key.split('.').next().and_then(|id| id.parse::<u64>().ok());
+    // A fully sharded state's shards carry their own ids (`shard_id`): the whole
+    // parameter's id is what `keep` judges, and what is written unless the state is for a
+    // fully sharded run again.
+    let whole = |id: u64| {
+        if joined {
+            aligner_parallel::shard::whole_id(id)
+        } else {
+            id
+        }
+    };
+    let written = |id: u64| match rows {
+        Some(_) => aligner_parallel::shard::shard_id(id),
+        None => id,
+    };
+    let id_of = |key: &str| {
+        key.split('.')
+            .next()
+            .and_then(|id| id.parse::<u64>().ok())
+            .map(whole)
+    };
+    // `"{id}"` / `"{id}.{name}"` keys with the id as written.
+    let renamed = |key: &str| match (id_of(key), key.split_once('.')) {
+        (Some(id), Some((_, rest))) => format!("{}.{rest}", written(id)),
+        (Some(id), None) => written(id).to_string(),
+        (None, _) => key.to_string(),
+    };
     // (name, dtype, shape, parameter id, bytes) of each tensor kept.
     type Part = (String, burn::tensor::DType, Vec<usize>, Option<u64>, Vec<u8>);
     let mut tensors: Vec<Part> = Vec::new();
@@ -307,20 +335,22 @@ fn merge_optimizer_states(
                 .scalars()
                 .iter()
                 .filter(|(k, _)| kept(k))
-                .map(|(k, v)| (k.clone(), *v)),
+                .map(|(k, v)| (renamed(k), *v)),
         );
         metadata.extend(
             reader
                 .metadata()
                 .iter()
                 .filter(|(k, _)| kept(k))
-                .map(|(k, v)| (k.clone(), v.clone())),
+                .map(|(k, v)| (renamed(k), v.clone())),
         );
         for tensor in reader.into_tensors().map_err(|e| bad(path, e))? {
             let (name, dtype, shape, id, bytes) = tensor.into_parts().map_err(|e| bad(path, e))?;
+            let id = id.map(whole);
             if !id.is_some_and(&keep) {
                 continue;
             }
+            let (name, id) = (renamed(&name), id.map(written));
             let earlier = tensors.iter().position(|t: &Part| t.0 == name && t.3 == id);
             match earlier {
                 Some(at) if joined => {
@@ -514,6 +544,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     // Sharded after `begin`, which may read the whole weights (PPO's engines).
     if full {
         model = super::full::shard_parameters(model, run.comm_handle())?;
+        aligner_parallel::shard::keep_gathered(settings.keep_gathered);
     }
     let log =
         MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use aligner_parallel::Communicator;
-use aligner_parallel::shard::{ShardSpec, register, spec_of};
-use burn::module::{Module, ModuleMapper, Param};
+use aligner_parallel::shard::{ShardSpec, register, shard_id, spec_of, whole_id};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
 use crate::error::{CoreError, Result};
@@ -47,8 +47,11 @@ pub fn shard_parameters<M: Module>(model: M, comm: Arc<dyn Communicator>) -> Res
             let rows = spec.rows(self.comm.rank());
             let row: usize = dims[1..].iter().product();
             let shard_dims = spec.shard_dims();
-            register(param.id.val(), spec);
-            param.map(|tensor| {
+            // The shard carries an id of its own (see `shard_id`).
+            let id = shard_id(param.id.val());
+            register(id, spec);
+            let (_, tensor, mapper) = param.consume();
+            Param::from_mapped_value(ParamId::from(id), tensor, mapper).map(|tensor| {
                 let device = tensor.device();
                 let values: Vec<f32> = tensor
                     .into_data()
@@ -82,7 +85,9 @@ pub fn gather_parameters<M: Module>(model: &M) -> M {
                 return param;
             };
             let trainable = value.is_require_grad();
-            param.map(|tensor| {
+            let (id, tensor, mapper) = param.consume();
+            let id = ParamId::from(whole_id(id.val()));
+            Param::from_mapped_value(id, tensor, mapper).map(|tensor| {
                 let device = tensor.device();
                 let own: Vec<f32> = tensor
                     .into_data()
