@@ -541,3 +541,60 @@ fn continued_sequences_on_wgpu_reuse_their_cache() {
         }
     }
 }
+
+/// `train.sharding = "full"` on wgpu: two ranks (`mpirun`) keep half of every parameter on
+/// the device, gather each weight through the host for its forward and backward, and train
+/// to the weights and metrics of one wgpu process.
+#[test]
+fn fully_sharded_ranks_on_wgpu_train_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |np: usize| {
+        let out = dir.path().join(format!("np{np}"));
+        let batch = format!("train.batch_size={}", 4 / np);
+        let sharding = format!("train.sharding={}", if np > 1 { "full" } else { "none" });
+        let args = [
+            "--device",
+            "wgpu",
+            "sft",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            &batch,
+            "--set",
+            &sharding,
+        ];
+        let output = std::process::Command::new("mpirun")
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-x",
+                "RAYON_NUM_THREADS=1",
+            ])
+            .args(["-np", &np.to_string()])
+            .arg(common::aligner_exe())
+            .args(args)
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        out
+    };
+    let (one, two) = (run(1), run(2));
+    let diff = common::weights_diff(&one.join("final"), &two.join("final"));
+    assert!(diff <= 1e-5, "two fully sharded wgpu ranks end {diff} from one");
+    let (a, b) = (metrics(&one), metrics(&two));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        for key in ["loss", "grad_norm", "eval_nll"] {
+            if let (Some(p), Some(q)) = (x[key].as_f64(), y[key].as_f64()) {
+                assert!((p - q).abs() <= 1e-5, "step {}: {key} {p} vs {q}", x["step"]);
+            }
+        }
+    }
+}
