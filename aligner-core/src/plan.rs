@@ -132,7 +132,8 @@ pub struct Breakdown {
     pub weights: f64,
     pub master_weights: f64,
     pub optimizer: f64,
-    /// Frozen models beside the policy (reference, reward model) and PPO's critic's states.
+    /// Frozen models beside the policy (reference, reward model), PPO's critic's states, and
+    /// PPO/GRPO's generation engine's own copy of the policy.
     pub companions: f64,
     pub gradients: f64,
     pub activations: f64,
@@ -295,7 +296,14 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         b.gradients /= d;
     }
     let frozen_share = if layout.offload_frozen { 0.0 } else { 1.0 };
+    // A sampling method's engine holds the whole policy in its own layout on every rank,
+    // whatever the sharding (it is refitted from the policy, gathered whole, each step).
+    let engine = p * w / t;
     b.companions = match work.method {
+        PlanMethod::Sft | PlanMethod::Dpo => 0.0,
+        PlanMethod::Grpo | PlanMethod::Ppo => engine,
+    };
+    b.companions += match work.method {
         PlanMethod::Sft | PlanMethod::Dpo => 0.0,
         // The reference: none with LoRA (the base with the adapters off).
         PlanMethod::Grpo => work.lora_rank.map_or(p * w / t, |_| 0.0) * frozen_share,
@@ -340,6 +348,12 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     let states = b.weights + b.master_weights + b.optimizer + b.companions + b.runtime + b.kept;
     // The activations peak as the backward starts, before the gradients are built.
     let forward = states + b.activations + b.logits;
+    // A fully sharded sampling method gathers the whole policy (f32) for its engine and its
+    // log-prob passes each step, before the update's activations exist.
+    let rollout = match (full, work.method) {
+        (true, PlanMethod::Grpo | PlanMethod::Ppo) => states + 4.0 * p / t,
+        _ => 0.0,
+    };
     let after_backward = states + b.gradients;
     if layout.data > 1 {
         let flat = 4.0 * trainable / t;
@@ -353,7 +367,7 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
             Stage::Full => 2.0 * 4.0 * output_projection / t,
         };
     }
-    b.peak = forward.max(after_backward + b.sync);
+    b.peak = forward.max(after_backward + b.sync).max(rollout);
     b
 }
 
