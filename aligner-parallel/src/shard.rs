@@ -78,13 +78,19 @@ impl ShardSpec {
 
     /// The whole tensor's values from this rank's (`own`, row-major f32): an all-gather.
     pub fn gather_values(&self, own: &[f32]) -> Vec<f32> {
-        let row = self.row_len();
-        let counts: Vec<usize> = (0..self.comm.world_size())
-            .map(|rank| self.rows(rank).len() * row)
-            .collect();
-        self.comm
-            .all_gather_f32(own, &counts)
-            .unwrap_or_else(|e| panic!("gathering a sharded parameter {:?}: {e}", self.dims))
+        let bytes: Vec<u8> = own.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let parts = self
+            .comm
+            .all_gather(&bytes)
+            .unwrap_or_else(|e| panic!("gathering a sharded parameter {:?}: {e}", self.dims));
+        let mut whole = Vec::with_capacity(self.dims.iter().product());
+        for part in parts {
+            whole.extend(
+                part.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        }
+        whole
     }
 
     /// This rank's rows of the sum over the ranks of `whole` (each rank's gradient of the

@@ -73,20 +73,6 @@ pub trait Communicator: Send + Sync {
     fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()>;
     /// Every rank's `bytes`, in rank order.
     fn all_gather(&self, bytes: &[u8]) -> CommResult<Vec<Vec<u8>>>;
-    /// Every rank's `own` values concatenated in rank order, where rank r holds `counts[r]`
-    /// (known to every rank: a sharded parameter's rows). The default goes through
-    /// [`Communicator::all_gather`]'s bytes; MPI gathers the floats in place.
-    fn all_gather_f32(&self, own: &[f32], counts: &[usize]) -> CommResult<Vec<f32>> {
-        let bytes: Vec<u8> = own.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let mut whole = Vec::with_capacity(counts.iter().sum());
-        for part in self.all_gather(&bytes)? {
-            whole.extend(
-                part.chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
-        }
-        Ok(whole)
-    }
     fn barrier(&self) -> CommResult<()>;
     /// A queue over `0..items` handed out `chunk` at a time to whichever rank asks first: a
     /// rank that finishes early takes more. Every rank must create it (a collective), and
@@ -308,11 +294,6 @@ mod tests {
         single.all_reduce(&mut buf, ReduceOp::Mean).unwrap();
         assert_eq!(buf, vec![1.0, 2.0]);
         assert_eq!(single.all_gather(b"ab").unwrap(), vec![b"ab".to_vec()]);
-        // The trait's default, through bytes.
-        assert_eq!(
-            single.all_gather_f32(&[1.5, -2.0], &[2]).unwrap(),
-            vec![1.5, -2.0]
-        );
         let mut queue = single.work_queue(5, 2).unwrap();
         let mut got = Vec::new();
         while let Some(r) = queue.next_chunk().unwrap() {

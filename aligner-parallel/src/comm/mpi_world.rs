@@ -170,30 +170,6 @@ impl Communicator for Mpi {
         Ok(())
     }
 
-    fn all_gather_f32(&self, own: &[f32], counts: &[usize]) -> CommResult<Vec<f32>> {
-        let counts: Vec<i32> = counts
-            .iter()
-            .map(|&n| i32::try_from(n))
-            .collect::<Result<_, _>>()
-            .map_err(|_| CommError::Failed("all-gather of more than 2^31 floats from one rank".into()))?;
-        let displs: Vec<i32> = counts
-            .iter()
-            .scan(0i32, |acc, &n| {
-                let at = *acc;
-                *acc += n;
-                Some(at)
-            })
-            .collect();
-        let total: usize = counts.iter().map(|&n| n as usize).sum();
-        let mut whole = vec![0.0f32; total];
-        {
-            let handles = self.inner.lock()?;
-            let mut partition = PartitionMut::new(&mut whole[..], counts, &displs[..]);
-            handles.world.all_gather_varcount_into(own, &mut partition);
-        }
-        Ok(whole)
-    }
-
     fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()> {
         let handles = self.inner.lock()?;
         let root = handles.world.process_at_rank(root as i32);
