@@ -346,8 +346,10 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         b.kept = EMBEDDING_COPIES_KEPT * output_projection * w.max(4.0) / t;
     }
     let states = b.weights + b.master_weights + b.optimizer + b.companions + b.runtime + b.kept;
-    // The activations peak as the backward starts, before the gradients are built.
-    let forward = states + b.activations + b.logits;
+    // The activations peak as the backward starts, before the gradients are built. Fully
+    // sharded, the output projection is gathered there too: its host copy beside the tensor.
+    let gathering = if full { 4.0 * output_projection / t } else { 0.0 };
+    let forward = states + b.activations + b.logits + gathering;
     // A fully sharded sampling method gathers the whole policy (f32) for its engine and its
     // log-prob passes each step, before the update's activations exist.
     let rollout = match (full, work.method) {
