@@ -466,11 +466,8 @@ pub fn param_value<const D: usize, const E: usize>(
 /// [`param_value`] without an activation at hand (its reduce-scatter runs at the end of the
 /// backward).
 pub fn whole_value<const D: usize>(param: &Param<Tensor<D>>) -> Tensor<D> {
-    let value = param.val();
-    match aligner_parallel::shard::spec_of(param.id.val(), &value.dims()) {
-        Some(spec) => aligner_parallel::shard::shard_gather(value.clone(), &value, spec),
-        None => value,
-    }
+    // The shard is its own anchor: no activation orders its backward.
+    param_value(param, &param.val())
 }
 
 /// A trainable parameter whose id is derived from its HF name, so the same checkpoint always

@@ -165,26 +165,18 @@ impl<'a> Optimizer<'a> {
             let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
             return Ok((self.adam.step(lr, model, grads), norm));
         }
+        if self.sharding == Sharding::Full {
+            // The backward reduce-scattered each gradient: `grads` are this rank's rows.
+            let norm = clip_shares(self.comm, &model, &mut grads, self.max_grad_norm)?;
+            return Ok((self.adam.step(lr, model, grads), norm));
+        }
         let owners = self
             .owners
             .get_or_insert_with(|| grads::optimizer_owners(&model, self.shards));
-        if self.sharding == Sharding::Full {
-            // The backward reduce-scattered each gradient: `grads` are this rank's rows.
-            let mut squares = [grads::squared_grad_norm(&model, &grads)];
-            self.comm.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
-            let norm = squares[0].sqrt();
-            grads::scale_to_norm(&model, &mut grads, norm, self.max_grad_norm);
-            return Ok((self.adam.step(lr, model, grads), norm));
-        }
         let rank = self.comm.rank();
         let norm = if self.sharding == Sharding::Gradients {
             grads::reduce_scatter_gradients(&model, &mut grads, owners, self.comm)?;
-            // Each rank holds its share: the global norm is the sum of the shares' squares.
-            let mut squares = [grads::squared_grad_norm(&model, &grads)];
-            self.comm.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
-            let norm = squares[0].sqrt();
-            grads::scale_to_norm(&model, &mut grads, norm, self.max_grad_norm);
-            norm
+            clip_shares(self.comm, &model, &mut grads, self.max_grad_norm)?
         } else {
             grads::all_reduce_gradients(&model, &mut grads, 1.0, self.comm)?;
             let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
@@ -278,6 +270,22 @@ impl<'a> Optimizer<'a> {
         );
         Ok(self)
     }
+}
+
+/// Clips `grads`, this rank's share of the summed gradients, to the global norm `max_norm`
+/// (0 = no clipping): the square root of the ranks' summed squares (a collective); the norm
+/// before clipping out.
+fn clip_shares<M: Module>(
+    comm: &dyn Communicator,
+    model: &M,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+) -> Result<f64> {
+    let mut squares = [grads::squared_grad_norm(model, grads)];
+    comm.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
+    let norm = squares[0].sqrt();
+    grads::scale_to_norm(model, grads, norm, max_norm);
+    Ok(norm)
 }
 
 /// One optimizer state out of AdamW states saved by [`save_optimizer`] or as shards (burnpack

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use aligner_parallel::Communicator;
 use aligner_parallel::shard::{ShardSpec, register, shard_id, spec_of, whole_id};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::error::{CoreError, Result};
 
@@ -53,16 +53,10 @@ pub fn shard_parameters<M: Module>(model: M, comm: Arc<dyn Communicator>) -> Res
             let (_, tensor, mapper) = param.consume();
             Param::from_mapped_value(ParamId::from(id), tensor, mapper).map(|tensor| {
                 let device = tensor.device();
-                let values: Vec<f32> = tensor
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .unwrap_or_default();
+                let values = host_values(tensor);
                 let own = values[rows.start * row..rows.end * row].to_vec();
                 drop(values);
-                let shard: [usize; D] = shard_dims.try_into().unwrap_or_else(|_| unreachable!("rank D"));
-                let shard = Tensor::<D>::from_data(TensorData::new(own, shard), &device);
-                if trainable { shard.require_grad() } else { shard }
+                leaf(own, shard_dims, &device, trainable)
             })
         }
     }
@@ -89,21 +83,27 @@ pub fn gather_parameters<M: Module>(model: &M) -> M {
             let id = ParamId::from(whole_id(id.val()));
             Param::from_mapped_value(id, tensor, mapper).map(|tensor| {
                 let device = tensor.device();
-                let own: Vec<f32> = tensor
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .unwrap_or_default();
-                let whole = spec.gather_values(&own);
-                let dims: [usize; D] = spec
-                    .dims
-                    .clone()
-                    .try_into()
-                    .unwrap_or_else(|_| unreachable!("rank D"));
-                let whole = Tensor::<D>::from_data(TensorData::new(whole, dims), &device);
-                if trainable { whole.require_grad() } else { whole }
+                let whole = spec.gather_values(&host_values(tensor));
+                leaf(whole, spec.dims.clone(), &device, trainable)
             })
         }
     }
     model.clone().map(&mut Gather)
+}
+
+/// A parameter's values, row-major f32.
+fn host_values<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap_or_default()
+}
+
+/// `values` of shape `dims` as a parameter's tensor on `device`, tracking its gradient when it
+/// is `trainable`.
+fn leaf<const D: usize>(values: Vec<f32>, dims: Vec<usize>, device: &Device, trainable: bool) -> Tensor<D> {
+    let dims: [usize; D] = dims.try_into().unwrap_or_else(|_| unreachable!("rank D"));
+    let tensor = Tensor::<D>::from_data(TensorData::new(values, dims), device);
+    if trainable { tensor.require_grad() } else { tensor }
 }
