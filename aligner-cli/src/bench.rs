@@ -67,6 +67,10 @@ pub enum BenchCommand {
         /// (`train.keep_gathered`).
         #[arg(long)]
         keep_gathered: bool,
+        /// Ranks per tensor group under `mpirun` (`parallel.tensor`): each holds a block of
+        /// every layer; `--batch` is split over the `ranks / tensor` groups.
+        #[arg(long, default_value_t = 1)]
+        tensor: usize,
         /// The device's peak dense TFLOP/s (990 for an H200 in bf16): adds model FLOPs
         /// utilisation (6 · params + attention, per token) to the table.
         #[arg(long)]
@@ -252,19 +256,19 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             activation_checkpointing,
             sharding,
             keep_gathered,
+            tensor,
             peak_tflops,
         } => train(
             device,
             only,
-            batch,
-            seq,
-            steps,
+            (batch, seq, steps),
             TrainSection {
                 activation_checkpointing,
                 sharding,
                 keep_gathered,
                 ..TrainSection::default()
             },
+            tensor,
             peak_tflops,
         ),
         BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
@@ -409,7 +413,15 @@ fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
     steps: usize,
 ) -> Result<f64> {
     let train = TrainSection::default();
-    seconds_per_step_on(model, &device.clone().autodiff(), &train, objective, batch, steps)
+    seconds_per_step_on(
+        model,
+        &device.clone().autodiff(),
+        &train,
+        1,
+        objective,
+        batch,
+        steps,
+    )
 }
 
 /// [`seconds_per_step`] on a given autodiff device (with or without gradient checkpointing).
@@ -417,6 +429,7 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     model: CausalLm,
     train_device: &Device,
     train: &TrainSection,
+    tensor: usize,
     objective: &O,
     batch: &[O::Example],
     steps: usize,
@@ -424,7 +437,8 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     use aligner_core::train::{Method, ObjectiveStep, Optimizer};
 
     // The step reads the run folder only to name a checkpoint on a non-finite loss.
-    let run = aligner_core::run::RunDir::new(std::env::temp_dir().join("aligner-bench"));
+    let run = aligner_core::run::RunDir::new(std::env::temp_dir().join("aligner-bench"))
+        .in_tensor_groups(tensor)?;
     let ranks = run.comm().world_size();
     let config = TrainSection {
         batch_size: batch.len().div_ceil(ranks),
@@ -438,12 +452,16 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
         config.max_grad_norm,
         config.sharding,
         run.comm(),
-    );
+    )
+    .with_tensor_group(run.tensor_group());
     let mut model = aligner_core::train::config::to_train_device(model, train_device);
     config.check()?;
     if optim.full() {
         model = aligner_core::train::full::shard_parameters(model, run.comm_handle())?;
         aligner_parallel::shard::keep_gathered(config.keep_gathered);
+    }
+    if let Some(group) = run.tensor_group() {
+        model = aligner_core::train::tensor::split_parameters(model, group)?;
     }
     model = step.step(0, model, &mut optim)?.model;
     let start = Instant::now();
@@ -452,6 +470,7 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     }
     let seconds = start.elapsed().as_secs_f64() / (total - 1) as f64;
     aligner_parallel::shard::clear();
+    aligner_parallel::tensor::clear();
     Ok(seconds)
 }
 
@@ -476,22 +495,21 @@ fn flops_per_token(config: &LlamaConfig, params: usize, seq: usize) -> f64 {
     6.0 * params as f64 + 12.0 * (config.num_hidden_layers * seq * config.hidden_size) as f64
 }
 
-#[allow(clippy::too_many_arguments)]
 fn train(
     device: &Device,
     only: &Selection,
-    batch: usize,
-    seq: usize,
-    steps: usize,
+    (batch, seq, steps): (usize, usize, usize),
     train_config: TrainSection,
+    tensor: usize,
     peak_tflops: Option<f64>,
 ) -> Result<()> {
     use aligner_core::sft::{SftExample, SftObjective};
 
     let comm = aligner_parallel::world();
     let ranks = comm.world_size();
-    if !batch.is_multiple_of(ranks) {
-        anyhow::bail!("--batch {batch} does not split evenly over {ranks} ranks");
+    let groups = ranks / tensor.max(1);
+    if !batch.is_multiple_of(groups.max(1)) {
+        anyhow::bail!("--batch {batch} does not split evenly over {groups} data-parallel groups");
     }
     if comm.is_root() {
         println!(
@@ -516,6 +534,7 @@ fn train(
             model,
             &train_device,
             &train_config,
+            tensor,
             &SftObjective,
             &examples,
             steps,
@@ -549,9 +568,10 @@ fn train(
                 } else {
                     "off"
                 },
-                match train_config.keep_gathered {
-                    true => format!("{} (kept)", train_config.sharding.name()),
-                    false => train_config.sharding.name().to_string(),
+                match (train_config.keep_gathered, tensor) {
+                    (true, _) => format!("{} (kept)", train_config.sharding.name()),
+                    (false, 1) => train_config.sharding.name().to_string(),
+                    (false, t) => format!("{}, tensor {t}", train_config.sharding.name()),
                 },
                 per * 1e3,
                 1.0 / per,

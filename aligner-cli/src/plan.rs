@@ -45,7 +45,7 @@ pub struct PlanArgs {
     /// Memory per device: `80GB`, `141GB`, `24GiB`.
     #[arg(long, default_value = "80GB", value_parser = parse_bytes)]
     gpu_memory: f64,
-    /// Also list the layouts aligner does not run yet (tensor parallel, full recomputation);
+    /// Also list the layouts aligner does not run yet (tensor groups with ZeRO sharding or a critic, full recomputation);
     /// they are listed anyway when nothing aligner runs fits.
     #[arg(long)]
     all: bool,
@@ -91,7 +91,7 @@ fn gb(bytes: f64) -> String {
 
 /// The method's command line under the layout.
 fn launch_command(args: &PlanArgs, layout: &Layout, per_node: usize) -> String {
-    let mut command = match (layout.data, args.nodes) {
+    let mut command = match (layout.devices(), args.nodes) {
         (1, _) => "aligner".to_string(),
         (n, Some(_)) => format!("mpirun -np {n} --npernode {per_node} aligner"),
         (n, None) => format!("mpirun -np {n} aligner"),
@@ -108,6 +108,9 @@ fn launch_command(args: &PlanArgs, layout: &Layout, per_node: usize) -> String {
     if layout.sharding != Stage::None {
         command.push_str(&format!(" --set train.sharding={}", layout.sharding.name()));
     }
+    if layout.tensor > 1 {
+        command.push_str(&format!(" --set parallel.tensor={}", layout.tensor));
+    }
     if layout.offload_frozen {
         command.push_str(" --set ppo.offload_reference=true");
         if args.method == "ppo" {
@@ -123,7 +126,7 @@ fn launch_command(args: &PlanArgs, layout: &Layout, per_node: usize) -> String {
     command
 }
 
-fn print_table(plan: &Plan, all: bool) {
+fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
     println!(
         "| data × tensor | sharding | frozen models | recompute | weights | master | optimizer | companions | gradients | activations | logits | kept | sync | peak GB | fits | runs today |"
     );
@@ -137,7 +140,7 @@ fn print_table(plan: &Plan, all: bool) {
         },
     ) in plan.candidates.iter().enumerate()
     {
-        if !all && !layout.runs_today() {
+        if !all && !layout.runs_today(method) {
             continue;
         }
         let mark = if plan.picked == Some(i) { " ← picked" } else { "" };
@@ -159,7 +162,11 @@ fn print_table(plan: &Plan, all: bool) {
             gb(e.sync),
             gb(e.peak),
             if *fits { "yes" } else { "no" },
-            if layout.runs_today() { "yes" } else { "not yet" },
+            if layout.runs_today(method) {
+                "yes"
+            } else {
+                "not yet"
+            },
         );
     }
 }
@@ -228,14 +235,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
     );
     println!();
     let planned = plan(&config, &work, &cluster);
-    print_table(&planned, args.all || planned.picked.is_none());
+    print_table(&planned, work.method, args.all || planned.picked.is_none());
     println!();
     if let Some(i) = planned.picked {
         let c = &planned.candidates[i];
         println!(
-            "picked: {} data-parallel rank{}, sharding {}, peak {} GB of {} GB",
+            "picked: {} data-parallel rank{} × tensor {}, sharding {}, peak {} GB of {} GB",
             c.layout.data,
             if c.layout.data == 1 { "" } else { "s" },
+            c.layout.tensor,
             c.layout.sharding.name(),
             gb(c.estimate.peak),
             gb(args.gpu_memory)
@@ -268,7 +276,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     bail!(
         "nothing aligner runs fits on {devices} devices of {} GB each. The smallest cluster that \
-         would: {}. With the layouts aligner does not run yet (tensor parallel, full recomputation): {}",
+         would: {}. With the layouts aligner does not run yet (tensor groups with ZeRO or a \
+         critic, full recomputation): {}",
         gb(args.gpu_memory),
         describe(&today, true),
         describe(&predicted, false),

@@ -25,6 +25,59 @@ pub struct ScoreArgs {
     overwrite: bool,
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
+    /// Ranks per tensor group under `mpirun` (as `parallel.tensor`): each holds a block of
+    /// every layer of the model; the rows are split over the groups (under `mpirun` without
+    /// it, over the ranks).
+    #[arg(long, default_value_t = 1)]
+    tensor: usize,
+}
+
+/// The ranks the rows are split over, and the model split over this rank's tensor group.
+fn placed<M: burn::module::Module>(
+    model: M,
+    tensor: usize,
+) -> Result<(M, std::sync::Arc<dyn aligner_parallel::Communicator>)> {
+    let world = aligner_parallel::world();
+    if tensor <= 1 {
+        return Ok((model, world));
+    }
+    let grid = aligner_parallel::Grid::split(world.as_ref(), tensor)
+        .map_err(|e| anyhow::anyhow!("--tensor {tensor}: {e}"))?;
+    let model = aligner_core::train::tensor::split_parameters(model, grid.tensor)
+        .with_context(|| format!("--tensor {tensor}"))?;
+    Ok((model, grid.data))
+}
+
+/// `rows` scored `batch` at a time by `score`, split over the ranks of `comm` (the results in
+/// order on every rank), with a progress bar.
+fn score_split<T>(
+    comm: &dyn aligner_parallel::Communicator,
+    rows: &[T],
+    batch: usize,
+    score: impl Fn(&[T]) -> Result<Vec<serde_json::Value>>,
+) -> Result<Vec<serde_json::Value>> {
+    let bar = aligner_core::run::progress_bar(
+        rows.len() as u64,
+        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
+    );
+    let out = aligner_core::parallel::map_sharded(comm, rows, |mine| {
+        let mut out = Vec::with_capacity(mine.len());
+        for chunk in mine.chunks(batch.max(1)) {
+            out.extend(score(chunk)?);
+            bar.inc(chunk.len() as u64);
+        }
+        Ok::<_, anyhow::Error>(out)
+    })?;
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+/// Writes the scores (rank 0 of a run under `mpirun`).
+fn write_scores(out: Option<&std::path::Path>, rows: &[serde_json::Value]) -> Result<()> {
+    match aligner_parallel::world().is_root() {
+        true => crate::write_jsonl(out, rows),
+        false => Ok(()),
+    }
 }
 
 pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
@@ -44,22 +97,27 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
     let seqs = scored_rows(&args.data, &lm.tokenizer, &lm.config)?;
-    let bar = aligner_core::run::progress_bar(
-        seqs.len() as u64,
-        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
-    );
-    let mut out = Vec::with_capacity(seqs.len());
-    for chunk in seqs.chunks(args.batch_size.max(1)) {
-        for (seq, lp) in chunk
+    check_heads(&lm.config, args.tensor)?;
+    let (model, comm) = placed(lm.model, args.tensor)?;
+    let out = score_split(comm.as_ref(), &seqs, args.batch_size, |chunk| {
+        Ok(chunk
             .iter()
-            .zip(response_logprobs(&lm.model, chunk, chunk.len())?)
-        {
-            out.push(json!({"logprob": lp.total(), "n_tokens": seq.n_response_tokens()}));
-        }
-        bar.inc(chunk.len() as u64);
+            .zip(response_logprobs(&model, chunk, chunk.len())?)
+            .map(|(seq, lp)| json!({"logprob": lp.total(), "n_tokens": seq.n_response_tokens()}))
+            .collect())
+    })?;
+    write_scores(args.out.as_deref(), &out)
+}
+
+/// `--tensor` must divide the model's heads and KV heads (as `parallel.tensor`).
+fn check_heads(config: &aligner_core::LlamaConfig, tensor: usize) -> Result<()> {
+    let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
+    if tensor > 1 && (!heads.is_multiple_of(tensor) || !kv.is_multiple_of(tensor)) {
+        bail!(
+            "--tensor {tensor} does not divide the model's {heads} attention heads and {kv} key/value heads"
+        );
     }
-    bar.finish_and_clear();
-    crate::write_jsonl(args.out.as_deref(), &out)
+    Ok(())
 }
 
 /// Every line of `path` tokenized by the scoring convention (the prompt as the model sees it,
@@ -103,27 +161,26 @@ fn score_rewards(
         .with_context(|| format!("loading reward model {}", dir.display()))?;
     let tokenizer = aligner_core::TextTokenizer::from_dir(dir)?;
     let rows = scored_rows(&args.data, &tokenizer, config)?;
-    let mut out = Vec::with_capacity(rows.len());
-    let bar = aligner_core::run::progress_bar(
-        rows.len() as u64,
-        "{bar:30} {pos}/{len} sequences [{elapsed} < {eta}]",
-    );
-    for chunk in rows.chunks(args.batch_size.max(1)) {
+    check_heads(config, args.tensor)?;
+    let (model, comm) = placed(model, args.tensor)?;
+    let out = score_split(comm.as_ref(), &rows, args.batch_size, |chunk| {
         let ids: Vec<&[u32]> = chunk.iter().map(|s| s.ids.as_slice()).collect();
-        for row in model.score_rows(&ids, ids.len())? {
-            out.push(if outputs == 1 {
-                json!({"reward": row[0]})
-            } else {
-                let attrs: serde_json::Map<String, serde_json::Value> = labels
-                    .iter()
-                    .zip(row)
-                    .map(|(l, v)| (l.clone(), json!(v)))
-                    .collect();
-                json!({"attributes": attrs})
-            });
-        }
-        bar.inc(chunk.len() as u64);
-    }
-    bar.finish_and_clear();
-    crate::write_jsonl(args.out.as_deref(), &out)
+        Ok(model
+            .score_rows(&ids, ids.len())?
+            .into_iter()
+            .map(|row| {
+                if outputs == 1 {
+                    json!({"reward": row[0]})
+                } else {
+                    let attrs: serde_json::Map<String, serde_json::Value> = labels
+                        .iter()
+                        .zip(row)
+                        .map(|(l, v)| (l.clone(), json!(v)))
+                        .collect();
+                    json!({"attributes": attrs})
+                }
+            })
+            .collect())
+    })?;
+    write_scores(args.out.as_deref(), &out)
 }

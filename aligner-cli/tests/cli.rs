@@ -1034,7 +1034,7 @@ fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
         stderr.contains("nothing aligner runs fits on 2 devices of 4.00 GB each")
             // Fully sharded, four ranks hold what two cannot.
             && stderr.contains("The smallest cluster that would: 4 devices (4 × 1, sharding full, peak 3.83 GB)")
-            && stderr.contains("(tensor parallel, full recomputation): "),
+            && stderr.contains("(tensor groups with ZeRO or a critic, full recomputation): "),
         "{stderr}"
     );
     let (ok, _, stderr) = plan(&["--gpus", "2", "--gpu-memory", "80XB"]);

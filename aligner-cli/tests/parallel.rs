@@ -98,11 +98,27 @@ fn trains_as_one_process_sharded(
     tmp: &Path,
     layouts: &[(usize, &str)],
 ) {
-    let run_of = |np: usize, sharding: &str| tmp.join(format!("{}-np{np}-{sharding}", command.join("-")));
-    for &(np, sharding) in [(1, "none")].iter().chain(layouts) {
-        let out = run_of(np, sharding);
-        let batch = format!("train.batch_size={}", global / np);
+    let layouts: Vec<(usize, &str, usize)> = layouts.iter().map(|&(np, s)| (np, s, 1)).collect();
+    trains_as_one_process_in(command, global, sets, tmp, &layouts);
+}
+
+/// [`trains_as_one_process`] for each `(ranks, train.sharding, parallel.tensor)` of
+/// `layouts`: `ranks / tensor` data-parallel replicas of batch `global / replicas` each.
+fn trains_as_one_process_in(
+    command: &[&str],
+    global: usize,
+    sets: &[String],
+    tmp: &Path,
+    layouts: &[(usize, &str, usize)],
+) {
+    let run_of = |np: usize, sharding: &str, tensor: usize| {
+        tmp.join(format!("{}-np{np}-{sharding}-t{tensor}", command.join("-")))
+    };
+    for &(np, sharding, tensor) in [(1, "none", 1)].iter().chain(layouts) {
+        let out = run_of(np, sharding, tensor);
+        let batch = format!("train.batch_size={}", global * tensor / np);
         let sharding_set = format!("train.sharding={sharding}");
+        let tensor_set = format!("parallel.tensor={tensor}");
         let mut args: Vec<&str> = command.to_vec();
         args.extend([
             "--out",
@@ -112,18 +128,21 @@ fn trains_as_one_process_sharded(
             "--set",
             &sharding_set,
         ]);
+        if tensor > 1 {
+            args.extend(["--set", &tensor_set]);
+        }
         for s in sets {
             args.extend(["--set", s]);
         }
         ranks(np, &args);
     }
-    let one = run_of(1, "none");
-    for &(np, sharding) in layouts {
-        let run = run_of(np, sharding);
+    let one = run_of(1, "none", 1);
+    for &(np, sharding, tensor) in layouts {
+        let run = run_of(np, sharding, tensor);
         let diff = weights_diff(&one.join("final"), &run.join("final"));
         assert!(
             diff <= 1e-5,
-            "{command:?}: {np} ranks (sharding {sharding}) end {diff} from one process"
+            "{command:?}: {np} ranks (sharding {sharding}, tensor {tensor}) end {diff} from one process"
         );
         same_metrics(&one, &run, 1e-5);
     }
@@ -284,8 +303,8 @@ fn rm_and_dpo_on_two_and_three_ranks_train_as_one_process() {
     // DPO's reference log-probs are computed a shard per rank and gathered into one cache.
     let layouts = [(2, "gradients"), (3, "none"), (3, "full")];
     trains_as_one_process_sharded(&["dpo"], 12, &sets, dir.path(), &layouts);
-    let single = std::fs::read_to_string(dir.path().join("dpo-np1-none/reference_train.jsonl")).unwrap();
-    let three = std::fs::read_to_string(dir.path().join("dpo-np3-none/reference_train.jsonl")).unwrap();
+    let single = std::fs::read_to_string(dir.path().join("dpo-np1-none-t1/reference_train.jsonl")).unwrap();
+    let three = std::fs::read_to_string(dir.path().join("dpo-np3-none-t1/reference_train.jsonl")).unwrap();
     let parse = |t: &str| t.lines().map(|l| l.parse::<f64>().unwrap()).collect::<Vec<_>>();
     let (a, b) = (parse(&single), parse(&three));
     assert_eq!(a.len(), b.len());
@@ -393,6 +412,258 @@ fn lora_fully_sharded_trains_as_one_process() {
     for command in ["sft", "dpo"] {
         trains_as_one_process_sharded(&[command], 8, &sets, dir.path(), &[(2, "full")]);
     }
+}
+
+/// Tensor parallel: `data × tensor` grids of 1×2 and 2×2 ranks (each tensor group holding
+/// half of every layer's heads, of the MLP's width and of the vocabulary) train SFT, the
+/// reward model and DPO to the weights and metrics of one process.
+#[test]
+fn tensor_groups_of_one_by_two_and_two_by_two_train_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = head("train.sft.jsonl", 26, &dir.path().join("train.jsonl"));
+    let sets = [
+        format!("data.train={}", train.display()),
+        "train.max_steps=4".into(),
+        // SFT's default lr. A few weights (an input dimension the norm all but zeroes) get a
+        // first gradient of ~1e-10, pure rounding noise, which AdamW's first step turns into
+        // lr × up to ~0.05 with a sign that depends on the order of the sums: 6e-6 here, 3e-5
+        // at lr 5e-4.
+        "train.lr=1e-4".into(),
+        "train.grad_accum=2".into(),
+        "train.eval_every=2".into(),
+        "train.eval_examples=30".into(),
+        "train.sync_check_every=1".into(),
+    ];
+    let grids = [(2, "none", 2), (4, "none", 2)];
+    trains_as_one_process_in(&["sft"], 12, &sets, dir.path(), &grids);
+    let sets = [
+        "train.max_steps=5".to_string(),
+        "train.eval_examples=20".into(),
+        "train.eval_every=5".into(),
+    ];
+    trains_as_one_process_in(&["rm"], 12, &sets, dir.path(), &grids[..1]);
+    // The reference log-probs are computed before the groups form, a share per rank.
+    trains_as_one_process_in(&["dpo"], 12, &sets, dir.path(), &grids);
+}
+
+/// Tensor parallel over other families and LoRA: Gemma 2 (soft-capped attention and logits,
+/// an untied output projection, GeGLU, four norms a layer) and Qwen3 (per-head query/key
+/// norms, a sliding window) with adapters on every projection (`lora_B` split on the column
+/// layers, `lora_A` on the row layers), and DPO with adapters on the shipped model.
+#[test]
+fn tensor_groups_split_gemma2_qwen3_and_lora_adapters_as_one_process_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let lora = [
+        "model.lora_rank=8".to_string(),
+        r#"model.lora_targets=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]"#
+            .into(),
+    ];
+    for name in ["gemma2_capped", "qwen3_window"] {
+        let model = repo().join("tests/reference/hf_random").join(name);
+        let mut sets = vec![
+            format!("model.path={}", model.display()),
+            "train.max_steps=3".into(),
+            "train.lr=5e-4".into(),
+            "train.eval_examples=16".into(),
+            "train.eval_every=3".into(),
+        ];
+        sets.extend(lora.clone());
+        let tmp = dir.path().join(name);
+        trains_as_one_process_in(&["sft"], 8, &sets, &tmp, &[(2, "none", 2)]);
+    }
+    let mut sets = vec![
+        "train.max_steps=4".to_string(),
+        "train.eval_examples=20".into(),
+        "train.eval_every=2".into(),
+    ];
+    sets.extend(lora);
+    trains_as_one_process_in(&["dpo"], 8, &sets, dir.path(), &[(2, "none", 2)]);
+}
+
+/// A tensor-parallel checkpoint holds the whole model and the whole AdamW state (joined from
+/// the group's blocks): resumed by one process, and one process's resumed on a 2×2 grid, both
+/// end where one uninterrupted process does.
+#[test]
+fn a_tensor_parallel_checkpoint_resumes_in_another_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["--set", "train.max_steps=8", "--set", "train.save_every=3"];
+    let run = |name: &str, np: usize, batch: usize, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let batch = format!("train.batch_size={batch}");
+        let mut args = vec!["sft", "--out", out.to_str().unwrap(), "--set", &batch];
+        args.extend(sets);
+        args.extend(extra);
+        ranks(np, &args);
+        out
+    };
+    let whole = run("whole", 1, 12, &[]);
+    let split = run(
+        "split",
+        2,
+        12,
+        &["--set", "parallel.tensor=2", "--stop-after", "4"],
+    );
+    let checkpoint = split.join("checkpoints/step-3");
+    assert!(weights_diff(&checkpoint, &whole.join("checkpoints/step-3")) <= 1e-5);
+    let resume_ends_as_whole = |run: &Path, np: usize, sets: &[&str]| {
+        let mut args = vec!["sft", "--resume", run.to_str().unwrap()];
+        args.extend(sets);
+        args.push("--allow-change");
+        ranks(np, &args);
+        let diff = weights_diff(&whole.join("final"), &run.join("final"));
+        assert!(diff <= 1e-5, "{}: resumed, it ends {diff} away", run.display());
+        same_metrics(&whole, run, 1e-5);
+    };
+    resume_ends_as_whole(&split, 1, &["--set", "parallel.tensor=1"]);
+    let grown = run("grown", 1, 12, &["--stop-after", "4"]);
+    resume_ends_as_whole(
+        &grown,
+        4,
+        &["--set", "train.batch_size=6", "--set", "parallel.tensor=2"],
+    );
+}
+
+/// `aligner score --tensor 2` under `mpirun`: the log-probs of a language model and the
+/// rewards of a reward model, each layer computed by two ranks together, equal one process's;
+/// 4 ranks are two groups that split the rows.
+#[test]
+fn score_in_tensor_groups_matches_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = head("test.sft.jsonl", 10, &dir.path().join("rows.jsonl"));
+    let rm = dir.path().join("rm");
+    ranks(
+        1,
+        &["rm", "--out", rm.to_str().unwrap(), "--set", "train.max_steps=2"],
+    );
+    let scores = |np: usize, model: &Path, extra: &[&str]| -> Vec<Value> {
+        let out = dir.path().join(format!("scores-{np}-{}.jsonl", extra.len()));
+        let mut args = vec![
+            "score",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--overwrite",
+            "--batch-size",
+            "3",
+        ];
+        args.extend(extra);
+        ranks(np, &args);
+        std::fs::read_to_string(&out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let lm = repo().join("assets/stories260K");
+    let rm_final = rm.join("final");
+    for (model, key) in [(lm.as_path(), "logprob"), (rm_final.as_path(), "reward")] {
+        let one = scores(1, model, &[]);
+        assert_eq!(one.len(), 10);
+        for (np, extra) in [
+            (2, &["--tensor", "2"][..]),
+            (4, &["--tensor", "2"][..]),
+            (2, &[][..]),
+        ] {
+            let many = scores(np, model, extra);
+            assert_eq!(many.len(), one.len(), "{np} ranks {extra:?}");
+            for (a, b) in one.iter().zip(&many) {
+                let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + x.abs()),
+                    "{key}: {x} against {y} ({np} ranks {extra:?})"
+                );
+            }
+        }
+    }
+}
+
+/// What tensor parallel cannot split is refused naming `parallel.tensor`: heads the groups do
+/// not divide, LoRA dropout, fused projections (Phi-3), experts (Mixtral), OLMo 2's norm over
+/// the whole query projection, a critic, and ZeRO sharding beside it.
+#[test]
+fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = |name: &str| {
+        let path = repo().join("tests/reference/hf_random").join(name);
+        format!("model.path={}", path.display())
+    };
+    let cases: Vec<(usize, Vec<String>, &str)> = vec![
+        (3, vec!["parallel.tensor=3".into()], "8 attention heads"),
+        (
+            2,
+            vec!["parallel.tensor=2".into(), model("mistral_window")],
+            "1 key/value heads",
+        ),
+        (
+            2,
+            vec![
+                "parallel.tensor=2".into(),
+                "model.lora_rank=4".into(),
+                "model.lora_dropout=0.1".into(),
+            ],
+            "model.lora_dropout",
+        ),
+        (
+            2,
+            vec!["parallel.tensor=2".into(), model("phi3_longrope")],
+            "fused projections",
+        ),
+        (
+            2,
+            vec!["parallel.tensor=2".into(), model("mixtral_moe")],
+            "mixtures of experts",
+        ),
+        (
+            2,
+            vec!["parallel.tensor=2".into(), model("olmo2_bias")],
+            "normalises the whole projection",
+        ),
+        (
+            2,
+            vec!["parallel.tensor=2".into(), "train.sharding=full".into()],
+            "train.sharding",
+        ),
+    ];
+    for (i, (np, sets, expected)) in cases.iter().enumerate() {
+        let out = dir.path().join(format!("case-{i}"));
+        let mut command = mpirun(*np, &aligner_exe());
+        command.args([
+            "sft",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "train.max_steps=1",
+        ]);
+        for s in sets {
+            command.args(["--set", s]);
+        }
+        let output = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{sets:?} was accepted");
+        assert!(
+            stderr.contains("parallel.tensor") && stderr.contains(expected),
+            "{sets:?}: {stderr}"
+        );
+    }
+    let output = mpirun(2, &aligner_exe())
+        .args(["ppo", "--out", dir.path().join("ppo").to_str().unwrap()])
+        .args(["--set", "parallel.tensor=2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("critic"), "{stderr}");
+    // One process is one group of one rank.
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        dir.path().join("one").to_str().unwrap(),
+        "--set",
+        "parallel.tensor=2",
+    ]);
+    assert!(!ok && err.contains("does not divide the 1 ranks"), "{err}");
 }
 
 /// `train.sharding = "full"` checkpoints hold each rank's rows of AdamW's moments: two ranks'
@@ -598,21 +869,72 @@ fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
             diff <= 1e-5,
             "GRPO on {np} ranks ({sharding}) ends {diff} from one process"
         );
-        // Every logged value but the timings (and the per-rank timing only ranks have).
-        let (one, many) = (metrics(&run_of(1, "none")), metrics(&run_of(np, sharding)));
-        assert_eq!(one.len(), many.len());
-        for (x, y) in one.iter().zip(&many) {
-            for (key, value) in x.as_object().unwrap() {
-                if key.starts_with("time_") {
-                    continue;
-                }
-                let (p, q) = (value.as_f64().unwrap(), y[key].as_f64().unwrap());
-                assert!(
-                    (p - q).abs() <= 1e-4 * (1.0 + p.abs()),
-                    "{key}: {p} against {q} ({np} ranks)"
-                );
+        same_logged_values(&run_of(1, "none"), &run_of(np, sharding));
+    }
+}
+
+/// Every value two PPO runs logged but the timings (and the per-rank timing only ranks have),
+/// within 1e-4.
+fn same_logged_values(one: &Path, many: &Path) {
+    let (a, b) = (metrics(one), metrics(many));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        for (key, value) in x.as_object().unwrap() {
+            if key.starts_with("time_") {
+                continue;
             }
+            let (p, q) = (value.as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!(
+                (p - q).abs() <= 1e-4 * (1.0 + p.abs()),
+                "{key}: {p} against {q} ({})",
+                many.display()
+            );
         }
+    }
+}
+
+/// GRPO in tensor groups of 1×2 and 2×2: the engines generate with the actor gathered whole,
+/// each group trains on its rank 0's samples, and the policy ends where one process's does.
+/// At lr 1e-4: group-normalised advantages cancel some weights' gradients to rounding noise
+/// (~1e-8), which AdamW's first steps turn into updates of up to lr × 0.05 that differ with
+/// the order of the sums (2.7e-5 at lr 5e-4, in one element).
+#[test]
+fn grpo_in_tensor_groups_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "ppo.advantage=grpo",
+        "ppo.samples_per_prompt=4",
+        "ppo.rollout_prompts=6",
+        "ppo.max_new_tokens=16",
+        "ppo.mini_batch=12",
+        "ppo.eval_prompts=8",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "train.lr=1e-4",
+        "reward.function=tinystories_sentiment",
+        "frontier.prompts=''",
+    ];
+    let run_of = |np: usize| dir.path().join(format!("grpo-np{np}"));
+    for np in [1, 2, 4] {
+        let out = run_of(np);
+        let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap()];
+        if np > 1 {
+            args.extend(["--set", "parallel.tensor=2"]);
+        }
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        ranks(np, &args);
+    }
+    let moved = weights_diff(&repo().join("assets/stories260K"), &run_of(1).join("final"));
+    assert!(moved > 1e-4, "the policy moved {moved}");
+    for np in [2, 4] {
+        let diff = weights_diff(&run_of(1).join("final"), &run_of(np).join("final"));
+        assert!(
+            diff <= 1e-5,
+            "GRPO on {np} ranks in groups of 2 ends {diff} from one process"
+        );
+        same_logged_values(&run_of(1), &run_of(np));
     }
 }
 

@@ -22,8 +22,11 @@
 //!   send buffer as it is reduce-scattered; no embedding-sized gradient outlives the backward.
 //!
 //! Its constants (the tensors autodiff keeps per layer) were measured against aligner's peak
-//! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (tensor parallel,
-//! full recomputation) are predicted from the same counts and marked as such.
+//! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (tensor groups with
+//! ZeRO sharding or PPO's critic, full recomputation) are predicted from the same counts and
+//! marked as such. Tensor groups (`parallel.tensor`) hold 1/T of the weights, gradients,
+//! moments and of the activations that the split layers make, and gather the whole model
+//! (f32) for evaluation, checkpoints and, with PPO/GRPO, each step's rollout.
 
 use crate::config::{LlamaConfig, Precision, QkNorm};
 
@@ -103,7 +106,7 @@ impl Stage {
 pub struct Layout {
     /// Data-parallel ranks.
     pub data: usize,
-    /// Tensor-parallel ranks per model replica (predicted only: aligner runs 1).
+    /// Tensor-parallel ranks per model replica (`parallel.tensor`).
     pub tensor: usize,
     pub sharding: Stage,
     /// PPO/GRPO's reference (and PPO's reward model) in host memory (`ppo.offload_reference`,
@@ -116,9 +119,11 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Whether aligner runs this layout today (no tensor parallel yet).
-    pub fn runs_today(&self) -> bool {
-        self.tensor == 1 && !self.recompute
+    /// Whether aligner runs this layout for `method` today: tensor groups without ZeRO
+    /// sharding beside them, and not for PPO (its critic); no full recomputation.
+    pub fn runs_today(&self, method: PlanMethod) -> bool {
+        let tensor = self.tensor == 1 || (self.sharding == Stage::None && method != PlanMethod::Ppo);
+        tensor && !self.recompute
     }
 
     pub fn devices(&self) -> usize {
@@ -297,16 +302,18 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     }
     let frozen_share = if layout.offload_frozen { 0.0 } else { 1.0 };
     // A sampling method's engine holds the whole policy in its own layout on every rank,
-    // whatever the sharding (it is refitted from the policy, gathered whole, each step).
-    let engine = p * w / t;
+    // whatever the sharding or tensor groups (it is refitted from the policy, gathered whole,
+    // each step).
+    let engine = p * w;
     b.companions = match work.method {
         PlanMethod::Sft | PlanMethod::Dpo => 0.0,
         PlanMethod::Grpo | PlanMethod::Ppo => engine,
     };
     b.companions += match work.method {
         PlanMethod::Sft | PlanMethod::Dpo => 0.0,
-        // The reference: none with LoRA (the base with the adapters off).
-        PlanMethod::Grpo => work.lora_rank.map_or(p * w / t, |_| 0.0) * frozen_share,
+        // The reference: none with LoRA (the base with the adapters off); whole, as it is
+        // loaded, in tensor groups too.
+        PlanMethod::Grpo => work.lora_rank.map_or(p * w, |_| 0.0) * frozen_share,
         PlanMethod::Ppo => {
             let reference = work.lora_rank.map_or(p * w / t, |_| 0.0);
             let reward_model = p * w / t;
@@ -352,10 +359,13 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     let forward = states + b.activations + b.logits + gathering;
     // A fully sharded sampling method gathers the whole policy (f32) for its engine and its
     // log-prob passes each step, before the update's activations exist.
-    let rollout = match (full, work.method) {
-        (true, PlanMethod::Grpo | PlanMethod::Ppo) => states + 4.0 * p / t,
+    let rollout = match (full || t > 1.0, work.method) {
+        (true, PlanMethod::Grpo | PlanMethod::Ppo) => states + 4.0 * p,
         _ => 0.0,
     };
+    // Tensor groups gather the whole model (f32) for evaluation and checkpoints, beside the
+    // blocks and the optimizer's state.
+    let gathered = if t > 1.0 { states + 4.0 * p } else { 0.0 };
     let after_backward = states + b.gradients;
     if layout.data > 1 {
         let flat = 4.0 * trainable / t;
@@ -369,7 +379,7 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
             Stage::Full => 2.0 * 4.0 * output_projection / t,
         };
     }
-    b.peak = forward.max(after_backward + b.sync).max(rollout);
+    b.peak = forward.max(after_backward + b.sync).max(rollout).max(gathered);
     b
 }
 
@@ -448,7 +458,9 @@ pub fn plan(config: &LlamaConfig, work: &Workload, cluster: &Cluster) -> Plan {
             }
         })
         .collect();
-    let picked = candidates.iter().position(|c| c.fits && c.layout.runs_today());
+    let picked = candidates
+        .iter()
+        .position(|c| c.fits && c.layout.runs_today(work.method));
     Plan { candidates, picked }
 }
 

@@ -247,6 +247,7 @@ pub struct RmConfig {
     pub model: crate::train::ModelSection,
     pub data: crate::train::DataSection,
     pub train: crate::train::TrainSection,
+    pub parallel: crate::train::ParallelSection,
 }
 
 impl Default for RmConfig {
@@ -257,6 +258,7 @@ impl Default for RmConfig {
             model: Default::default(),
             data: crate::train::DataSection::shipped("train.pref.jsonl", "test.pref.jsonl"),
             train: crate::train::TrainSection::embedded_default(3),
+            parallel: Default::default(),
         }
     }
 }
@@ -272,6 +274,7 @@ pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSumm
     let max_len = config.data.max_len(&start.config)?;
     let (train, validation) = files.load(|path, _| load_pairs(path, &start.tokenizer, max_len))?;
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");
+    let run = &config.parallel.grid(run, &config.model, &start.config)?;
     let mut model = start.model;
     let store = head_store(
         &mut model,

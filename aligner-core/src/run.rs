@@ -39,7 +39,13 @@ pub struct RunDir {
     /// A resumed run's `config_changes.jsonl` row (`--allow-change`), appended only once a
     /// checkpoint to resume from is known intact.
     changes: Option<serde_json::Value>,
+    /// Every rank of the run: rank 0 writes the folder.
+    world: Arc<dyn Communicator>,
+    /// The data-parallel ranks (the world, unless tensor groups split it): work and data are
+    /// split over them and gradients summed.
     comm: Arc<dyn Communicator>,
+    /// This rank's tensor group (`parallel.tensor`), when the model is split over one.
+    tensor: Option<Arc<dyn Communicator>>,
 }
 
 /// The file each checkpoint lists its files in, with their sizes and CRC-32C, so a damaged
@@ -53,8 +59,8 @@ impl std::fmt::Debug for RunDir {
             .field("resume", &self.resume)
             .field("overwrite", &self.overwrite)
             .field("stop_after", &self.stop_after)
-            .field("rank", &self.comm.rank())
-            .field("world_size", &self.comm.world_size())
+            .field("rank", &self.world.rank())
+            .field("world_size", &self.world.world_size())
             .finish()
     }
 }
@@ -75,34 +81,65 @@ impl RunDir {
             stop_after: None,
             abort_after: None,
             changes: None,
+            world: aligner_parallel::world(),
             comm: aligner_parallel::world(),
+            tensor: None,
         }
     }
 
-    /// The same run in another process group.
+    /// The same run in another process group (no tensor groups).
     pub fn with_comm(mut self, comm: Arc<dyn Communicator>) -> Self {
+        self.world = comm.clone();
         self.comm = comm;
+        self.tensor = None;
         self
     }
 
-    /// The process group the run trains in.
+    /// The run with its ranks in a `data × tensor` grid of `tensor` ranks per tensor group
+    /// (`parallel.tensor`; a collective, refused when `tensor` does not divide the ranks):
+    /// [`RunDir::comm`] becomes the data-parallel ranks, [`RunDir::tensor_group`] the group.
+    /// `tensor = 1` changes nothing.
+    pub fn in_tensor_groups(mut self, tensor: usize) -> Result<Self> {
+        if tensor <= 1 {
+            return Ok(self);
+        }
+        let grid = aligner_parallel::Grid::split(self.world.as_ref(), tensor)
+            .map_err(|e| CoreError::Invalid(e.to_string().replace("communicator: ", "")))?;
+        self.comm = grid.data;
+        self.tensor = Some(grid.tensor);
+        Ok(self)
+    }
+
+    /// The data-parallel ranks the run trains on: work and data are split over them and their
+    /// gradients summed (every rank, unless [`RunDir::in_tensor_groups`] made tensor groups:
+    /// then the ranks of the other groups that hold the same part of the model).
     pub fn comm(&self) -> &dyn Communicator {
         self.comm.as_ref()
     }
 
-    /// The process group, shared (what a fully sharded parameter's collectives run on).
+    /// [`RunDir::comm`], shared (what a fully sharded parameter's collectives run on).
     pub fn comm_handle(&self) -> Arc<dyn Communicator> {
         self.comm.clone()
     }
 
+    /// This rank's tensor group (`parallel.tensor` > 1), which splits the model's layers.
+    pub fn tensor_group(&self) -> Option<Arc<dyn Communicator>> {
+        self.tensor.clone()
+    }
+
+    /// Every rank of the run.
+    pub fn world(&self) -> &dyn Communicator {
+        self.world.as_ref()
+    }
+
     /// Whether this process writes the run folder (rank 0).
     pub fn is_writer(&self) -> bool {
-        self.comm.is_root()
+        self.world.is_root()
     }
 
     /// Rank 0's `value` on every rank (a decision every rank must share).
     pub fn agree<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<T> {
-        crate::parallel::broadcast_from_root(self.comm(), value)
+        crate::parallel::broadcast_from_root(self.world(), value)
     }
 
     /// The run in `path`, continued from its newest checkpoint.
@@ -159,7 +196,7 @@ impl RunDir {
     /// Whether the loop stops before step `step` (from 0) for [`RunDir::stop_after`]; aborts
     /// the process there for [`RunDir::abort_after`]. Every training loop asks before each step.
     pub fn stops_at(&self, step: usize) -> bool {
-        if self.abort_after.is_some_and(|s| step >= s) && self.comm.rank() + 1 == self.comm.world_size() {
+        if self.abort_after.is_some_and(|s| step >= s) && self.world.rank() + 1 == self.world.world_size() {
             tracing::error!(step, "aborting as asked (--abort-after)");
             std::process::abort();
         }
@@ -170,9 +207,13 @@ impl RunDir {
     /// steps, a SPIN iteration, a rejection-sampling round): a new run, stopped nowhere. This
     /// run owns the folder, so what an interrupted attempt left there is replaced.
     pub fn child(&self, name: &str) -> Self {
-        Self::new(self.join(name))
-            .with_comm(self.comm.clone())
-            .overwrite(true)
+        Self {
+            world: self.world.clone(),
+            comm: self.comm.clone(),
+            tensor: self.tensor.clone(),
+            ..Self::new(self.join(name))
+        }
+        .overwrite(true)
     }
 
     /// Claims the folder for a new run (a resumed one keeps it) and writes the resolved
@@ -296,7 +337,7 @@ impl RunDir {
     ) -> std::result::Result<(), E> {
         let outcome = if self.is_writer() { write() } else { Ok(()) };
         // Every rank waits, so a file rank 0 wrote is there for the others to read.
-        self.comm.barrier().map_err(CoreError::from)?;
+        self.world.barrier().map_err(CoreError::from)?;
         outcome
     }
 

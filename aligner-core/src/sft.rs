@@ -336,6 +336,7 @@ pub struct SftConfig {
     pub data: crate::train::DataSection,
     pub train: crate::train::TrainSection,
     pub sft: SftSection,
+    pub parallel: crate::train::ParallelSection,
 }
 
 impl Default for SftConfig {
@@ -354,6 +355,7 @@ impl Default for SftConfig {
                 ..crate::train::TrainSection::embedded_default(2)
             },
             sft: SftSection::default(),
+            parallel: Default::default(),
         }
     }
 }
@@ -375,6 +377,7 @@ pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");
+    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     fit(
         model,
         &SftObjective,

@@ -114,6 +114,7 @@ pub struct DpoConfig {
     pub dpo: DpoSection,
     /// The reward–KL figures of the policy's own samples, at every validation.
     pub frontier: aligner_gen::FrontierSection,
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for DpoConfig {
@@ -130,6 +131,7 @@ impl Default for DpoConfig {
             },
             dpo: DpoSection::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            parallel: Default::default(),
         }
     }
 }

@@ -45,6 +45,8 @@ pub fn train(
         loss = loss.name(),
         "DPO"
     );
+    // Tensor groups after the reference log-probs, which every rank computes a share of.
+    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let objective = DpoObjective {
         loss,
         sft_weight: config.dpo.sft_weight,

@@ -27,9 +27,10 @@ pub mod comm;
 pub mod fused;
 mod logprob;
 pub mod shard;
+pub mod tensor;
 
 pub use comm::{
-    CommError, Communicator, Launch, ReduceOp, Single, Traffic, WorkQueue, launch, launched_by_mpi,
+    CommError, Communicator, Grid, Launch, ReduceOp, Single, Traffic, WorkQueue, launch, launched_by_mpi,
     shard_range, world,
 };
 pub use fused::{

@@ -311,6 +311,8 @@ pub struct PpoConfig {
     /// set. With it and no `[reward]`, the environment's rewards are the only ones.
     #[serde(skip_serializing_if = "environment_is_off")]
     pub environment: aligner_gen::env::EnvironmentSection,
+    /// Tensor groups (`parallel.tensor`): critic-free advantages without an environment.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 fn environment_is_off(section: &aligner_gen::env::EnvironmentSection) -> bool {
@@ -328,6 +330,7 @@ impl Default for PpoConfig {
             reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
             environment: aligner_gen::env::EnvironmentSection::default(),
+            parallel: Default::default(),
         }
     }
 }

@@ -674,6 +674,10 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         true
     }
 
+    fn splits_tensors(&self) -> bool {
+        true
+    }
+
     fn begin(&mut self, actor: &CausalLm, resumed: Option<&std::path::Path>) -> Result<()> {
         if let (Some(dir), Some(critic)) = (resumed, self.critic) {
             critic.load(dir.join("critic")).wait()?;
@@ -699,9 +703,10 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         let began = Instant::now();
         // What the engines and the log-prob passes read: fully sharded, the actor gathered
         // whole (a collective).
-        let whole = match optim.full() {
-            true => Some(aligner_core::train::full::gather_parameters(&actor)),
-            false => None,
+        let whole = match (optim.full(), optim.splits()) {
+            (true, _) => Some(aligner_core::train::full::gather_parameters(&actor)),
+            (_, true) => Some(aligner_core::train::tensor::gather_parameters(&actor)),
+            _ => None,
         };
         let whole_actor = whole.as_ref().unwrap_or(&actor);
         let mut times = StepTimes::default();

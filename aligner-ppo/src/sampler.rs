@@ -407,9 +407,29 @@ impl Sampler<'_> {
         requests: &[GenerationRequest],
     ) -> Result<(Vec<Generation>, Vec<f64>)> {
         let comm = self.run.comm();
+        if let Some(group) = self.run.tensor_group() {
+            // A tensor group trains on the same sequences: its rank 0's, to the bit (the
+            // groups' queues may hand the requests out to other batches).
+            let (generations, seconds) = match comm.world_size() {
+                1 => (pool.generate(requests, &|_| {})?.0, Vec::new()),
+                _ => self.generate_balanced(pool, requests)?,
+            };
+            let generations = aligner_core::parallel::broadcast_from_root(group.as_ref(), &generations)?;
+            return Ok((generations, seconds));
+        }
         if comm.world_size() == 1 {
             return Ok((pool.generate(requests, &|_| {})?.0, Vec::new()));
         }
+        self.generate_balanced(pool, requests)
+    }
+
+    /// [`Sampler::generate`] over the data-parallel ranks, from one queue.
+    fn generate_balanced(
+        &self,
+        pool: &mut WorkerPool,
+        requests: &[GenerationRequest],
+    ) -> Result<(Vec<Generation>, Vec<f64>)> {
+        let comm = self.run.comm();
         // Batches no larger than the engines take at once, and small enough that every rank
         // gets several to balance with.
         let engine_batch = self.config.ppo.slots.max(1) * self.config.ppo.workers.max(1);

@@ -96,6 +96,18 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     let env = config.environment.build()?;
     // The environment's rewards alone: no reward model scores.
     let env_only = env.is_some() && config.reward.is_empty();
+    if config.parallel.tensor > 1 && (needs_critic || env.is_some()) {
+        return Err(crate::PpoError::Invalid(format!(
+            "parallel.tensor = {} trains critic-free advantages (grpo, rloo, ...) without an \
+             environment; this run has {}: use parallel.tensor = 1",
+            config.parallel.tensor,
+            if needs_critic {
+                "a critic (ppo.advantage = \"gae\")"
+            } else {
+                "an [environment]"
+            }
+        )));
+    }
     if !needs_critic {
         config.reward.check_unused_model(
             config.reward_model.path.as_deref(),
@@ -180,6 +192,8 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         critic = if needs_critic { config.ppo.critic_url.as_deref().unwrap_or("in process") } else { "none" },
         "PPO"
     );
+    // Tensor groups once the reward model and the prompts are ready.
+    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let runner = PpoRunner {
         config,
         llama: &lm.config,

@@ -307,6 +307,7 @@ pub fn train(
             write_jsonl(&validation_file, &validation)
         })?;
         let sft = SftConfig {
+            parallel: Default::default(),
             model: config.model.clone(),
             data: DataSection {
                 train: Some(train_file),
@@ -379,6 +380,7 @@ pub fn train(
                 )));
             }
             let dpo = DpoConfig {
+                parallel: Default::default(),
                 model: ModelSection {
                     path: Some(model_dir.clone()),
                     ..config.model.clone()

@@ -130,6 +130,8 @@ impl Attention {
         let [batch, seq, _] = x.dims();
         let device = x.device();
         let (q, k, v) = self.project(x);
+        // This rank's heads: all of them, or under tensor parallel its block of them.
+        let (n_heads, n_kv_heads) = (q.dims()[2] / self.head_dim, k.dims()[2] / self.head_dim);
         let heads = |mut h: Tensor<3>, n: usize, norm: Option<&RmsNorm>| {
             let hd = self.head_dim;
             if let Some(norm) = norm {
@@ -142,12 +144,12 @@ impl Attention {
             }
             h.reshape([batch, seq, n, hd]).swap_dims(1, 2)
         };
-        let mut q = rope.apply(heads(q, self.n_heads, self.q_norm.as_ref()));
+        let mut q = rope.apply(heads(q, n_heads, self.q_norm.as_ref()));
         if let Some(factor) = self.query_scale {
             q = q.mul_scalar(factor);
         }
-        let k = rope.apply(heads(k, self.n_kv_heads, self.k_norm.as_ref()));
-        let v = heads(v, self.n_kv_heads, None);
+        let k = rope.apply(heads(k, n_kv_heads, self.k_norm.as_ref()));
+        let v = heads(v, n_kv_heads, None);
         let (k, v) = match cache {
             Some(cache) => cache.append(k, v),
             None => (k, v),
@@ -156,9 +158,7 @@ impl Attention {
             .window
             .and_then(|w| window_mask(batch, seq, k.dims()[2], w, mask, &device));
         let out = self.attend(q, k, v, windowed.as_ref().or(mask));
-        let out = out
-            .swap_dims(1, 2)
-            .reshape([batch, seq, self.n_heads * self.head_dim]);
+        let out = out.swap_dims(1, 2).reshape([batch, seq, n_heads * self.head_dim]);
         self.o_proj.forward(out)
     }
 
@@ -187,7 +187,7 @@ impl Attention {
         // size.
         let flex_inference = !q.is_autodiff() && aligner_parallel::fused_available(&q.device());
         let (k, v, mask) = if !flex_inference {
-            let full = [batch, self.n_heads, seq, keys];
+            let full = [batch, q.dims()[1], seq, keys];
             (
                 self.repeat_kv(k),
                 self.repeat_kv(v),
@@ -201,6 +201,7 @@ impl Attention {
 
     /// `[b, kv_heads, s, d]` → `[b, heads, s, d]`, each KV head serving consecutive query heads.
     fn repeat_kv(&self, x: Tensor<4>) -> Tensor<4> {
+        // The ratio of all heads is that of any rank's block of them.
         let groups = self.n_heads / self.n_kv_heads;
         if groups == 1 {
             return x;

@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{as_type_of, named_param, param_value, shard_spec};
+use super::{as_type_of, named_param, param_value, shard_spec, tensor_split};
 use burn::tensor::module::linear;
 
 /// The trainable factors of one adapted layer: `a: [in, r]`, `b: [r, out]` (Burn layout; PEFT's
@@ -84,6 +84,9 @@ impl From<Linear> for LoraLinear {
 
 impl LoraLinear {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        if let Some(split) = tensor_split(&self.base.weight) {
+            return self.forward_split(x, &split);
+        }
         let bias = self
             .base
             .bias
@@ -126,6 +129,56 @@ impl LoraLinear {
             }
             _ => y,
         }
+    }
+
+    /// Tensor parallel: the weight `[in, out]` is this rank's block of columns (q, k, v, gate,
+    /// up: column-parallel, the output a block of the whole output's columns) or of rows (o,
+    /// down: row-parallel, the input a block of columns and the outputs summed over the group).
+    /// The adapter is split the same way: `B`'s columns with a column-parallel layer (`A`
+    /// whole, its product summed into every rank's gradient by `tp_copy`), `A`'s rows with a
+    /// row-parallel one (its product summed over the group before `B`, which stays whole).
+    fn forward_split(&self, x: Tensor<3>, split: &aligner_parallel::tensor::TensorSplit) -> Tensor<3> {
+        use aligner_parallel::tensor::{tp_copy, tp_reduce};
+        let group = &split.group;
+        let [b, s, d] = x.dims();
+        let weight = as_type_of(self.base.weight.val(), &x);
+        let out = weight.dims()[1];
+        let bias = self.base.bias.as_ref().map(|b| as_type_of(b.val(), &x));
+        let adapter = self.lora.as_ref().filter(|_| self.adapter_enabled);
+        let flat = x.reshape([b * s, d]);
+        let y = if split.axis == 1 {
+            let y = tp_copy(flat.clone(), group).matmul(weight);
+            let y = match bias {
+                Some(bias) => y + bias.unsqueeze(),
+                None => y,
+            };
+            match adapter {
+                Some(lora) => {
+                    let (a, b) = (as_type_of(lora.a.val(), &y), as_type_of(lora.b.val(), &y));
+                    let low = lora.dropout.forward(flat).matmul(a);
+                    y + tp_copy(low, group).matmul(b).mul_scalar(lora.scale)
+                }
+                None => y,
+            }
+        } else {
+            let mut y = flat.clone().matmul(weight);
+            if let Some(lora) = adapter {
+                // Through the sum of the parts of `x·A`, so that `B`'s gradient is whole.
+                let low = tp_reduce(
+                    lora.dropout.forward(flat).matmul(as_type_of(lora.a.val(), &y)),
+                    group,
+                );
+                let y_low = low.matmul(as_type_of(lora.b.val(), &y)).mul_scalar(lora.scale);
+                y = tp_reduce(y, group) + y_low;
+            } else {
+                y = tp_reduce(y, group);
+            }
+            match bias {
+                Some(bias) => y + bias.unsqueeze(),
+                None => y,
+            }
+        };
+        y.reshape([b, s, out])
     }
 
     /// Freezes the base weights and attaches a fresh adapter.

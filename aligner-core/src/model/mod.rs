@@ -83,11 +83,15 @@ impl LlamaModel {
         mask: Option<&Tensor<4, Bool>>,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor<3> {
-        let mut x = match shard_spec(&self.embed_tokens.weight) {
-            Some(spec) => {
-                aligner_parallel::shard::shard_embedding(self.embed_tokens.weight.val(), tokens, spec)
+        let mut x = if let Some(split) = tensor_split(&self.embed_tokens.weight) {
+            vocab_parallel_embedding(self.embed_tokens.weight.val(), tokens, &split)
+        } else {
+            match shard_spec(&self.embed_tokens.weight) {
+                Some(spec) => {
+                    aligner_parallel::shard::shard_embedding(self.embed_tokens.weight.val(), tokens, spec)
+                }
+                None => self.embed_tokens.forward(tokens),
             }
-            None => self.embed_tokens.forward(tokens),
         };
         if let Some(scale) = self.embedding_scale {
             x = x.mul_scalar(scale as f32);
@@ -105,6 +109,24 @@ impl LlamaModel {
         }
         layer::norm(&self.norm, x)
     }
+}
+
+/// The rows `tokens` of an embedding table whose block of rows `split` says this rank holds:
+/// each rank looks up the tokens of its block (zeros for the others) and the group sums them.
+fn vocab_parallel_embedding(
+    block: Tensor<2>,
+    tokens: Tensor<2, Int>,
+    split: &aligner_parallel::tensor::TensorSplit,
+) -> Tensor<3> {
+    let rows = split.own_range();
+    let shifted = tokens.sub_scalar(rows.start as i64);
+    let inside = shifted
+        .clone()
+        .greater_equal_elem(0)
+        .bool_and(shifted.clone().lower_elem(rows.len() as i64));
+    let index = shifted.clamp(0, rows.len().saturating_sub(1) as i64);
+    let x = burn::tensor::module::embedding(block, index) * inside.float().unsqueeze_dim::<3>(2);
+    aligner_parallel::tensor::tp_reduce(x, &split.group)
 }
 
 /// A decoder with a language-model head (`LlamaForCausalLM`).
@@ -200,6 +222,23 @@ impl CausalLm {
     /// no `[batch, seq, vocab]` tensor), under the final soft-cap when the model has one.
     /// In f32 whatever the compute type (the weight is cast to the activations' type there).
     pub fn token_logprobs_of_hidden(&self, hidden: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
+        // Tensor parallel: each rank's logits over its block of the vocabulary.
+        let split = match &self.lm_head {
+            Some(head) => tensor_split(&head.weight).map(|s| (head.weight.val(), s)),
+            None => tensor_split(&self.model.embed_tokens.weight)
+                .map(|s| (self.model.embed_tokens.weight.val().transpose(), s)),
+        };
+        if let Some((block, split)) = split {
+            return aligner_parallel::tensor::vocab_parallel_logprobs(
+                hidden,
+                block,
+                targets,
+                split.own_range(),
+                DEFAULT_CHUNK_TOKENS,
+                self.final_softcap,
+                &split.group,
+            );
+        }
         token_logprobs_from_hidden(
             hidden,
             self.output_weight(),
@@ -457,10 +496,25 @@ pub fn param_value<const D: usize, const E: usize>(
     anchor: &Tensor<E>,
 ) -> Tensor<D> {
     let value = param.val();
+    if let Some(split) = tensor_split(param) {
+        // A use that does not compute on the block: the whole tensor, gathered.
+        return aligner_parallel::tensor::tp_gather(value, split);
+    }
     match aligner_parallel::shard::spec_of(param.id.val(), &value.dims()) {
         Some(spec) => aligner_parallel::shard::shard_gather(value, anchor, spec),
         None => value,
     }
+}
+
+/// How `param` is split when it is this rank's block of a tensor-parallel parameter
+/// (`parallel.tensor`); `None` for a whole tensor.
+pub fn tensor_split<const D: usize>(
+    param: &Param<Tensor<D>>,
+) -> Option<aligner_parallel::tensor::TensorSplit> {
+    if !aligner_parallel::tensor::active() {
+        return None;
+    }
+    aligner_parallel::tensor::split_of(param.id.val(), &param.val().dims())
 }
 
 /// [`param_value`] without an activation at hand (its reduce-scatter runs at the end of the
@@ -477,6 +531,27 @@ pub fn named_param<const D: usize>(name: &str, value: Tensor<D>) -> Param<Tensor
     let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     });
+    PARAM_NAMES
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(std::collections::HashMap::new)
+        .entry(hash)
+        .or_insert_with(|| name.to_string());
     let (_, value, mapper) = Param::from_tensor(value).consume();
     Param::from_mapped_value(ParamId::from(hash), value, mapper)
+}
+
+/// The HF names of the parameters [`named_param`] made, by id.
+static PARAM_NAMES: std::sync::RwLock<Option<std::collections::HashMap<u64, String>>> =
+    std::sync::RwLock::new(None);
+
+/// The HF name of the parameter with id `id`, when [`named_param`] made it (every weight a
+/// checkpoint loads, and every LoRA factor).
+pub fn param_name(id: u64) -> Option<String> {
+    PARAM_NAMES
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()?
+        .get(&id)
+        .cloned()
 }

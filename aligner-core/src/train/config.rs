@@ -40,6 +40,58 @@ impl Default for ModelSection {
     }
 }
 
+/// `[parallel]`: how the ranks `mpirun` starts share the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelSection {
+    /// Ranks per tensor group (Megatron-style tensor parallel): each keeps a block of every
+    /// large weight (heads, the MLP's width, the vocabulary) and the group computes each layer
+    /// together. The world's ranks form a `data × tensor` grid; 1 = no tensor parallel.
+    pub tensor: usize,
+}
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        Self { tensor: 1 }
+    }
+}
+
+impl ParallelSection {
+    /// `run` with its ranks in tensor groups of `parallel.tensor` (a collective; `run` itself
+    /// when it is 1), refused naming the key where the model or `[model]` cannot be split:
+    /// heads or KV heads that the groups do not divide, or LoRA dropout (whose masks a split
+    /// layer cannot draw as one process does).
+    pub fn grid(
+        &self,
+        run: &crate::run::RunDir,
+        model: &ModelSection,
+        config: &crate::config::LlamaConfig,
+    ) -> Result<crate::run::RunDir> {
+        let t = self.tensor;
+        if t == 0 {
+            return Err(CoreError::Invalid("parallel.tensor must be at least 1".into()));
+        }
+        if t == 1 {
+            return Ok(run.clone());
+        }
+        let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
+        if !heads.is_multiple_of(t) || !kv.is_multiple_of(t) {
+            return Err(CoreError::Invalid(format!(
+                "parallel.tensor = {t} does not divide the model's {heads} attention heads and {kv} \
+                 key/value heads between the ranks of a group"
+            )));
+        }
+        if model.lora_rank > 0 && model.lora_dropout > 0.0 {
+            return Err(CoreError::Invalid(format!(
+                "parallel.tensor = {t} with model.lora_dropout = {}: a split layer cannot draw the \
+                 dropout one process draws; set model.lora_dropout = 0",
+                model.lora_dropout
+            )));
+        }
+        run.clone().in_tensor_groups(t)
+    }
+}
+
 /// `[data]`: training and validation files.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

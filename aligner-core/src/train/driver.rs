@@ -120,6 +120,8 @@ pub struct Optimizer<'a> {
     /// Each parameter's owning rank, found at the first sharded step.
     owners: Option<Vec<usize>>,
     comm: &'a dyn Communicator,
+    /// The tensor group the parameters are split over (`parallel.tensor`), if any.
+    tensor: Option<std::sync::Arc<dyn Communicator>>,
 }
 
 impl<'a> Optimizer<'a> {
@@ -142,12 +144,26 @@ impl<'a> Optimizer<'a> {
             },
             owners: None,
             comm,
+            tensor: None,
         }
+    }
+
+    /// The optimizer of a model whose parameters are split over `group` (tensor parallel): the
+    /// global norm counts each split parameter's blocks over the group, and a checkpoint's
+    /// state is the whole model's (joined from the group's ranks, and cut again on load).
+    pub fn with_tensor_group(mut self, group: Option<std::sync::Arc<dyn Communicator>>) -> Self {
+        self.tensor = group.filter(|g| g.world_size() > 1);
+        self
     }
 
     /// Ranks the state is sharded over (0 = one whole state).
     pub fn shards(&self) -> usize {
         self.shards
+    }
+
+    /// Whether the parameters are split over a tensor group (`parallel.tensor`).
+    pub fn splits(&self) -> bool {
+        self.tensor.is_some()
     }
 
     /// Whether the parameters themselves are sharded (`train.sharding = "full"` over more
@@ -162,7 +178,21 @@ impl<'a> Optimizer<'a> {
     pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> Result<(M, f64)> {
         if self.shards == 0 {
             grads::all_reduce_gradients(&model, &mut grads, 1.0, self.comm)?;
-            let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
+            let norm = match &self.tensor {
+                Some(group) => {
+                    // A split parameter's blocks are parts of one gradient; a whole one is the
+                    // same on every rank of the group and counts once.
+                    let split = |id: u64| super::tensor::is_split(id);
+                    let whole = |id: u64| !super::tensor::is_split(id);
+                    let mut squares = [grads::squared_grad_norm_of(&model, &grads, Some(&split))];
+                    group.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
+                    let total = squares[0] + grads::squared_grad_norm_of(&model, &grads, Some(&whole));
+                    let norm = (total as f32).sqrt() as f64;
+                    grads::scale_to_norm(&model, &mut grads, norm, self.max_grad_norm);
+                    norm
+                }
+                None => grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm),
+            };
             return Ok((self.adam.step(lr, model, grads), norm));
         }
         if self.sharding == Sharding::Full {
@@ -201,6 +231,10 @@ impl<'a> Optimizer<'a> {
     /// Writes the state into checkpoint folder `tmp` (rank 0; a sharded state's parts were
     /// gathered from every rank first by [`Optimizer::gather`]).
     fn save(&self, tmp: &Path, layout: &CheckpointLayout, shards: &[Vec<u8>]) -> Result<()> {
+        if let (Some(_), [whole]) = (&self.tensor, shards) {
+            // Tensor parallel: the whole model's state, joined from the group.
+            return crate::checkpoint::write_atomic(&tmp.join(layout.optimizer), whole);
+        }
         if shards.is_empty() {
             return save_optimizer(&self.adam, &tmp.join(layout.optimizer));
         }
@@ -212,6 +246,14 @@ impl<'a> Optimizer<'a> {
 
     /// Every rank's part of a sharded state (nothing when it is whole).
     fn gather(&self) -> Result<Vec<Vec<u8>>> {
+        if let Some(group) = &self.tensor {
+            let bytes = self
+                .adam
+                .into_bytes()
+                .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
+            let parts = group.all_gather(&bytes)?;
+            return Ok(vec![super::tensor::join_optimizer_states(&parts)?]);
+        }
         if self.shards == 0 {
             return Ok(Vec::new());
         }
@@ -233,6 +275,24 @@ impl<'a> Optimizer<'a> {
         model: &M,
     ) -> Result<Self> {
         let saved_shards = saved.optimizer_shards;
+        if self.tensor.is_some() && saved_shards == 0 && !saved.optimizer_rows {
+            // A whole state (every tensor-parallel checkpoint's, or one process's): this
+            // rank's blocks of it.
+            let path = dir.join(layout.optimizer);
+            let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
+            let own = super::tensor::split_optimizer_state(bytes)?;
+            self.adam = self
+                .adam
+                .from_bytes(burn::tensor::Bytes::from_bytes_vec(own))
+                .map_err(|e| CoreError::Invalid(format!("{}: optimizer state: {e:?}", path.display())))?;
+            return Ok(self);
+        }
+        if self.tensor.is_some() {
+            return Err(CoreError::Invalid(format!(
+                "{}: a checkpoint of a run with train.sharding resumes with parallel.tensor = 1",
+                dir.display()
+            )));
+        }
         if saved_shards == self.shards && saved.optimizer_rows == self.full() {
             let file = self.file(layout);
             self.adam = load_optimizer(self.adam, &dir.join(file))?;
@@ -427,6 +487,13 @@ pub trait Method<M: Module> {
         false
     }
 
+    /// Whether [`Method::step`] trains a model split over a tensor group (`parallel.tensor`):
+    /// its forward and backward passes must be the same on the group's ranks, which see the
+    /// same examples, and it must read parameters only through the model.
+    fn splits_tensors(&self) -> bool {
+        false
+    }
+
     /// Step `step` (0-based): the model in, updated through `optim`, out with its metrics.
     fn step(&mut self, step: usize, model: M, optim: &mut Optimizer<'_>) -> Result<Stepped<M>, Self::Error>;
 
@@ -519,20 +586,43 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     let layout = &settings.layout;
     let comm = run.comm();
     let world = comm.world_size();
+    let tensor = run.tensor_group();
+    if tensor.is_some() {
+        if !method.splits_tensors() {
+            return Err(CoreError::Invalid(format!(
+                "parallel.tensor is not available for this method's {} loop yet; use parallel.tensor = 1",
+                settings.label
+            ))
+            .into());
+        }
+        if settings.sharding != Sharding::None {
+            return Err(CoreError::Invalid(format!(
+                "parallel.tensor with train.sharding = \"{}\" is not built yet: use one of them",
+                settings.sharding.name()
+            ))
+            .into());
+        }
+    }
     let mut optim = Optimizer::new(
         settings.weight_decay,
         settings.max_grad_norm,
         settings.sharding,
         comm,
-    );
+    )
+    .with_tensor_group(tensor.clone());
     run.prepare_checkpoints()?;
     let resume = run.resume_point(layout.state)?;
+    // A tensor-parallel state is cut to the model's blocks, so it loads once they exist.
+    let mut state_to_load = None;
     let (mut model, start) = match &resume {
         Some((step, dir)) => {
             let model = master::load_with_masters(store, &dir.join(layout.model), train_device)?;
             let model = super::config::to_train_device(model, train_device);
             let state: LoopState = crate::checkpoint::read_json(&dir.join(layout.state))?;
-            optim = optim.load(dir, layout, &state, &model)?;
+            match tensor {
+                Some(_) => state_to_load = Some((dir.clone(), state)),
+                None => optim = optim.load(dir, layout, &state, &model)?,
+            }
             tracing::info!(step, dir = %dir.display(), "resuming");
             (model, *step)
         }
@@ -554,10 +644,17 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         model = super::full::shard_parameters(model, run.comm_handle())?;
         aligner_parallel::shard::keep_gathered(settings.keep_gathered);
     }
+    if let Some(group) = &tensor {
+        model = super::tensor::split_parameters(model, group.clone())?;
+        if let Some((dir, state)) = state_to_load.take() {
+            optim = optim.load(&dir, layout, &state, &model)?;
+        }
+    }
+    let split = tensor.is_some();
     let log =
         MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;
     let initial_eval = if start == 0 && method.validates() {
-        let whole_model = whole_of(&model, full);
+        let whole_model = whole_of(&model, full, split);
         let eval = method.evaluate(&whole_model)?;
         let mut row = Map::new();
         row.insert("step".into(), 0.into());
@@ -587,8 +684,9 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     for step in start..total {
         if run.stops_at(step) {
             bar.abandon();
-            let model = whole_of(&model, full).into_owned();
+            let model = whole_of(&model, full, split).into_owned();
             aligner_parallel::shard::clear();
+            aligner_parallel::tensor::clear();
             return Ok((model, summary(run, step, initial_eval, Map::new())));
         }
         let stepped = match method.step(step, model, &mut optim) {
@@ -616,7 +714,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let mut row = stepped.row;
             row.insert("step".into(), done.into());
             if eval_now {
-                let whole_model = whole_of(&model, full);
+                let whole_model = whole_of(&model, full, split);
                 let eval = method.evaluate(&whole_model)?;
                 keep_if_best(settings, run, store, &whole_model, done, &eval)?;
                 row.extend(eval);
@@ -632,7 +730,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                 optimizer_rows: full,
             };
             let shards = optim.gather()?;
-            let whole_model = whole_of(&model, full);
+            let whole_model = whole_of(&model, full, split);
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
                     // A half-precision model folder rounds the weights; training resumes from
@@ -646,8 +744,9 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         }
     }
     bar.finish_and_clear();
-    let model = whole_of(&model, full).into_owned();
+    let model = whole_of(&model, full, split).into_owned();
     aligner_parallel::shard::clear();
+    aligner_parallel::tensor::clear();
     let keys = method.plot_keys();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut final_eval = Map::new();
@@ -676,10 +775,14 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
 }
 
 /// What evaluation, checkpoints and the final save see: the whole model, gathered from the
-/// ranks when its parameters are `full`y sharded (a collective).
-fn whole_of<M: Module>(model: &M, full: bool) -> std::borrow::Cow<'_, M> {
-    match full {
-        true => std::borrow::Cow::Owned(super::full::gather_parameters(model)),
+/// ranks when its parameters are `full`y sharded or `split` over a tensor group (a
+/// collective).
+fn whole_of<M: Module>(model: &M, full: bool, split: bool) -> std::borrow::Cow<'_, M> {
+    if full {
+        return std::borrow::Cow::Owned(super::full::gather_parameters(model));
+    }
+    match split {
+        true => std::borrow::Cow::Owned(super::tensor::gather_parameters(model)),
         false => std::borrow::Cow::Borrowed(model),
     }
 }

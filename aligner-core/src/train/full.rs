@@ -92,7 +92,7 @@ pub fn gather_parameters<M: Module>(model: &M) -> M {
 }
 
 /// A parameter's values, row-major f32.
-fn host_values<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
+pub(crate) fn host_values<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
     tensor
         .into_data()
         .convert::<f32>()
@@ -102,7 +102,12 @@ fn host_values<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
 
 /// `values` of shape `dims` as a parameter's tensor on `device`, tracking its gradient when it
 /// is `trainable`.
-fn leaf<const D: usize>(values: Vec<f32>, dims: Vec<usize>, device: &Device, trainable: bool) -> Tensor<D> {
+pub(crate) fn leaf<const D: usize>(
+    values: Vec<f32>,
+    dims: Vec<usize>,
+    device: &Device,
+    trainable: bool,
+) -> Tensor<D> {
     let dims: [usize; D] = dims.try_into().unwrap_or_else(|_| unreachable!("rank D"));
     let tensor = Tensor::<D>::from_data(TensorData::new(values, dims), device);
     if trainable { tensor.require_grad() } else { tensor }

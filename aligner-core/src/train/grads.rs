@@ -10,10 +10,15 @@ use burn::tensor::{Tensor, TensorData};
 struct SquaredNorm<'a> {
     grads: &'a GradientsParams,
     parts: Vec<Tensor<1>>,
+    /// Only the parameters whose ids it accepts count (all of them when `None`).
+    only: Option<&'a dyn Fn(u64) -> bool>,
 }
 
 impl ModuleVisitor for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.only.is_some_and(|only| !only(param.id.val())) {
+            return;
+        }
         if let Some(g) = self.grads.get::<D>(param.id) {
             self.parts.push(g.square().sum());
         }
@@ -35,9 +40,19 @@ impl ModuleVisitor for Scale<'_> {
 
 /// The sum of the squares of all gradients of `module`'s parameters.
 pub fn squared_grad_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
+    squared_grad_norm_of(module, grads, None)
+}
+
+/// [`squared_grad_norm`] over the parameters whose ids `only` accepts.
+pub fn squared_grad_norm_of<M: Module>(
+    module: &M,
+    grads: &GradientsParams,
+    only: Option<&dyn Fn(u64) -> bool>,
+) -> f64 {
     let mut visitor = SquaredNorm {
         grads,
         parts: Vec::new(),
+        only,
     };
     module.visit(&mut visitor);
     if visitor.parts.is_empty() {

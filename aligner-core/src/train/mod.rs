@@ -20,6 +20,7 @@ pub mod master;
 pub mod metrics;
 pub mod order;
 pub mod schedule;
+pub mod tensor;
 pub mod tensorboard;
 
 use std::path::Path;
@@ -31,9 +32,9 @@ use burn::tensor::{Bytes, Device, Tensor};
 use serde_json::{Map, Value};
 
 pub use config::{
-    BestMode, ConfigChange, DataSection, ModelSection, MovedKey, Range, Sharding, TrainSection, check_counts,
-    check_new_tokens, check_template, check_value, check_values, config_changes, load_config,
-    load_config_moved, to_toml,
+    BestMode, ConfigChange, DataSection, ModelSection, MovedKey, ParallelSection, Range, Sharding,
+    TrainSection, check_counts, check_new_tokens, check_template, check_value, check_values, config_changes,
+    load_config, load_config_moved, to_toml,
 };
 pub use driver::{
     BEST_DIR, CheckpointLayout, FINAL_STEP, FinalStep, LoopSettings, LoopState, Method, Optimizer,
@@ -428,6 +429,10 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
     }
 
     fn shards_fully(&self) -> bool {
+        true
+    }
+
+    fn splits_tensors(&self) -> bool {
         true
     }
 

@@ -80,6 +80,9 @@ pub trait Communicator: Send + Sync {
     fn work_queue(&self, items: usize, chunk: usize) -> CommResult<Box<dyn WorkQueue + '_>>;
     /// All-reduce traffic so far.
     fn traffic(&self) -> Traffic;
+    /// The ranks that pass the same `color` as this one, as a communicator of their own,
+    /// ordered by `key` (`MPI_Comm_split`; a collective: every rank calls it).
+    fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>>;
 
     fn is_root(&self) -> bool {
         self.rank() == 0
@@ -122,6 +125,43 @@ impl Communicator for Single {
     }
     fn traffic(&self) -> Traffic {
         Traffic::default()
+    }
+    fn split(&self, _: usize, _: usize) -> CommResult<Arc<dyn Communicator>> {
+        Ok(Arc::new(Single))
+    }
+}
+
+/// A `data × tensor` grid of ranks: the `tensor` ranks of one group split each layer of one
+/// model between them (tensor parallel) and see the same examples; the groups are data-parallel
+/// replicas. World rank `r` is tensor rank `r % tensor` of data rank `r / tensor`, so a tensor
+/// group is consecutive ranks (one node's GPUs, where the launcher places ranks in order).
+#[derive(Clone)]
+pub struct Grid {
+    /// The ranks of every tensor group that hold this rank's part of the model: the gradient
+    /// all-reduce and the split of the data run over them.
+    pub data: Arc<dyn Communicator>,
+    /// This rank's tensor group.
+    pub tensor: Arc<dyn Communicator>,
+}
+
+impl Grid {
+    /// Splits `world` into groups of `tensor` consecutive ranks (a collective). Refused when
+    /// `tensor` does not divide the world size.
+    pub fn split(world: &dyn Communicator, tensor: usize) -> CommResult<Self> {
+        let size = world.world_size();
+        if tensor == 0 || !size.is_multiple_of(tensor) {
+            return Err(CommError::Failed(format!(
+                "parallel.tensor = {tensor} does not divide the {size} ranks into tensor groups"
+            )));
+        }
+        let rank = world.rank();
+        let (data_rank, tensor_rank) = (rank / tensor, rank % tensor);
+        let tensor_group = world.split(data_rank, tensor_rank)?;
+        let data = world.split(tensor_rank, data_rank)?;
+        Ok(Self {
+            data,
+            tensor: tensor_group,
+        })
     }
 }
 

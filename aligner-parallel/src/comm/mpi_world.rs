@@ -14,6 +14,7 @@ use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::point_to_point::MatchedReceiveVec;
+use mpi::topology::Color;
 use mpi::topology::Communicator as _;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -25,6 +26,9 @@ struct Handles {
     /// `None` once finalised.
     universe: Option<Universe>,
     world: SimpleCommunicator,
+    /// Sub-communicators split off the world ([`Communicator::split`]), freed before MPI is
+    /// finalised.
+    subs: Vec<SimpleCommunicator>,
 }
 
 // SAFETY: MPI handles are plain integers or pointers owned by the MPI library; MPI is
@@ -33,7 +37,10 @@ struct Handles {
 unsafe impl Send for Handles {}
 
 struct Inner {
-    handles: Mutex<Handles>,
+    /// Shared by the world and every communicator split off it: one lock for all MPI calls.
+    handles: Arc<Mutex<Handles>>,
+    /// Which communicator this is: the world (`None`) or `subs[i]`.
+    sub: Option<usize>,
     rank: usize,
     size: usize,
     traffic: TrafficMeter,
@@ -50,6 +57,14 @@ impl Inner {
             return Err(CommError::Failed("MPI is already finalised".into()));
         }
         Ok(guard)
+    }
+
+    /// This communicator's MPI handle.
+    fn comm<'a>(&self, handles: &'a Handles) -> &'a SimpleCommunicator {
+        match self.sub {
+            None => &handles.world,
+            Some(i) => &handles.subs[i],
+        }
     }
 }
 
@@ -75,10 +90,12 @@ impl Mpi {
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let inner = Arc::new(Inner {
-            handles: Mutex::new(Handles {
+            handles: Arc::new(Mutex::new(Handles {
                 universe: Some(universe),
                 world,
-            }),
+                subs: Vec::new(),
+            })),
+            sub: None,
             rank,
             size,
             traffic: TrafficMeter::default(),
@@ -97,6 +114,7 @@ pub(crate) fn finalize() {
         if handles.universe.is_some() {
             handles.world.barrier();
         }
+        handles.subs.clear();
         drop(handles.universe.take());
     }
 }
@@ -137,7 +155,7 @@ impl Communicator for Mpi {
 
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
         let started = Instant::now();
-        reduce(&self.inner.lock()?.world, buf, op);
+        reduce(self.inner.comm(&*self.inner.lock()?), buf, op);
         if op == ReduceOp::Mean {
             let inv = 1.0 / self.inner.size as f32;
             buf.iter_mut().for_each(|x| *x *= inv);
@@ -149,7 +167,7 @@ impl Communicator for Mpi {
     }
 
     fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> CommResult<()> {
-        reduce(&self.inner.lock()?.world, buf, op);
+        reduce(self.inner.comm(&*self.inner.lock()?), buf, op);
         if op == ReduceOp::Mean {
             let n = self.inner.size as f64;
             buf.iter_mut().for_each(|x| *x /= n);
@@ -160,10 +178,11 @@ impl Communicator for Mpi {
     fn reduce_scatter(&self, send: &[f32], recv: &mut [f32]) -> CommResult<()> {
         super::check_blocks(send.len(), recv.len(), self.inner.size)?;
         let started = Instant::now();
+        let handles = self.inner.lock()?;
         self.inner
-            .lock()?
-            .world
+            .comm(&handles)
             .reduce_scatter_block_into(send, recv, SystemOperation::sum());
+        drop(handles);
         self.inner
             .traffic
             .record(std::mem::size_of_val(send), started.elapsed());
@@ -172,7 +191,7 @@ impl Communicator for Mpi {
 
     fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()> {
         let handles = self.inner.lock()?;
-        let root = handles.world.process_at_rank(root as i32);
+        let root = self.inner.comm(&handles).process_at_rank(root as i32);
         let mut len = bytes.len() as u64;
         root.broadcast_into(&mut len);
         bytes.resize(len as usize, 0);
@@ -186,9 +205,8 @@ impl Communicator for Mpi {
     fn all_gather(&self, bytes: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         let handles = self.inner.lock()?;
         let mut lengths = vec![0u64; self.inner.size];
-        handles
-            .world
-            .all_gather_into(&(bytes.len() as u64), &mut lengths[..]);
+        let comm = self.inner.comm(&handles);
+        comm.all_gather_into(&(bytes.len() as u64), &mut lengths[..]);
         let counts: Vec<i32> = lengths
             .iter()
             .map(|&n| i32::try_from(n))
@@ -206,7 +224,7 @@ impl Communicator for Mpi {
         let mut all = vec![0u8; total];
         {
             let mut partition = PartitionMut::new(&mut all[..], counts, &displs[..]);
-            handles.world.all_gather_varcount_into(bytes, &mut partition);
+            comm.all_gather_varcount_into(bytes, &mut partition);
         }
         let mut out = Vec::with_capacity(self.inner.size);
         let mut at = 0usize;
@@ -218,8 +236,31 @@ impl Communicator for Mpi {
     }
 
     fn barrier(&self) -> CommResult<()> {
-        self.inner.lock()?.world.barrier();
+        self.inner.comm(&*self.inner.lock()?).barrier();
         Ok(())
+    }
+
+    fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
+        let mut handles = self.inner.lock()?;
+        let sub = self
+            .inner
+            .comm(&handles)
+            .split_by_color_with_key(Color::with_value(color as i32), key as i32)
+            .ok_or_else(|| CommError::Failed("MPI_Comm_split gave no communicator".into()))?;
+        let (rank, size) = (sub.rank() as usize, sub.size() as usize);
+        handles.subs.push(sub);
+        let index = handles.subs.len() - 1;
+        drop(handles);
+        Ok(Arc::new(Mpi {
+            inner: Arc::new(Inner {
+                handles: self.inner.handles.clone(),
+                sub: Some(index),
+                rank,
+                size,
+                traffic: TrafficMeter::default(),
+                queues: AtomicU64::new(0),
+            }),
+        }))
     }
 
     fn work_queue(&self, items: usize, chunk: usize) -> CommResult<Box<dyn WorkQueue + '_>> {
@@ -258,14 +299,13 @@ fn dispatch(inner: &Inner, queue: &LocalQueue, tag: i32) -> CommResult<()> {
     while finished + 1 < inner.size {
         let answered = {
             let handles = inner.lock()?;
-            match handles.world.any_process().immediate_matched_probe_with_tag(tag) {
+            let comm = inner.comm(&handles);
+            match comm.any_process().immediate_matched_probe_with_tag(tag) {
                 Some(message) => {
                     let (_, status): (Vec<u64>, _) = message.matched_receive_vec();
                     let chunk = queue.take();
                     let reply = chunk.clone().map_or([0, 0], |r| [r.start as u64, r.end as u64]);
-                    handles
-                        .world
-                        .process_at_rank(status.source_rank())
+                    comm.process_at_rank(status.source_rank())
                         .send_with_tag(&reply[..], tag);
                     Some(chunk.is_none())
                 }
@@ -329,7 +369,7 @@ impl WorkQueue for RemoteQueue {
             return Ok(None);
         }
         let handles = self.inner.lock()?;
-        let root = handles.world.process_at_rank(0);
+        let root = self.inner.comm(&handles).process_at_rank(0);
         root.send_with_tag(&[self.inner.rank as u64][..], self.tag);
         let (reply, _) = root.receive_vec_with_tag::<u64>(self.tag);
         match reply.as_slice() {

@@ -169,6 +169,12 @@ impl Communicator for Nccl {
         self.mpi.work_queue(items, chunk)
     }
 
+    /// Split on MPI: a sub-group's collectives (tensor parallel's activations) run on the
+    /// hosts.
+    fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
+        self.mpi.split(color, key)
+    }
+
     fn traffic(&self) -> Traffic {
         self.traffic.read()
     }

@@ -303,6 +303,7 @@ pub fn train(
                 ));
             }
             let sft = SftConfig {
+                parallel: Default::default(),
                 model: config.model.clone(),
                 data: DataSection {
                     train: Some(sl.join("sft.train.jsonl")),
@@ -338,6 +339,7 @@ pub fn train(
             let train_file = run.join("judge.train.jsonl");
             run.write_shared(|| write_jsonl(&train_file, &rows))?;
             let sft = SftConfig {
+                parallel: Default::default(),
                 model: ModelSection {
                     path: Some(given(&fb.model).cloned().unwrap_or_else(|| start_dir.clone())),
                     ..config.model.clone()
@@ -396,6 +398,7 @@ pub fn train(
         match section.rl {
             RlMethod::Dpo => {
                 let dpo = DpoConfig {
+                    parallel: Default::default(),
                     model: policy_model,
                     data: DataSection {
                         train: Some(preferences_file.clone()),
@@ -411,6 +414,7 @@ pub fn train(
             RlMethod::RewardModel => {
                 let rm_run = rl.child("reward_model");
                 let rm = RmConfig {
+                    parallel: Default::default(),
                     model: ModelSection {
                         path: Some(start_dir.clone()),
                         ..config.model.clone()

@@ -1,0 +1,337 @@
+//! `parallel.tensor = T` (Megatron-style tensor parallel): each rank of a tensor group keeps a
+//! block of every large weight, found by the parameter's HF name:
+//!
+//! | weight (Burn's `[in, out]` layout) | split along |
+//! |---|---|
+//! | `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj` (and their biases) | the output (columns): heads and KV heads, the MLP's width |
+//! | `o_proj`, `down_proj` | the input (rows); their biases stay whole |
+//! | LoRA on a column-parallel layer | `lora_B`'s columns (`lora_A` whole) |
+//! | LoRA on a row-parallel layer | `lora_A`'s rows (`lora_B` whole) |
+//! | `embed_tokens` | the vocabulary (rows) |
+//! | `lm_head` | the vocabulary (columns) |
+//!
+//! Norms, a reward model's score head and everything else stay whole on every rank: their
+//! gradients come out whole and equal on the group's ranks, because the ops between the blocks
+//! (`aligner_parallel::tensor`) sum what each rank has a part of.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use aligner_parallel::Communicator;
+use aligner_parallel::tensor::{Group, TensorSplit, register, registered, split_of};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+
+use super::full::{host_values, leaf};
+use crate::error::{CoreError, Result};
+use crate::model::param_name;
+
+/// The axis parameter `name` is split along (`None`: it stays whole), or why the model cannot
+/// be split.
+fn split_axis(name: &str) -> std::result::Result<Option<usize>, String> {
+    const FUSED: [&str; 2] = ["qkv_proj", "gate_up_proj"];
+    const EXPERTS: [&str; 4] = [".experts.", "block_sparse_moe", "mlp.gate.", "shared_expert"];
+    if let Some(fused) = FUSED.iter().find(|f| name.contains(*f)) {
+        return Err(format!(
+            "parallel.tensor: fused projections ({fused}, Phi-3) are not split yet; use parallel.tensor = 1"
+        ));
+    }
+    if EXPERTS.iter().any(|e| name.contains(e)) {
+        return Err("parallel.tensor: mixtures of experts are not split yet; use parallel.tensor = 1".into());
+    }
+    let layer = |names: &[&str]| names.iter().any(|n| name.contains(&format!(".{n}.")));
+    let column = layer(&["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]);
+    let row = layer(&["o_proj", "down_proj"]);
+    Ok(match name.rsplit_once('.').map(|(head, _)| head) {
+        _ if name == "model.embed_tokens.weight" => Some(0),
+        _ if name == "lm_head.weight" => Some(1),
+        Some(head) if column && head.ends_with("lora_A") => None,
+        Some(head) if column && head.ends_with("lora_B") => Some(1),
+        Some(head) if row && head.ends_with("lora_A") => Some(0),
+        Some(head) if row && head.ends_with("lora_B") => None,
+        _ if column && name.ends_with(".weight") => Some(1),
+        _ if column && name.ends_with(".bias") => Some(0),
+        _ if row && name.ends_with(".weight") => Some(0),
+        _ => None,
+    })
+}
+
+/// `model` with each large weight replaced by this rank's block of it (registered, so the
+/// model's layers compute their part and combine it over `group`). Refused, naming
+/// `parallel.tensor`, for a model it cannot split: fused projections, experts, OLMo 2's norm
+/// over the whole query projection, or a split axis smaller than the group.
+pub fn split_parameters<M: Module>(model: M, group: Arc<dyn Communicator>) -> Result<M> {
+    if group.world_size() == 1 {
+        return Ok(model);
+    }
+    // Shapes by name first: a query norm as wide as the whole projection cannot be split.
+    struct Shapes(BTreeMap<String, Vec<usize>>);
+    impl ModuleVisitor for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(name) = param_name(param.id.val()) {
+                self.0.insert(name, param.val().dims().to_vec());
+            }
+        }
+    }
+    let mut shapes = Shapes(BTreeMap::new());
+    model.visit(&mut shapes);
+    let size = group.world_size();
+    for (name, dims) in &shapes.0 {
+        for norm in ["q_norm", "k_norm"] {
+            let Some(prefix) = name.strip_suffix(&format!("{norm}.weight")) else {
+                continue;
+            };
+            let proj = format!("{prefix}{}_proj.weight", &norm[..1]);
+            if shapes
+                .0
+                .get(&proj)
+                .is_some_and(|p| p.get(1) == dims.first() && dims[0] > 0)
+            {
+                return Err(CoreError::Invalid(format!(
+                    "parallel.tensor: {name} normalises the whole projection (OLMo 2), which \
+                     tensor parallel would split; use parallel.tensor = 1"
+                )));
+            }
+        }
+        if let Some(axis) = split_axis(name).map_err(CoreError::Invalid)?
+            && dims[axis] < size
+        {
+            return Err(CoreError::Invalid(format!(
+                "parallel.tensor = {size}: {name} has {} along the axis it is split on",
+                dims[axis]
+            )));
+        }
+    }
+
+    struct Split(Group, usize);
+    impl ModuleMapper for Split {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let id = param.id.val();
+            let Some(axis) = param_name(id).and_then(|name| split_axis(&name).ok().flatten()) else {
+                return param;
+            };
+            self.1 += 1;
+            let value = param.val();
+            if split_of(id, &value.dims()).is_some() {
+                return param;
+            }
+            let split = TensorSplit {
+                dims: value.dims().to_vec(),
+                axis,
+                group: self.0.clone(),
+            };
+            register(id, split.clone());
+            let trainable = value.is_require_grad();
+            param.map(|tensor| {
+                let device = tensor.device();
+                let own = split.block_values(&host_values(tensor), self.0.0.rank());
+                leaf(own, split.local_dims(), &device, trainable)
+            })
+        }
+    }
+    let mut split = Split(Group(group), 0);
+    let model = model.map(&mut split);
+    tracing::info!(
+        parameters = split.1,
+        ranks = size,
+        "tensor parallel: split the weights over the group"
+    );
+    Ok(model)
+}
+
+/// A copy of `model` with every split parameter whole again (a collective over the group:
+/// its ranks call it together and get the same model). Evaluation, checkpoints and the final
+/// save use it.
+pub fn gather_parameters<M: Module>(model: &M) -> M {
+    struct Gather;
+    impl ModuleMapper for Gather {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let value = param.val();
+            let Some(split) = split_of(param.id.val(), &value.dims()) else {
+                return param;
+            };
+            let trainable = value.is_require_grad();
+            param.map(|tensor| {
+                let device = tensor.device();
+                let whole = split.gather_values(&host_values(tensor));
+                leaf(whole, split.dims.clone(), &device, trainable)
+            })
+        }
+    }
+    model.clone().map(&mut Gather)
+}
+
+/// Whether parameter `id` is split over the group (its gradient's square counts once per
+/// block); the others are whole and equal on every rank of the group.
+pub fn is_split(id: u64) -> bool {
+    registered(id).is_some()
+}
+
+/// An optimizer state (a burnpack file's bytes, as AdamW saves it) of the whole model, from
+/// the states of the group's ranks (`parts`, in rank order): each split parameter's moments
+/// joined from their blocks. The result is what one process training the model would save,
+/// which any layout loads.
+pub fn join_optimizer_states(parts: &[Vec<u8>]) -> Result<Vec<u8>> {
+    let readers = parts
+        .iter()
+        .map(|bytes| {
+            burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.clone()))
+                .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let first = readers
+        .first()
+        .ok_or_else(|| CoreError::Invalid("optimizer state: no part to join".into()))?;
+    let scalars: Vec<(String, burn_pack::Scalar)> =
+        first.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let metadata: Vec<(String, String)> = first
+        .metadata()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut tensors_by_rank = Vec::with_capacity(readers.len());
+    for reader in readers {
+        let mut tensors = Vec::new();
+        for tensor in reader
+            .into_tensors()
+            .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?
+        {
+            tensors.push(
+                tensor
+                    .into_parts()
+                    .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?,
+            );
+        }
+        tensors_by_rank.push(tensors);
+    }
+    let mut out = Vec::new();
+    let count = tensors_by_rank[0].len();
+    for i in 0..count {
+        let (name, dtype, shape, id, bytes) = &tensors_by_rank[0][i];
+        let split = id.and_then(registered);
+        let (shape, bytes, dtype) = match &split {
+            Some(split) if shape.to_vec() == split.block_dims(0) => {
+                let blocks = tensors_by_rank
+                    .iter()
+                    .map(|t| floats(&t[i].4, *dtype))
+                    .collect::<Result<Vec<_>>>()?;
+                let whole = aligner_parallel::tensor::join_blocks(&blocks, &split.dims, split.axis);
+                (split.dims.clone(), f32_bytes(&whole), burn::tensor::DType::F32)
+            }
+            _ => (shape.to_vec(), bytes.to_vec(), *dtype),
+        };
+        out.push(burn_pack::Tensor::new(
+            name.clone(),
+            dtype,
+            shape,
+            *id,
+            burn::tensor::Bytes::from_bytes_vec(bytes),
+        ));
+    }
+    pack(out, &scalars, &metadata)
+}
+
+/// This rank's optimizer state out of `bytes`, a whole model's (as [`join_optimizer_states`]
+/// or one process saves it): each split parameter's moments cut to this rank's block.
+pub fn split_optimizer_state(bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let bad = |e: burn_pack::Error| CoreError::Invalid(format!("optimizer state: {e:?}"));
+    let reader = burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(bad)?;
+    let scalars: Vec<(String, burn_pack::Scalar)> =
+        reader.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let metadata: Vec<(String, String)> = reader
+        .metadata()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut out = Vec::new();
+    for tensor in reader.into_tensors().map_err(bad)? {
+        let (name, dtype, shape, id, bytes) = tensor.into_parts().map_err(bad)?;
+        let tensor = match id.and_then(registered) {
+            Some(split) if shape.to_vec() == split.dims => {
+                let own = split.block_values(&floats(&bytes, dtype)?, split.group.0.rank());
+                burn_pack::Tensor::new(
+                    name,
+                    burn::tensor::DType::F32,
+                    split.local_dims(),
+                    id,
+                    burn::tensor::Bytes::from_bytes_vec(f32_bytes(&own)),
+                )
+            }
+            _ => burn_pack::Tensor::new(
+                name,
+                dtype,
+                shape.to_vec(),
+                id,
+                burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()),
+            ),
+        };
+        out.push(tensor);
+    }
+    pack(out, &scalars, &metadata)
+}
+
+fn pack(
+    tensors: Vec<burn_pack::Tensor>,
+    scalars: &[(String, burn_pack::Scalar)],
+    metadata: &[(String, String)],
+) -> Result<Vec<u8>> {
+    let mut writer = burn_pack::Writer::new(tensors);
+    for (key, value) in scalars {
+        writer = writer.with_scalar(key, *value);
+    }
+    for (key, value) in metadata {
+        writer = writer.with_metadata(key, value);
+    }
+    Ok(writer
+        .into_bytes()
+        .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?
+        .to_vec())
+}
+
+/// A moment's values as f32 (they are stored in f32; f64 is read too).
+fn floats(bytes: &[u8], dtype: burn::tensor::DType) -> Result<Vec<f32>> {
+    match dtype {
+        burn::tensor::DType::F32 => Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()),
+        burn::tensor::DType::F64 => Ok(bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
+            .collect()),
+        other => Err(CoreError::Invalid(format!(
+            "optimizer state: a split parameter's moment in {other:?}"
+        ))),
+    }
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_split_as_megatron_does() {
+        let axis = |n: &str| split_axis(n).unwrap();
+        assert_eq!(axis("model.layers.0.self_attn.q_proj.weight"), Some(1));
+        assert_eq!(axis("model.layers.0.self_attn.q_proj.bias"), Some(0));
+        assert_eq!(axis("model.layers.3.mlp.up_proj.weight"), Some(1));
+        assert_eq!(axis("model.layers.0.self_attn.o_proj.weight"), Some(0));
+        assert_eq!(axis("model.layers.0.self_attn.o_proj.bias"), None);
+        assert_eq!(axis("model.layers.0.mlp.down_proj.weight"), Some(0));
+        assert_eq!(axis("model.layers.0.self_attn.q_proj.lora_A.weight"), None);
+        assert_eq!(axis("model.layers.0.self_attn.q_proj.lora_B.weight"), Some(1));
+        assert_eq!(axis("model.layers.0.mlp.down_proj.lora_A.weight"), Some(0));
+        assert_eq!(axis("model.layers.0.mlp.down_proj.lora_B.weight"), None);
+        assert_eq!(axis("model.embed_tokens.weight"), Some(0));
+        assert_eq!(axis("lm_head.weight"), Some(1));
+        assert_eq!(axis("model.layers.0.input_layernorm.weight"), None);
+        assert_eq!(axis("model.norm.weight"), None);
+        assert_eq!(axis("score.weight"), None);
+        assert!(split_axis("model.layers.0.self_attn.qkv_proj.weight").is_err());
+        assert!(split_axis("model.layers.0.mlp.experts.1.up_proj.weight").is_err());
+    }
+}
