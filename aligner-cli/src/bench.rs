@@ -218,13 +218,15 @@ fn models_f32(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, C
     if "random-16M".contains(only) {
         let config = random_16m_config();
         device.seed(0);
-        let random = CausalLm::new(&config, device);
+        let mut random = CausalLm::new(&config, device);
+        aligner_core::checkpoint::name_parameters(&mut random);
         out.push(("random-16M".to_string(), config, random));
     }
     if only == "random-0.5B" {
         let config = random_05b_config();
         device.seed(0);
-        let random = CausalLm::new(&config, device);
+        let mut random = CausalLm::new(&config, device);
+        aligner_core::checkpoint::name_parameters(&mut random);
         out.push(("random-0.5B".to_string(), config, random));
     }
     if only == "random-1B" {

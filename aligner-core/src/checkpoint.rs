@@ -5,13 +5,13 @@
 //! `[out, in]` on disk and `[in, out]` in Burn; the conversion is a transpose both ways, so a
 //! save/load round trip is bit-identical. F32, F16 and BF16 files load (into f32); saves are F32.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::module::Param;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Tensor, TensorData};
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::{Dtype, SafeTensors};
 
 use crate::config::{LlamaConfig, Precision};
 use crate::error::{CoreError, Result};
@@ -88,6 +88,28 @@ fn slots(model: &mut CausalLm) -> Vec<(String, Slot<'_>)> {
         out.push(("lm_head".to_string(), Slot::Linear(head)));
     }
     out
+}
+
+/// Gives every weight of `model` the id of its HF name, as loading a checkpoint does (a model
+/// built in memory, e.g. randomly initialised, has ids of its own): what tensor parallel finds
+/// the weights it splits by, and what optimizer state saved against a checkpoint re-attaches to.
+pub fn name_parameters(model: &mut CausalLm) {
+    fn rename<const D: usize>(param: &mut Param<Tensor<D>>, name: &str) {
+        *param = named_param(name, param.val());
+    }
+    for (prefix, slot) in slots(model) {
+        let weight = format!("{prefix}.weight");
+        match slot {
+            Slot::Linear(linear) => {
+                rename(&mut linear.weight, &weight);
+                if let Some(bias) = linear.bias.as_mut() {
+                    rename(bias, &format!("{prefix}.bias"));
+                }
+            }
+            Slot::Norm(norm) => rename(&mut norm.gamma, &weight),
+            Slot::Embedding(embedding) => rename(&mut embedding.weight, &weight),
+        }
+    }
 }
 
 /// The safetensors files of a folder, memory-mapped (a 0.5B model's 2 GB are not copied into
@@ -291,47 +313,68 @@ pub fn hf_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     slot_tensors(slots(&mut model))
 }
 
-/// The tensors of `slots` under HF names and layout.
-pub fn slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+/// A tensor to write: its HF name and shape, and its f32 values, read only when it is
+/// written (so a model's tensors are converted one at a time, not all before the first).
+pub struct PendingTensor<'a> {
+    pub name: String,
+    pub shape: Vec<usize>,
+    values: Box<dyn Fn() -> Vec<f32> + 'a>,
+}
+
+impl<'a> PendingTensor<'a> {
+    pub fn new(name: String, shape: Vec<usize>, values: impl Fn() -> Vec<f32> + 'a) -> Self {
+        Self {
+            name,
+            shape,
+            values: Box::new(values),
+        }
+    }
+
+    /// The values, row-major.
+    pub fn values(&self) -> Vec<f32> {
+        (self.values)()
+    }
+}
+
+/// The tensors of `slots` under HF names and layout, each read when it is written.
+pub fn pending_slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<PendingTensor<'static>> {
+    fn pending<const D: usize>(name: String, tensor: Tensor<D>) -> PendingTensor<'static> {
+        let shape = tensor.dims().to_vec();
+        PendingTensor::new(name, shape, move || {
+            tensor
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .expect("model tensors are floats")
+        })
+    }
     let mut out = Vec::new();
-    let values = |t: TensorData| {
-        t.convert::<f32>()
-            .try_to_vec::<f32>()
-            .expect("model tensors are floats")
-    };
     for (prefix, slot) in slots {
+        let weight = format!("{prefix}.weight");
         match slot {
             Slot::Linear(linear) => {
-                let w = linear.weight.val().transpose();
-                out.push((
-                    format!("{prefix}.weight"),
-                    w.dims().to_vec(),
-                    values(w.into_data()),
-                ));
+                out.push(pending(weight, linear.weight.val().transpose()));
                 if let Some(bias) = &linear.bias {
-                    let b = bias.val();
-                    out.push((format!("{prefix}.bias"), b.dims().to_vec(), values(b.into_data())));
+                    out.push(pending(format!("{prefix}.bias"), bias.val()));
                 }
             }
-            Slot::Norm(norm) => {
-                let g = norm.gamma.val();
-                out.push((
-                    format!("{prefix}.weight"),
-                    g.dims().to_vec(),
-                    values(g.into_data()),
-                ));
-            }
-            Slot::Embedding(embedding) => {
-                let w = embedding.weight.val();
-                out.push((
-                    format!("{prefix}.weight"),
-                    w.dims().to_vec(),
-                    values(w.into_data()),
-                ));
-            }
+            Slot::Norm(norm) => out.push(pending(weight, norm.gamma.val())),
+            Slot::Embedding(embedding) => out.push(pending(weight, embedding.weight.val())),
         }
     }
     out
+}
+
+/// The tensors of `slots` under HF names and layout.
+pub fn slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    pending_slot_tensors(slots)
+        .into_iter()
+        .map(|t| {
+            let values = t.values();
+            (t.name, t.shape, values)
+        })
+        .collect()
 }
 
 /// Writes `tensors` as one F32 safetensors file, via a temporary name and a rename.
@@ -346,42 +389,77 @@ pub fn write_safetensors_as(
     tensors: &[(String, Vec<usize>, Vec<f32>)],
     precision: Precision,
 ) -> Result<()> {
-    let encode = |values: &[f32]| -> Vec<u8> {
-        match precision {
-            Precision::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Precision::Bf16 => values
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            Precision::F16 => values
-                .iter()
-                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-                .collect(),
-        }
-    };
-    let dtype = match precision {
-        Precision::F32 => Dtype::F32,
-        Precision::Bf16 => Dtype::BF16,
-        Precision::F16 => Dtype::F16,
-    };
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+    let pending = tensors
         .iter()
-        .map(|(name, shape, values)| (name.clone(), shape.clone(), encode(values)))
+        .map(|(name, shape, values)| PendingTensor::new(name.clone(), shape.clone(), move || values.clone()))
         .collect();
-    let mut views = BTreeMap::new();
-    for (name, shape, raw) in &bytes {
-        let view = TensorView::new(dtype, shape.clone(), raw).map_err(|e| CoreError::Safetensors {
-            path: path.to_path_buf(),
-            message: format!("tensor {name:?}: {e}"),
-        })?;
-        views.insert(name.clone(), view);
+    write_pending_safetensors(path, pending, precision)
+}
+
+/// [`write_safetensors_as`] of tensors read as they are written: each is read and encoded when
+/// the writer reaches it, so the file's bytes never exist in memory at once (a 0.5B model's
+/// save held three copies of its 2 GB before).
+pub fn write_pending_safetensors(
+    path: &Path,
+    tensors: Vec<PendingTensor<'_>>,
+    precision: Precision,
+) -> Result<()> {
+    /// One tensor, encoded in `precision` only when the writer asks for its bytes.
+    struct Encoded<'a, 'b> {
+        tensor: &'a PendingTensor<'b>,
+        precision: Precision,
     }
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let data = safetensors::serialize(views, Some(metadata)).map_err(|e| CoreError::Safetensors {
+    impl safetensors::View for Encoded<'_, '_> {
+        fn dtype(&self) -> Dtype {
+            match self.precision {
+                Precision::F32 => Dtype::F32,
+                Precision::Bf16 => Dtype::BF16,
+                Precision::F16 => Dtype::F16,
+            }
+        }
+        fn shape(&self) -> &[usize] {
+            &self.tensor.shape
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            let values = self.tensor.values();
+            let values = values.iter();
+            std::borrow::Cow::Owned(match self.precision {
+                Precision::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
+                Precision::Bf16 => values
+                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                    .collect(),
+                Precision::F16 => values
+                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                    .collect(),
+            })
+        }
+        fn data_len(&self) -> usize {
+            self.tensor.shape.iter().product::<usize>() * self.dtype().bitsize() / 8
+        }
+    }
+    let bad = |message: String| CoreError::Safetensors {
         path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
-    write_atomic(path, &data)
+        message,
+    };
+    let views = tensors
+        .iter()
+        .map(|tensor| (tensor.name.as_str(), Encoded { tensor, precision }));
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+        .map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(io) => CoreError::cannot_write(&tmp, io),
+            other => bad(other.to_string()),
+        })
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| CoreError::cannot_write(path, e)));
+    if written.is_err() {
+        // A full disk leaves a partial temporary file: it is removed, the old file stays.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Writes `data` to `path` through a temporary file in the same folder and a rename, so a
@@ -437,7 +515,12 @@ pub fn save_causal_lm(
     config
         .extra
         .insert("torch_dtype".into(), precision.torch_dtype().into());
-    write_safetensors_as(&dir.join("model.safetensors"), &hf_tensors(model), precision)?;
+    let mut model = model.clone();
+    write_pending_safetensors(
+        &dir.join("model.safetensors"),
+        pending_slot_tensors(slots(&mut model)),
+        precision,
+    )?;
     write_atomic(&dir.join("config.json"), config.to_json_string().as_bytes())?;
     if let Some(src) = tokenizer_from {
         copy_tokenizer_files(src, dir)?;

@@ -9,7 +9,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde_json::Value;
 
-use crate::checkpoint::{Slot, load_slots, slot_tensors, trunk_slots, write_atomic, write_safetensors_as};
+use crate::checkpoint::{
+    Slot, load_slots, pending_slot_tensors, trunk_slots, write_atomic, write_pending_safetensors,
+};
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
 use crate::model::{LlamaModel, default_positions};
@@ -127,9 +129,9 @@ impl RewardModel {
         std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
         let mut this = self.clone();
         let precision = self.model.precision;
-        write_safetensors_as(
+        write_pending_safetensors(
             &dir.join("model.safetensors"),
-            &slot_tensors(this.slots()),
+            pending_slot_tensors(this.slots()),
             precision,
         )?;
         let mut config = sequence_classification_config(config, labels);

@@ -131,6 +131,15 @@ pub fn split_parameters<M: Module>(model: M, group: Arc<dyn Communicator>) -> Re
     }
     let mut split = Split(Group(group), 0);
     let model = model.map(&mut split);
+    if split.1 == 0 {
+        // Its weights do not carry their HF names (a model built in memory): nothing to split
+        // by, and every rank would hold the whole model.
+        return Err(CoreError::Invalid(
+            "parallel.tensor: none of this model's weights is named as a checkpoint names it \
+             (aligner_core::checkpoint::name_parameters names a model built in memory)"
+                .into(),
+        ));
+    }
     tracing::info!(
         parameters = split.1,
         ranks = size,
