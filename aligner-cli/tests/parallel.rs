@@ -480,21 +480,35 @@ fn tensor_groups_split_gemma2_qwen3_and_lora_adapters_as_one_process_trains() {
     trains_as_one_process_in(&["dpo"], 8, &sets, dir.path(), &[(2, "none", 2)]);
 }
 
+/// An 8-step SFT run into `out` on `np` ranks of batch `batch`, checkpointed every 3 steps.
+fn resumable_sft(out: &Path, np: usize, batch: usize, extra: &[&str]) -> PathBuf {
+    let batch = format!("train.batch_size={batch}");
+    let mut args = vec!["sft", "--out", out.to_str().unwrap(), "--set", &batch];
+    args.extend(["--set", "train.max_steps=8", "--set", "train.save_every=3"]);
+    args.extend(extra);
+    ranks(np, &args);
+    out.to_path_buf()
+}
+
+/// `run` resumed on `np` ranks with `sets` ends where the uninterrupted `whole` run does.
+fn resume_ends_as(whole: &Path, run: &Path, np: usize, sets: &[&str]) {
+    let mut args = vec!["sft", "--resume", run.to_str().unwrap()];
+    args.extend(sets);
+    args.push("--allow-change");
+    ranks(np, &args);
+    let diff = weights_diff(&whole.join("final"), &run.join("final"));
+    assert!(diff <= 1e-5, "{}: resumed, it ends {diff} away", run.display());
+    same_metrics(whole, run, 1e-5);
+}
+
 /// A tensor-parallel checkpoint holds the whole model and the whole AdamW state (joined from
 /// the group's blocks): resumed by one process, and one process's resumed on a 2×2 grid, both
 /// end where one uninterrupted process does.
 #[test]
 fn a_tensor_parallel_checkpoint_resumes_in_another_layout() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["--set", "train.max_steps=8", "--set", "train.save_every=3"];
     let run = |name: &str, np: usize, batch: usize, extra: &[&str]| {
-        let out = dir.path().join(name);
-        let batch = format!("train.batch_size={batch}");
-        let mut args = vec!["sft", "--out", out.to_str().unwrap(), "--set", &batch];
-        args.extend(sets);
-        args.extend(extra);
-        ranks(np, &args);
-        out
+        resumable_sft(&dir.path().join(name), np, batch, extra)
     };
     let whole = run("whole", 1, 12, &[]);
     let split = run(
@@ -505,15 +519,7 @@ fn a_tensor_parallel_checkpoint_resumes_in_another_layout() {
     );
     let checkpoint = split.join("checkpoints/step-3");
     assert!(weights_diff(&checkpoint, &whole.join("checkpoints/step-3")) <= 1e-5);
-    let resume_ends_as_whole = |run: &Path, np: usize, sets: &[&str]| {
-        let mut args = vec!["sft", "--resume", run.to_str().unwrap()];
-        args.extend(sets);
-        args.push("--allow-change");
-        ranks(np, &args);
-        let diff = weights_diff(&whole.join("final"), &run.join("final"));
-        assert!(diff <= 1e-5, "{}: resumed, it ends {diff} away", run.display());
-        same_metrics(&whole, run, 1e-5);
-    };
+    let resume_ends_as_whole = |run: &Path, np: usize, sets: &[&str]| resume_ends_as(&whole, run, np, sets);
     resume_ends_as_whole(&split, 1, &["--set", "parallel.tensor=1"]);
     let grown = run("grown", 1, 12, &["--stop-after", "4"]);
     resume_ends_as_whole(
@@ -673,15 +679,8 @@ fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
 #[test]
 fn a_fully_sharded_checkpoint_resumes_in_another_layout() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["--set", "train.max_steps=8", "--set", "train.save_every=3"];
     let run = |name: &str, np: usize, batch: usize, extra: &[&str]| {
-        let out = dir.path().join(name);
-        let batch = format!("train.batch_size={batch}");
-        let mut args = vec!["sft", "--out", out.to_str().unwrap(), "--set", &batch];
-        args.extend(sets);
-        args.extend(extra);
-        ranks(np, &args);
-        out
+        resumable_sft(&dir.path().join(name), np, batch, extra)
     };
     let whole = run("whole", 1, 12, &[]);
     let split = run(
@@ -697,15 +696,7 @@ fn a_fully_sharded_checkpoint_resumes_in_another_layout() {
     // The model folder is whole: transformers' shapes.
     assert!(weights_diff(&checkpoint, &whole.join("checkpoints/step-3")) <= 1e-5);
     // `run` resumed on `np` ranks with `sets`, ending where the uninterrupted run does.
-    let resume_ends_as_whole = |run: &Path, np: usize, sets: &[&str]| {
-        let mut args = vec!["sft", "--resume", run.to_str().unwrap()];
-        args.extend(sets);
-        args.push("--allow-change");
-        ranks(np, &args);
-        let diff = weights_diff(&whole.join("final"), &run.join("final"));
-        assert!(diff <= 1e-5, "{}: resumed, it ends {diff} away", run.display());
-        same_metrics(&whole, run, 1e-5);
-    };
+    let resume_ends_as_whole = |run: &Path, np: usize, sets: &[&str]| resume_ends_as(&whole, run, np, sets);
     let one = ["--set", "train.batch_size=12", "--set", "train.sharding=none"];
     resume_ends_as_whole(&split, 1, &one);
 
