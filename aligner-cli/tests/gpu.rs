@@ -542,16 +542,19 @@ fn continued_sequences_on_wgpu_reuse_their_cache() {
     }
 }
 
-/// `train.sharding = "full"` on wgpu: two ranks (`mpirun`) keep half of every parameter on
-/// the device, gather each weight through the host for its forward and backward, and train
+/// `train.sharding = "full"` and `parallel.tensor = 2` on wgpu: two ranks (`mpirun`) keep
+/// half of every parameter on the device — rows gathered through the host for each forward
+/// and backward, or Megatron blocks whose activations are summed through the host — and train
 /// to the weights and metrics of one wgpu process.
 #[test]
-fn fully_sharded_ranks_on_wgpu_train_as_one_process() {
+fn fully_sharded_and_tensor_parallel_ranks_on_wgpu_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |np: usize| {
-        let out = dir.path().join(format!("np{np}"));
-        let batch = format!("train.batch_size={}", 4 / np);
-        let sharding = format!("train.sharding={}", if np > 1 { "full" } else { "none" });
+    // (ranks, batch per rank, the layout's setting)
+    let run = |np: usize, batch: usize, layout: &str| {
+        let out = dir
+            .path()
+            .join(format!("np{np}-{}", layout.replace(['.', '='], "-")));
+        let batch = format!("train.batch_size={batch}");
         let args = [
             "--device",
             "wgpu",
@@ -563,7 +566,7 @@ fn fully_sharded_ranks_on_wgpu_train_as_one_process() {
             "--set",
             &batch,
             "--set",
-            &sharding,
+            layout,
         ];
         let output = std::process::Command::new("mpirun")
             .args([
@@ -585,15 +588,21 @@ fn fully_sharded_ranks_on_wgpu_train_as_one_process() {
         );
         out
     };
-    let (one, two) = (run(1), run(2));
-    let diff = common::weights_diff(&one.join("final"), &two.join("final"));
-    assert!(diff <= 1e-5, "two fully sharded wgpu ranks end {diff} from one");
-    let (a, b) = (metrics(&one), metrics(&two));
-    assert_eq!(a.len(), b.len());
-    for (x, y) in a.iter().zip(&b) {
-        for key in ["loss", "grad_norm", "eval_nll"] {
-            if let (Some(p), Some(q)) = (x[key].as_f64(), y[key].as_f64()) {
-                assert!((p - q).abs() <= 1e-5, "step {}: {key} {p} vs {q}", x["step"]);
+    let one = run(1, 4, "train.sharding=none");
+    for layout in [run(2, 2, "train.sharding=full"), run(2, 4, "parallel.tensor=2")] {
+        let diff = common::weights_diff(&one.join("final"), &layout.join("final"));
+        assert!(
+            diff <= 1e-5,
+            "{}: two wgpu ranks end {diff} from one",
+            layout.display()
+        );
+        let (a, b) = (metrics(&one), metrics(&layout));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            for key in ["loss", "grad_norm", "eval_nll"] {
+                if let (Some(p), Some(q)) = (x[key].as_f64(), y[key].as_f64()) {
+                    assert!((p - q).abs() <= 1e-5, "step {}: {key} {p} vs {q}", x["step"]);
+                }
             }
         }
     }
