@@ -26,7 +26,7 @@
 //! ZeRO sharding or PPO's critic, full recomputation) are predicted from the same counts and
 //! marked as such. Tensor groups (`parallel.tensor`) hold 1/T of the weights, gradients,
 //! moments and of the activations that the split layers make, and gather the whole model
-//! (f32) for evaluation, checkpoints and, with PPO/GRPO, each step's rollout.
+//! (f32) for checkpoints, the final save and, with PPO/GRPO, each step's rollout.
 
 use crate::config::{LlamaConfig, Precision, QkNorm};
 
@@ -363,7 +363,7 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         (true, PlanMethod::Grpo | PlanMethod::Ppo) => states + 4.0 * p,
         _ => 0.0,
     };
-    // Tensor groups gather the whole model (f32) for evaluation and checkpoints, beside the
+    // Tensor groups gather the whole model (f32) for checkpoints and the final save, beside the
     // blocks and the optimizer's state.
     let gathered = if t > 1.0 { states + 4.0 * p } else { 0.0 };
     let after_backward = states + b.gradients;

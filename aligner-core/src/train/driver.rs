@@ -494,6 +494,13 @@ pub trait Method<M: Module> {
         false
     }
 
+    /// Whether [`Method::evaluate`] can run on the model as the ranks hold it when it is split
+    /// over a tensor group (each group's ranks evaluating the same examples together), instead
+    /// of on the model gathered whole.
+    fn evaluates_split(&self) -> bool {
+        false
+    }
+
     /// Step `step` (0-based): the model in, updated through `optim`, out with its metrics.
     fn step(&mut self, step: usize, model: M, optim: &mut Optimizer<'_>) -> Result<Stepped<M>, Self::Error>;
 
@@ -651,10 +658,17 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         }
     }
     let split = tensor.is_some();
+    // What evaluations see: the model as the ranks hold it where the method can evaluate it
+    // split (no whole copy), else the model gathered whole; `best/` is saved from it, so whole
+    // with `keep_best`.
+    let evaluates_split = split && method.evaluates_split() && settings.keep_best.is_none();
     let log =
         MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;
     let initial_eval = if start == 0 && method.validates() {
-        let whole_model = whole_of(&model, full, split);
+        let whole_model = match evaluates_split {
+            true => std::borrow::Cow::Borrowed(&model),
+            false => whole_of(&model, full, split),
+        };
         let eval = method.evaluate(&whole_model)?;
         let mut row = Map::new();
         row.insert("step".into(), 0.into());
@@ -714,7 +728,10 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let mut row = stepped.row;
             row.insert("step".into(), done.into());
             if eval_now {
-                let whole_model = whole_of(&model, full, split);
+                let whole_model = match evaluates_split {
+                    true => std::borrow::Cow::Borrowed(&model),
+                    false => whole_of(&model, full, split),
+                };
                 let eval = method.evaluate(&whole_model)?;
                 keep_if_best(settings, run, store, &whole_model, done, &eval)?;
                 row.extend(eval);

@@ -436,6 +436,11 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         true
     }
 
+    /// The objective's sums run on the split model; the frontier's samples need it whole.
+    fn evaluates_split(&self) -> bool {
+        self.model_eval.is_none()
+    }
+
     fn validates(&self) -> bool {
         !self.validation.is_empty() || self.model_eval.is_some()
     }
@@ -474,7 +479,8 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             .into_iter()
             .map(|(name, sum, weight)| (format!("eval_{name}"), Value::from(sum / weight.max(1e-12))))
             .collect();
-        if let Some(extra) = self.model_eval.filter(|_| rank == 0) {
+        // Rank 0 of the world (not of each tensor index's data-parallel ranks) measures them.
+        if let Some(extra) = self.model_eval.filter(|_| self.run.is_writer()) {
             out.extend(extra.evaluate(&model)?);
         }
         Ok(out)
