@@ -22,6 +22,11 @@
 //! SwiGLU, RoPE, and ragged grouped-query attention reading a KV cache in place — and
 //! [`fused::panels::ColumnPanels`], the layout of the output projection; `tests/infer.rs`
 //! checks each against the composed ops, and `examples/` time the two layouts.
+//!
+//! [`shard`] holds the ops of fully sharded parameters (ZeRO-3) and [`tensor`] those of tensor
+//! parallel (Megatron's `f` and `g`, the vocabulary-parallel token log-probs), each a Burn
+//! backend extension with a hand-written backward; `tests/shard.rs` and `tests/tensor.rs` check
+//! them against the ops they stand for.
 
 pub mod comm;
 pub mod fused;
