@@ -35,12 +35,14 @@ pub struct ScoreArgs {
 /// The ranks the rows are split over, and the model split over this rank's tensor group.
 fn placed<M: burn::module::Module>(
     model: M,
+    config: &aligner_core::LlamaConfig,
     tensor: usize,
 ) -> Result<(M, std::sync::Arc<dyn aligner_parallel::Communicator>)> {
     let world = aligner_parallel::world();
     if tensor <= 1 {
         return Ok((model, world));
     }
+    aligner_core::train::check_tensor_heads(config, tensor, &format!("--tensor {tensor}"))?;
     let grid = aligner_parallel::Grid::split(world.as_ref(), tensor)
         .map_err(|e| anyhow::anyhow!("--tensor {tensor}: {e}"))?;
     let model = aligner_core::train::tensor::split_parameters(model, grid.tensor)
@@ -97,8 +99,7 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     let lm =
         LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
     let seqs = scored_rows(&args.data, &lm.tokenizer, &lm.config)?;
-    check_heads(&lm.config, args.tensor)?;
-    let (model, comm) = placed(lm.model, args.tensor)?;
+    let (model, comm) = placed(lm.model, &lm.config, args.tensor)?;
     let out = score_split(comm.as_ref(), &seqs, args.batch_size, |chunk| {
         Ok(chunk
             .iter()
@@ -107,17 +108,6 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
             .collect())
     })?;
     write_scores(args.out.as_deref(), &out)
-}
-
-/// `--tensor` must divide the model's heads and KV heads (as `parallel.tensor`).
-fn check_heads(config: &aligner_core::LlamaConfig, tensor: usize) -> Result<()> {
-    let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
-    if tensor > 1 && (!heads.is_multiple_of(tensor) || !kv.is_multiple_of(tensor)) {
-        bail!(
-            "--tensor {tensor} does not divide the model's {heads} attention heads and {kv} key/value heads"
-        );
-    }
-    Ok(())
 }
 
 /// Every line of `path` tokenized by the scoring convention (the prompt as the model sees it,
@@ -161,8 +151,7 @@ fn score_rewards(
         .with_context(|| format!("loading reward model {}", dir.display()))?;
     let tokenizer = aligner_core::TextTokenizer::from_dir(dir)?;
     let rows = scored_rows(&args.data, &tokenizer, config)?;
-    check_heads(config, args.tensor)?;
-    let (model, comm) = placed(model, args.tensor)?;
+    let (model, comm) = placed(model, config, args.tensor)?;
     let out = score_split(comm.as_ref(), &rows, args.batch_size, |chunk| {
         let ids: Vec<&[u32]> = chunk.iter().map(|s| s.ids.as_slice()).collect();
         Ok(model

@@ -290,19 +290,33 @@ fn sft_on_two_and_three_ranks_trains_as_one_process() {
     trains_as_one_process_sharded(&["sft"], 12, &sets, dir.path(), &layouts);
 }
 
+/// The reward model and DPO on 2 and 3 data-parallel ranks with ZeRO stages, and in tensor
+/// groups of 1×2 (and DPO 2×2), train to the weights and metrics of one process.
 #[test]
-fn rm_and_dpo_on_two_and_three_ranks_train_as_one_process() {
+fn rm_and_dpo_on_sharded_ranks_and_in_tensor_groups_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let sets = [
         "train.max_steps=5".to_string(),
         "train.eval_examples=20".into(),
         "train.eval_every=5".into(),
     ];
-    let layouts = [(2, "optimizer"), (3, "gradients"), (2, "full")];
-    trains_as_one_process_sharded(&["rm"], 12, &sets, dir.path(), &layouts);
-    // DPO's reference log-probs are computed a shard per rank and gathered into one cache.
-    let layouts = [(2, "gradients"), (3, "none"), (3, "full")];
-    trains_as_one_process_sharded(&["dpo"], 12, &sets, dir.path(), &layouts);
+    let layouts = [
+        (2, "optimizer", 1),
+        (3, "gradients", 1),
+        (2, "full", 1),
+        (2, "none", 2),
+    ];
+    trains_as_one_process_in(&["rm"], 12, &sets, dir.path(), &layouts);
+    // DPO's reference log-probs are computed a shard per rank and gathered into one cache
+    // (in tensor groups too: before the groups form).
+    let layouts = [
+        (2, "gradients", 1),
+        (3, "none", 1),
+        (3, "full", 1),
+        (2, "none", 2),
+        (4, "none", 2),
+    ];
+    trains_as_one_process_in(&["dpo"], 12, &sets, dir.path(), &layouts);
     let single = std::fs::read_to_string(dir.path().join("dpo-np1-none-t1/reference_train.jsonl")).unwrap();
     let three = std::fs::read_to_string(dir.path().join("dpo-np3-none-t1/reference_train.jsonl")).unwrap();
     let parse = |t: &str| t.lines().map(|l| l.parse::<f64>().unwrap()).collect::<Vec<_>>();
@@ -415,10 +429,11 @@ fn lora_fully_sharded_trains_as_one_process() {
 }
 
 /// Tensor parallel: `data × tensor` grids of 1×2 and 2×2 ranks (each tensor group holding
-/// half of every layer's heads, of the MLP's width and of the vocabulary) train SFT, the
-/// reward model and DPO to the weights and metrics of one process.
+/// half of every layer's heads, of the MLP's width and of the vocabulary) train SFT to the
+/// weights and metrics of one process (the reward model and DPO: with the other layouts,
+/// above).
 #[test]
-fn tensor_groups_of_one_by_two_and_two_by_two_train_as_one_process() {
+fn sft_in_tensor_groups_of_one_by_two_and_two_by_two_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let train = head("train.sft.jsonl", 26, &dir.path().join("train.jsonl"));
     let sets = [
@@ -436,14 +451,6 @@ fn tensor_groups_of_one_by_two_and_two_by_two_train_as_one_process() {
     ];
     let grids = [(2, "none", 2), (4, "none", 2)];
     trains_as_one_process_in(&["sft"], 12, &sets, dir.path(), &grids);
-    let sets = [
-        "train.max_steps=5".to_string(),
-        "train.eval_examples=20".into(),
-        "train.eval_every=5".into(),
-    ];
-    trains_as_one_process_in(&["rm"], 12, &sets, dir.path(), &grids[..1]);
-    // The reference log-probs are computed before the groups form, a share per rank.
-    trains_as_one_process_in(&["dpo"], 12, &sets, dir.path(), &grids);
 }
 
 /// Tensor parallel over other families and LoRA: Gemma 2 (soft-capped attention and logits,

@@ -31,6 +31,7 @@
 pub mod comm;
 pub mod fused;
 mod logprob;
+mod registry;
 pub mod shard;
 pub mod tensor;
 

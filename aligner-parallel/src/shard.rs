@@ -21,9 +21,8 @@
 //! [`shard_gather`] takes an `anchor` (the activation it is used with) only to be placed in the
 //! backward right after its user rather than at the end.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
 
 #[cfg(feature = "cube")]
 use burn::backend::Cube;
@@ -37,6 +36,7 @@ use burn::backend::{
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::comm::{Communicator, shard_range};
+use crate::registry::Registry;
 
 /// How one parameter is split: its whole shape, split by rows (the first axis) over the
 /// ranks of `comm`.
@@ -78,19 +78,9 @@ impl ShardSpec {
 
     /// The whole tensor's values from this rank's (`own`, row-major f32): an all-gather.
     pub fn gather_values(&self, own: &[f32]) -> Vec<f32> {
-        let bytes: Vec<u8> = own.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let parts = self
-            .comm
-            .all_gather(&bytes)
-            .unwrap_or_else(|e| panic!("gathering a sharded parameter {:?}: {e}", self.dims));
-        let mut whole = Vec::with_capacity(self.dims.iter().product());
-        for part in parts {
-            whole.extend(
-                part.chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
-        }
-        whole
+        crate::comm::all_gather_f32(self.comm.as_ref(), own)
+            .unwrap_or_else(|e| panic!("gathering a sharded parameter {:?}: {e}", self.dims))
+            .concat()
     }
 
     /// This rank's rows of the sum over the ranks of `whole` (each rank's gradient of the
@@ -114,7 +104,7 @@ impl ShardSpec {
     }
 }
 
-static SHARDED: RwLock<Option<HashMap<u64, ShardSpec>>> = RwLock::new(None);
+static SHARDED: Registry<ShardSpec> = Registry::new();
 static KEEP_GATHERED: AtomicBool = AtomicBool::new(false);
 
 /// Whether a linear layer keeps its gathered weight from its forward to its backward
@@ -133,26 +123,19 @@ pub fn keeps_gathered() -> bool {
 /// Registers the shard that carries `id` ([`shard_id`]) as split as `spec` says (a fully
 /// sharded trainer does, for each parameter).
 pub fn register(id: u64, spec: ShardSpec) {
-    let mut map = SHARDED.write().unwrap_or_else(|e| e.into_inner());
-    map.get_or_insert_with(HashMap::new).insert(id, spec);
+    SHARDED.insert(id, spec);
 }
 
 /// Whether this process trains a fully sharded model (some parameter is registered).
 pub fn active() -> bool {
-    SHARDED
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .is_some_and(|m| !m.is_empty())
+    SHARDED.is_active()
 }
 
 /// Forgets every registered parameter (the trainer that registered them is done) and the
 /// [`keep_gathered`] setting.
 pub fn clear() {
     keep_gathered(false);
-    if let Some(map) = SHARDED.write().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        map.clear();
-    }
+    SHARDED.clear();
 }
 
 /// The id a parameter's shard carries: its whole tensor's id with a fixed mask, so no other
@@ -173,11 +156,7 @@ const SHARD_ID_MASK: u64 = 0x5348_4152_4445_4421;
 /// The split of the parameter whose shard carries `id` when `dims`, its tensor's shape, is
 /// this rank's shard; `None` for anything else.
 pub fn spec_of(id: u64, dims: &[usize]) -> Option<ShardSpec> {
-    let map = SHARDED.read().unwrap_or_else(|e| e.into_inner());
-    map.as_ref()?
-        .get(&id)
-        .filter(|spec| spec.dims != dims && spec.shard_dims() == dims)
-        .cloned()
+    SHARDED.get(id, |spec| spec.dims != dims && spec.shard_dims() == dims)
 }
 
 /// Ops on sharded parameters, as a Burn backend extension: the default bodies compute without

@@ -23,9 +23,8 @@
 //! Every op is a collective over the group: its ranks must run the same forward and backward
 //! passes, as the ranks of one tensor group do (they see the same examples).
 
-use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 #[cfg(feature = "cube")]
 use burn::backend::Cube;
@@ -37,6 +36,7 @@ use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, backend_extension, 
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::comm::{Communicator, ReduceOp, shard_range};
+use crate::registry::Registry;
 
 /// A tensor group, as the ops carry it.
 #[derive(Clone)]
@@ -96,20 +96,8 @@ impl TensorSplit {
 
     /// The whole tensor's values from this rank's block (an all-gather over the group).
     pub fn gather_values(&self, own: &[f32]) -> Vec<f32> {
-        let bytes: Vec<u8> = own.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let parts = self
-            .group
-            .0
-            .all_gather(&bytes)
+        let parts = crate::comm::all_gather_f32(self.group.0.as_ref(), own)
             .unwrap_or_else(|e| panic!("gathering a tensor-parallel parameter {:?}: {e}", self.dims));
-        let parts: Vec<Vec<f32>> = parts
-            .iter()
-            .map(|p| {
-                p.chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect()
-            })
-            .collect();
         join_blocks(&parts, &self.dims, self.axis)
     }
 }
@@ -145,45 +133,33 @@ pub fn join_blocks(parts: &[Vec<f32>], dims: &[usize], axis: usize) -> Vec<f32> 
     out
 }
 
-static SPLIT: RwLock<Option<HashMap<u64, TensorSplit>>> = RwLock::new(None);
+static SPLIT: Registry<TensorSplit> = Registry::new();
 
 /// Registers the parameter `id` as split as `split` says (a tensor-parallel trainer does, for
 /// each split parameter).
 pub fn register(id: u64, split: TensorSplit) {
-    let mut map = SPLIT.write().unwrap_or_else(|e| e.into_inner());
-    map.get_or_insert_with(HashMap::new).insert(id, split);
+    SPLIT.insert(id, split);
 }
 
 /// Whether this process trains a tensor-parallel model (some parameter is registered).
 pub fn active() -> bool {
-    SPLIT
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .is_some_and(|m| !m.is_empty())
+    SPLIT.is_active()
 }
 
 /// Forgets every registered parameter (the trainer that registered them is done).
 pub fn clear() {
-    if let Some(map) = SPLIT.write().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        map.clear();
-    }
+    SPLIT.clear();
 }
 
 /// The split of parameter `id` when `dims`, its tensor's shape, is this rank's block; `None`
 /// for anything else (a whole tensor under the same id: a gathered copy, a reference model).
 pub fn split_of(id: u64, dims: &[usize]) -> Option<TensorSplit> {
-    let map = SPLIT.read().unwrap_or_else(|e| e.into_inner());
-    map.as_ref()?
-        .get(&id)
-        .filter(|split| split.dims != dims && split.local_dims() == dims)
-        .cloned()
+    SPLIT.get(id, |split| split.dims != dims && split.local_dims() == dims)
 }
 
 /// The registered split of parameter `id`, whatever its tensor's shape.
 pub fn registered(id: u64) -> Option<TensorSplit> {
-    let map = SPLIT.read().unwrap_or_else(|e| e.into_inner());
-    map.as_ref()?.get(&id).cloned()
+    SPLIT.get(id, |_| true)
 }
 
 /// The collectives between a tensor group's parts, as a Burn backend extension: the default

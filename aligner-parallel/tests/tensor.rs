@@ -7,7 +7,9 @@
 use std::ops::Range;
 use std::sync::{Arc, Barrier, Mutex};
 
-use aligner_parallel::comm::{CommError, CommResult, Communicator, LocalQueue, ReduceOp, Traffic, WorkQueue};
+use aligner_parallel::comm::{
+    CommError, CommResult, Communicator, LocalQueue, ReduceOp, Traffic, WorkQueue, all_gather_f32,
+};
 use aligner_parallel::tensor::{Group, TensorSplit, tp_copy, tp_gather, tp_reduce, vocab_parallel_logprobs};
 use aligner_parallel::{shard_range, token_logprobs_from_hidden};
 use burn::tensor::activation::relu;
@@ -31,13 +33,6 @@ impl Threads {
             })
             .collect()
     }
-
-    fn floats(bytes: &[u8]) -> Vec<f32> {
-        bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    }
 }
 
 impl Communicator for Threads {
@@ -48,8 +43,7 @@ impl Communicator for Threads {
         self.shared.1.lock().unwrap().len()
     }
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
-        let bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let parts: Vec<Vec<f32>> = self.all_gather(&bytes)?.iter().map(|p| Self::floats(p)).collect();
+        let parts = all_gather_f32(self, buf)?;
         for (i, v) in buf.iter_mut().enumerate() {
             let values = parts.iter().map(|p| p[i]);
             *v = match op {

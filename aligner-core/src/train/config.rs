@@ -74,13 +74,7 @@ impl ParallelSection {
         if t == 1 {
             return Ok(run.clone());
         }
-        let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
-        if !heads.is_multiple_of(t) || !kv.is_multiple_of(t) {
-            return Err(CoreError::Invalid(format!(
-                "parallel.tensor = {t} does not divide the model's {heads} attention heads and {kv} \
-                 key/value heads between the ranks of a group"
-            )));
-        }
+        check_tensor_heads(config, t, &format!("parallel.tensor = {t}"))?;
         if model.lora_rank > 0 && model.lora_dropout > 0.0 {
             return Err(CoreError::Invalid(format!(
                 "parallel.tensor = {t} with model.lora_dropout = {}: a split layer cannot draw the \
@@ -90,6 +84,19 @@ impl ParallelSection {
         }
         run.clone().in_tensor_groups(t)
     }
+}
+
+/// Refuses, naming `setting`, tensor groups of `tensor` ranks that do not divide `config`'s
+/// attention heads and key/value heads between them.
+pub fn check_tensor_heads(config: &crate::config::LlamaConfig, tensor: usize, setting: &str) -> Result<()> {
+    let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
+    if tensor > 1 && (!heads.is_multiple_of(tensor) || !kv.is_multiple_of(tensor)) {
+        return Err(CoreError::Invalid(format!(
+            "{setting} does not divide the model's {heads} attention heads and {kv} key/value \
+             heads between the ranks of a group"
+        )));
+    }
+    Ok(())
 }
 
 /// `[data]`: training and validation files.

@@ -33,8 +33,8 @@ use serde_json::{Map, Value};
 
 pub use config::{
     BestMode, ConfigChange, DataSection, ModelSection, MovedKey, ParallelSection, Range, Sharding,
-    TrainSection, check_counts, check_new_tokens, check_template, check_value, check_values, config_changes,
-    load_config, load_config_moved, to_toml,
+    TrainSection, check_counts, check_new_tokens, check_template, check_tensor_heads, check_value,
+    check_values, config_changes, load_config, load_config_moved, to_toml,
 };
 pub use driver::{
     BEST_DIR, CheckpointLayout, FINAL_STEP, FinalStep, LoopSettings, LoopState, Method, Optimizer,

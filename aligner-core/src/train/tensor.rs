@@ -149,8 +149,8 @@ pub fn split_parameters<M: Module>(model: M, group: Arc<dyn Communicator>) -> Re
 }
 
 /// A copy of `model` with every split parameter whole again (a collective over the group:
-/// its ranks call it together and get the same model). Evaluation, checkpoints and the final
-/// save use it.
+/// its ranks call it together and get the same model). Checkpoints, the final save,
+/// `keep_best`, the frontier and PPO/GRPO's engines use it.
 pub fn gather_parameters<M: Module>(model: &M) -> M {
     struct Gather;
     impl ModuleMapper for Gather {

@@ -165,6 +165,20 @@ impl Grid {
     }
 }
 
+/// Every rank's `own` values (f32), in rank order: an all-gather of their bytes.
+pub fn all_gather_f32(comm: &dyn Communicator, own: &[f32]) -> CommResult<Vec<Vec<f32>>> {
+    let bytes: Vec<u8> = own.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok(comm
+        .all_gather(&bytes)?
+        .iter()
+        .map(|part| {
+            part.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        })
+        .collect())
+}
+
 /// Refuses a reduce-scatter whose send buffer is not `world` blocks of the receive buffer.
 pub(crate) fn check_blocks(send: usize, recv: usize, world: usize) -> CommResult<()> {
     if send != recv * world {
