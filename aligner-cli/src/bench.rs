@@ -67,6 +67,11 @@ pub enum BenchCommand {
         /// (`train.keep_gathered`).
         #[arg(long)]
         keep_gathered: bool,
+        /// Gradient buckets of this many MiB summed while the backward pass goes on, with
+        /// sharding none or optimizer (`train.bucket_mb`; 0 = after the backward): the table
+        /// adds the seconds of the sums that overlapped the backward.
+        #[arg(long, default_value_t = aligner_core::train::config::DEFAULT_BUCKET_MB)]
+        bucket_mb: f64,
         /// Ranks per tensor group under `mpirun` (`parallel.tensor`): each holds a block of
         /// every layer; `--batch` is split over the `ranks / tensor` groups.
         #[arg(long, default_value_t = 1)]
@@ -258,6 +263,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             activation_checkpointing,
             sharding,
             keep_gathered,
+            bucket_mb,
             tensor,
             peak_tflops,
         } => train(
@@ -268,6 +274,7 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
                 activation_checkpointing,
                 sharding,
                 keep_gathered,
+                bucket_mb,
                 ..TrainSection::default()
             },
             tensor,
@@ -424,6 +431,14 @@ fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
         batch,
         steps,
     )
+    .map(|timed| timed.seconds)
+}
+
+/// What [`seconds_per_step_on`] measured.
+struct TimedSteps {
+    seconds: f64,
+    /// The overlapped gradient sums of the timed steps (with `train.bucket_mb` over ranks).
+    overlap: Option<aligner_parallel::overlap::OverlapStats>,
 }
 
 /// [`seconds_per_step`] on a given autodiff device (with or without gradient checkpointing).
@@ -435,7 +450,7 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     objective: &O,
     batch: &[O::Example],
     steps: usize,
-) -> Result<f64> {
+) -> Result<TimedSteps> {
     use aligner_core::train::{Method, ObjectiveStep, Optimizer};
 
     // The step reads the run folder only to name a checkpoint on a non-finite loss.
@@ -455,7 +470,8 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
         config.sharding,
         run.comm(),
     )
-    .with_tensor_group(run.tensor_group());
+    .with_tensor_group(run.tensor_group())
+    .with_overlap(aligner_core::train::config::bucket_elements(config.bucket_mb));
     let mut model = aligner_core::train::config::to_train_device(model, train_device);
     config.check()?;
     if optim.full() {
@@ -466,6 +482,7 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
         model = aligner_core::train::tensor::split_parameters(model, group)?;
     }
     model = step.step(0, model, &mut optim)?.model;
+    let warm = optim.overlap_stats();
     let start = Instant::now();
     for k in 1..total {
         model = step.step(k, model, &mut optim)?.model;
@@ -473,7 +490,11 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     let seconds = start.elapsed().as_secs_f64() / (total - 1) as f64;
     aligner_parallel::shard::clear();
     aligner_parallel::tensor::clear();
-    Ok(seconds)
+    let overlap = optim
+        .overlap_stats()
+        .zip(warm)
+        .map(|(now, warm)| now.since(&warm));
+    Ok(TimedSteps { seconds, overlap })
 }
 
 /// `len` token ids of a fixed pseudo-random pattern for `salt`.
@@ -515,9 +536,9 @@ fn train(
     }
     if comm.is_root() {
         println!(
-            "| model | params | ranks × threads | batch × seq | activation checkpointing | sharding | ms / step | steps/s | tokens/s | MFU | reduce ms / step | reduce MB / step | peak RSS MB (largest rank) |"
+            "| model | params | ranks × threads | batch × seq | activation checkpointing | sharding | ms / step | steps/s | tokens/s | MFU | reduce ms / step | overlapped ms / step | buckets sent in the backward | reduce MB / step | peak RSS MB (largest rank) |"
         );
-        println!("|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     }
     for (name, config, model) in models(device, only)? {
         // The global batch (each rank trains on its shard of it).
@@ -532,7 +553,7 @@ fn train(
         let params = parameter_count(&model);
         let before = comm.traffic();
         let train_device = train_config.autodiff_device(device);
-        let per = seconds_per_step_on(
+        let timed_steps = seconds_per_step_on(
             model,
             &train_device,
             &train_config,
@@ -541,6 +562,7 @@ fn train(
             &examples,
             steps,
         )?;
+        let per = timed_steps.seconds;
         let after = comm.traffic();
         let tokens_per_s = (batch * seq) as f64 / per;
         let mfu = peak_tflops
@@ -561,10 +583,25 @@ fn train(
             .unwrap_or_else(|| "–".into());
         // The warm-up step's all-reduce is counted too.
         let timed = (steps.max(1) + 1) as f64;
+        let mut reduce_ms = (after.seconds - before.seconds) / timed * 1e3;
+        let mut reduce_mb = (after.bytes - before.bytes) as f64 / timed / 1e6;
+        // The buckets go over a communicator of their own, counted by the overlap.
+        let (overlapped, buckets) = match timed_steps.overlap.filter(|o| o.steps > 0) {
+            Some(o) => {
+                let n = o.steps as f64;
+                reduce_ms += o.comm_seconds / n * 1e3;
+                reduce_mb += o.bytes as f64 / n / 1e6;
+                (
+                    format!("{:.1}", o.overlapped_seconds() / n * 1e3),
+                    format!("{} of {}", o.early_buckets / o.steps, o.buckets / o.steps),
+                )
+            }
+            None => ("–".to_string(), "–".to_string()),
+        };
         let threads = rayon::current_num_threads();
         if comm.is_root() {
             println!(
-                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {} | {} | {:.1} | {:.2} | {:.0} | {mfu} | {:.1} | {:.1} | {rss} |",
+                "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {} | {} | {:.1} | {:.2} | {:.0} | {mfu} | {reduce_ms:.1} | {overlapped} | {buckets} | {reduce_mb:.1} | {rss} |",
                 if train_config.activation_checkpointing {
                     "on"
                 } else {
@@ -578,8 +615,6 @@ fn train(
                 per * 1e3,
                 1.0 / per,
                 tokens_per_s,
-                (after.seconds - before.seconds) / timed * 1e3,
-                (after.bytes - before.bytes) as f64 / timed / 1e6,
             );
         }
     }

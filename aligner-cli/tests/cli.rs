@@ -452,6 +452,15 @@ fn bad_inputs_are_refused_naming_the_culprit() {
             "train.keep_gathered = true keeps the weights `train.sharding = \"full\"` gathers, but train.sharding is \"none\"",
         ),
         (
+            [
+                set("sft", "train.sharding=gradients".into()),
+                args(&["--set", "train.bucket_mb=4"]),
+            ]
+            .concat(),
+            "train.bucket_mb sizes the gradient buckets summed during the backward with train.sharding \"none\" or \"optimizer\"; train.sharding = \"gradients\" reduce-scatters instead",
+        ),
+        (set("sft", "train.bucket_mb=-1".into()), "train.bucket_mb"),
+        (
             set("ppo", "train.batch_size=4".into()),
             "train.batch_size = 4 is not used by ppo: a step samples ppo.rollout_prompts prompts",
         ),

@@ -545,7 +545,8 @@ fn continued_sequences_on_wgpu_reuse_their_cache() {
 /// `train.sharding = "full"` and `parallel.tensor = 2` on wgpu: two ranks (`mpirun`) keep
 /// half of every parameter on the device — rows gathered through the host for each forward
 /// and backward, or Megatron blocks whose activations are summed through the host — and train
-/// to the weights and metrics of one wgpu process.
+/// to the weights and metrics of one wgpu process; so do two plain data-parallel ranks whose
+/// gradient buckets are summed during the backward.
 #[test]
 fn fully_sharded_and_tensor_parallel_ranks_on_wgpu_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -589,7 +590,14 @@ fn fully_sharded_and_tensor_parallel_ranks_on_wgpu_train_as_one_process() {
         out
     };
     let one = run(1, 4, "train.sharding=none");
-    for layout in [run(2, 2, "train.sharding=full"), run(2, 4, "parallel.tensor=2")] {
+    // Plain data parallel too, its gradients read back from the device by the hooks and
+    // summed in small buckets while the backward goes on.
+    let layouts = [
+        run(2, 2, "train.sharding=full"),
+        run(2, 4, "parallel.tensor=2"),
+        run(2, 2, "train.bucket_mb=0.01"),
+    ];
+    for layout in layouts {
         let diff = common::weights_diff(&one.join("final"), &layout.join("final"));
         assert!(
             diff <= 1e-5,

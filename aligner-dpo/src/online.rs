@@ -417,6 +417,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
                 }
             }
             let batch: Vec<&DpoExample> = examples.iter().collect();
+            optim.begin_pass(&policy, true)?;
             let (out, router_loss) =
                 aligner_core::model::with_router_loss(|| self.objective.step(&policy, &batch));
             let out = aligner_core::train::with_router_term(out?, router_loss);

@@ -26,11 +26,13 @@
 //! [`shard`] holds the ops of fully sharded parameters (ZeRO-3) and [`tensor`] those of tensor
 //! parallel (Megatron's `f` and `g`, the vocabulary-parallel token log-probs), each a Burn
 //! backend extension with a hand-written backward; `tests/shard.rs` and `tests/tensor.rs` check
-//! them against the ops they stand for.
+//! them against the ops they stand for. [`overlap`] sums data-parallel gradients in buckets
+//! while the backward pass goes on (its hook is one more such op).
 
 pub mod comm;
 pub mod fused;
 mod logprob;
+pub mod overlap;
 mod registry;
 pub mod shard;
 pub mod tensor;

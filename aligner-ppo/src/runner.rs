@@ -486,6 +486,7 @@ impl PpoRunner<'_> {
             // loss, clip fraction, approximate KL, entropy
             let mut stats = [0.0f64; 4];
             let mut grads = GradientsParams::new();
+            optim.begin_pass(&actor, true)?;
             // Fully sharded, each pass gathers and reduce-scatters with the other ranks': a rank
             // without rows here still runs one, on the mini-batch's first row, at weight 0.
             let idle = mine.is_empty();

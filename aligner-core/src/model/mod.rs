@@ -90,7 +90,8 @@ impl LlamaModel {
                 Some(spec) => {
                     aligner_parallel::shard::shard_embedding(self.embed_tokens.weight.val(), tokens, spec)
                 }
-                None => self.embed_tokens.forward(tokens),
+                // Through `whole_value`, so an overlapped gradient sum sees the read.
+                None => burn::tensor::module::embedding(whole_value(&self.embed_tokens.weight), tokens),
             }
         };
         if let Some(scale) = self.embedding_scale {
@@ -170,12 +171,22 @@ impl CausalLm {
         }
     }
 
+    /// [`CausalLm::output_weight`] for projecting `hidden`, which places the weight's
+    /// gradient work in the backward right after the projection's (a sharded weight's
+    /// reduce-scatter, an overlapped bucket) rather than at its end.
+    fn output_weight_for<const D: usize>(&self, hidden: &Tensor<D>) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => param_value(&head.weight, hidden),
+            None => param_value(&self.model.embed_tokens.weight, hidden).transpose(),
+        }
+    }
+
     /// Logits `[batch, seq, vocab]` of hidden states.
     pub fn logits_from_hidden(&self, hidden: Tensor<3>) -> Tensor<3> {
         // One [batch·seq, hidden] × [hidden, vocab] product: a single large GEMM is much
         // faster on CPU than a broadcast batched matmul.
         let [b, s, d] = hidden.dims();
-        let weight = as_type_of(self.output_weight(), &hidden);
+        let weight = as_type_of(self.output_weight_for(&hidden), &hidden);
         let vocab = weight.dims()[1];
         let logits = hidden
             .reshape([b * s, d])
@@ -239,13 +250,8 @@ impl CausalLm {
                 &split.group,
             );
         }
-        token_logprobs_from_hidden(
-            hidden,
-            self.output_weight(),
-            targets,
-            DEFAULT_CHUNK_TOKENS,
-            self.final_softcap,
-        )
+        let weight = self.output_weight_for(&hidden);
+        token_logprobs_from_hidden(hidden, weight, targets, DEFAULT_CHUNK_TOKENS, self.final_softcap)
     }
 }
 
@@ -500,8 +506,12 @@ pub fn param_value<const D: usize, const E: usize>(
         // A use that does not compute on the block: the whole tensor, gathered.
         return aligner_parallel::tensor::tp_gather(value, split);
     }
-    match aligner_parallel::shard::spec_of(param.id.val(), &value.dims()) {
-        Some(spec) => aligner_parallel::shard::shard_gather(value, anchor, spec),
+    if let Some(spec) = aligner_parallel::shard::spec_of(param.id.val(), &value.dims()) {
+        return aligner_parallel::shard::shard_gather(value, anchor, spec);
+    }
+    // Data parallel with overlap: the read's gradient goes to its bucket.
+    match aligner_parallel::overlap::hook_of(param.id.val()) {
+        Some(hook) => aligner_parallel::overlap::grad_hook(value, anchor, hook),
         None => value,
     }
 }

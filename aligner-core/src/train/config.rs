@@ -123,6 +123,14 @@ impl Default for DataSection {
     }
 }
 
+/// `train.bucket_mb`'s default: PyTorch DDP's bucket size.
+pub const DEFAULT_BUCKET_MB: f64 = 25.0;
+
+/// The number of f32 values in a bucket of `mb` MiB (0 = no buckets).
+pub fn bucket_elements(mb: f64) -> usize {
+    (mb * (1 << 20) as f64 / 4.0) as usize
+}
+
 /// `[train]`: the optimisation loop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -164,6 +172,11 @@ pub struct TrainSection {
     /// its backward instead of gathering it again there (one all-gather a step instead of two;
     /// the whole weights stay in memory through the step, as without sharding).
     pub keep_gathered: bool,
+    /// Data parallel with `sharding = "none"` or `"optimizer"`: the gradients are summed over
+    /// the ranks in buckets of about this many MiB while the backward pass goes on, each as
+    /// soon as its gradients are complete (PyTorch DDP's `bucket_cap_mb`); 0 = all of them
+    /// after the backward pass.
+    pub bucket_mb: f64,
     /// Keep the model of the best validation by this metric (e.g. `"eval_nll"`) in `best/`
     /// and make it `final/` (the step it is from is in `final_step.json`); none = the last.
     pub keep_best: Option<String>,
@@ -253,6 +266,7 @@ impl Default for TrainSection {
             sharding: Sharding::None,
             activation_checkpointing: false,
             keep_gathered: false,
+            bucket_mb: DEFAULT_BUCKET_MB,
             keep_best: None,
             keep_best_mode: BestMode::Min,
             tensorboard: true,
@@ -437,6 +451,17 @@ impl TrainSection {
         check_value("train.lr", self.lr, Range::Positive)?;
         check_value("train.max_grad_norm", self.max_grad_norm, Range::NonNegative)?;
         check_value("train.weight_decay", self.weight_decay, Range::NonNegative)?;
+        check_value("train.bucket_mb", self.bucket_mb, Range::NonNegative)?;
+        if self.bucket_mb != DEFAULT_BUCKET_MB
+            && matches!(self.sharding, Sharding::Gradients | Sharding::Full)
+        {
+            return Err(CoreError::Invalid(format!(
+                "train.bucket_mb sizes the gradient buckets summed during the backward with \
+                 train.sharding \"none\" or \"optimizer\"; train.sharding = \"{}\" \
+                 reduce-scatters instead",
+                self.sharding.name()
+            )));
+        }
         if self.keep_gathered && self.sharding != Sharding::Full {
             return Err(CoreError::Invalid(format!(
                 "train.keep_gathered = true keeps the weights `train.sharding = \"full\"` gathers, \

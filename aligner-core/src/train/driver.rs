@@ -18,6 +18,7 @@ use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use aligner_parallel::overlap::{Overlap, OverlapStats};
 use aligner_parallel::{Communicator, ReduceOp};
 
 use super::config::Sharding;
@@ -65,6 +66,9 @@ pub struct LoopSettings {
     pub sharding: Sharding,
     /// `full` sharding: keep each layer's gathered weight for its backward (`train.keep_gathered`).
     pub keep_gathered: bool,
+    /// Data parallel: gradient buckets of this many values summed during the backward
+    /// (`train.bucket_mb`; 0 = after it).
+    pub bucket_elements: usize,
     /// A metrics row every this many steps (evaluation steps and the last step always).
     pub log_every: usize,
     /// Evaluate every this many steps (0 = at the start and the end only).
@@ -93,6 +97,7 @@ impl LoopSettings {
             max_grad_norm: config.max_grad_norm,
             sharding: config.sharding,
             keep_gathered: config.keep_gathered,
+            bucket_elements: super::config::bucket_elements(config.bucket_mb),
             log_every: config.log_every,
             eval_every: config.eval_every,
             save_every: config.save_every,
@@ -122,6 +127,10 @@ pub struct Optimizer<'a> {
     comm: &'a dyn Communicator,
     /// The tensor group the parameters are split over (`parallel.tensor`), if any.
     tensor: Option<std::sync::Arc<dyn Communicator>>,
+    /// Gradient buckets of this many values summed during the backward (0 = after it).
+    bucket_elements: usize,
+    /// The overlap of those sums, made at the first pass that uses it.
+    overlap: Option<Overlap>,
 }
 
 impl<'a> Optimizer<'a> {
@@ -145,7 +154,64 @@ impl<'a> Optimizer<'a> {
             owners: None,
             comm,
             tensor: None,
+            bucket_elements: 0,
+            overlap: None,
         }
+    }
+
+    /// Data parallel: sums the gradients in buckets of about `bucket_elements` values while
+    /// the backward pass goes on, each as soon as its gradients are complete
+    /// (`train.bucket_mb`; 0 = all of them after the backward). It takes effect over more
+    /// than one rank with `train.sharding` "none" or "optimizer", outside tensor groups, for
+    /// the passes a method announces with [`Optimizer::begin_pass`].
+    pub fn with_overlap(mut self, bucket_elements: usize) -> Self {
+        self.bucket_elements = bucket_elements;
+        self
+    }
+
+    /// Whether the gradient sums overlap the backward passes (see [`Optimizer::with_overlap`]).
+    pub fn overlaps(&self) -> bool {
+        self.bucket_elements > 0
+            && self.comm.world_size() > 1
+            && self.tensor.is_none()
+            && matches!(self.sharding, Sharding::None | Sharding::Optimizer)
+    }
+
+    /// Announces a forward and backward pass of a step over `model` (the step's `last`, or
+    /// an earlier micro-batch's): with overlap its gradients go to the buckets, which the
+    /// last pass sends as they complete. Every rank calls it before each pass, an idle one
+    /// too (the first call is a collective).
+    pub fn begin_pass<M: Module>(&mut self, model: &M, last: bool) -> Result<()> {
+        if !self.overlaps() {
+            return Ok(());
+        }
+        if self.overlap.is_none() {
+            self.overlap = Some(Overlap::new(self.comm, self.bucket_elements)?);
+        }
+        let params = grads::trainable_params(model);
+        if let Some(overlap) = self.overlap.as_mut() {
+            overlap.arm(&params, last);
+        }
+        Ok(())
+    }
+
+    /// The overlapped sums' figures so far (`None` without overlap).
+    pub fn overlap_stats(&self) -> Option<OverlapStats> {
+        self.overlap.as_ref().map(Overlap::stats)
+    }
+
+    /// Sums `grads` over the ranks: what the armed passes' buckets summed, and the rest now
+    /// (all of it without overlap).
+    fn sum_gradients<M: Module>(&mut self, model: &M, grads: &mut GradientsParams) -> Result<()> {
+        match self.overlap.as_mut().filter(|o| o.armed()) {
+            Some(overlap) => {
+                let unhooked = grads::take_gradients(model, grads);
+                let summed = overlap.finish(self.comm, unhooked)?;
+                grads::put_gradients(model, grads, summed);
+            }
+            None => grads::all_reduce_gradients(model, grads, 1.0, self.comm)?,
+        }
+        Ok(())
     }
 
     /// The optimizer of a model whose parameters are split over `group` (tensor parallel): the
@@ -177,7 +243,7 @@ impl<'a> Optimizer<'a> {
     /// step at `lr`; the updated model and the norm before clipping out.
     pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> Result<(M, f64)> {
         if self.shards == 0 {
-            grads::all_reduce_gradients(&model, &mut grads, 1.0, self.comm)?;
+            self.sum_gradients(&model, &mut grads)?;
             let norm = match &self.tensor {
                 Some(group) => {
                     // A split parameter's blocks are parts of one gradient; a whole one is the
@@ -200,6 +266,9 @@ impl<'a> Optimizer<'a> {
             let norm = clip_shares(self.comm, &model, &mut grads, self.max_grad_norm)?;
             return Ok((self.adam.step(lr, model, grads), norm));
         }
+        if self.sharding == Sharding::Optimizer {
+            self.sum_gradients(&model, &mut grads)?;
+        }
         let owners = self
             .owners
             .get_or_insert_with(|| grads::optimizer_owners(&model, self.shards));
@@ -208,7 +277,6 @@ impl<'a> Optimizer<'a> {
             grads::reduce_scatter_gradients(&model, &mut grads, owners, self.comm)?;
             clip_shares(self.comm, &model, &mut grads, self.max_grad_norm)?
         } else {
-            grads::all_reduce_gradients(&model, &mut grads, 1.0, self.comm)?;
             let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
             grads::keep_owned_gradients(&model, &mut grads, owners, rank);
             norm
@@ -616,7 +684,8 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         settings.sharding,
         comm,
     )
-    .with_tensor_group(tensor.clone());
+    .with_tensor_group(tensor.clone())
+    .with_overlap(settings.bucket_elements);
     run.prepare_checkpoints()?;
     let resume = run.resume_point(layout.state)?;
     // A tensor-parallel state is cut to the model's blocks, so it loads once they exist.
@@ -761,6 +830,16 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         }
     }
     bar.finish_and_clear();
+    if let Some(o) = optim.overlap_stats().filter(|o| o.steps > 0) {
+        tracing::info!(
+            "gradient sums: {} of {} buckets sent during the backward; {:.2} s of {:.2} s of \
+             communication overlapped the computation",
+            o.early_buckets,
+            o.buckets,
+            o.overlapped_seconds(),
+            o.comm_seconds
+        );
+    }
     let model = whole_of(&model, full, split).into_owned();
     aligner_parallel::shard::clear();
     aligner_parallel::tensor::clear();

@@ -219,6 +219,60 @@ pub fn all_reduce_gradients<M: Module>(
     Ok(())
 }
 
+/// Each trainable parameter's id and number of values, in visit order.
+pub fn trainable_params<M: Module>(module: &M) -> Vec<(u64, usize)> {
+    struct Params(Vec<(u64, usize)>);
+    impl ModuleVisitor for Params {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            if value.is_require_grad() {
+                self.0.push((param.id.val(), value.shape().num_elements()));
+            }
+        }
+    }
+    let mut params = Params(Vec::new());
+    module.visit(&mut params);
+    params.0
+}
+
+/// Takes every trainable parameter's gradient out of `grads`, in visit order, as f32 values
+/// (`None` where there is none).
+pub fn take_gradients<M: Module>(module: &M, grads: &mut GradientsParams) -> Vec<Option<Vec<f32>>> {
+    let mut take = TakeAll {
+        grads,
+        taken: Vec::new(),
+    };
+    module.visit(&mut take);
+    take.taken.into_iter().map(|(_, g)| g).collect()
+}
+
+/// Registers `values` (each trainable parameter's gradient in visit order, as from
+/// [`take_gradients`]) in `grads`, replacing what is there; `None` leaves a parameter without.
+pub fn put_gradients<M: Module>(module: &M, grads: &mut GradientsParams, values: Vec<Option<Vec<f32>>>) {
+    struct Put<'a> {
+        grads: &'a mut GradientsParams,
+        values: std::vec::IntoIter<Option<Vec<f32>>>,
+    }
+    impl ModuleVisitor for Put<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            if !value.is_require_grad() {
+                return;
+            }
+            self.grads.remove::<D>(param.id);
+            if let Some(Some(values)) = self.values.next() {
+                let device = value.device().inner();
+                let grad = Tensor::<D>::from_data(TensorData::new(values, value.shape()), &device);
+                self.grads.register::<D>(param.id, grad);
+            }
+        }
+    }
+    module.visit(&mut Put {
+        grads,
+        values: values.into_iter(),
+    });
+}
+
 /// Takes each trainable parameter's gradient out of `grads` as f32 values, in visit order
 /// (`None` where this rank has none); each tensor is freed as it is copied.
 struct TakeAll<'a> {

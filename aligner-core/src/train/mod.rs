@@ -329,6 +329,7 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         let mut tokens = 0usize;
         let mut metric_sums: Vec<(String, f64)> = Vec::new();
         for micro in 0..accum {
+            optim.begin_pass(&model, micro + 1 == accum)?;
             let indices = self.order.batch(step * accum + micro, global_batch);
             let shard = |r: usize| -> Vec<&O::Example> {
                 indices[shard_range(indices.len(), r, world)]

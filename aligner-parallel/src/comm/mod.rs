@@ -83,6 +83,13 @@ pub trait Communicator: Send + Sync {
     /// The ranks that pass the same `color` as this one, as a communicator of their own,
     /// ordered by `key` (`MPI_Comm_split`; a collective: every rank calls it).
     fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>>;
+    /// [`Communicator::all_reduce`] (a sum) for a thread that runs beside one calling other
+    /// collectives (the gradient buckets' in [`crate::overlap`]): where calls share one lock,
+    /// it holds it only to start the sum and to look whether it is done, so the other thread's
+    /// collectives go on meanwhile.
+    fn all_reduce_polled(&self, buf: &mut [f32]) -> CommResult<()> {
+        self.all_reduce(buf, ReduceOp::Sum)
+    }
 
     fn is_root(&self) -> bool {
         self.rank() == 0

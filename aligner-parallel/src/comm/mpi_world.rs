@@ -70,6 +70,9 @@ impl Inner {
 
 static STARTED: OnceLock<Arc<Inner>> = OnceLock::new();
 
+/// How long [`Communicator::all_reduce_polled`] leaves the lock between looks.
+const POLL: Duration = Duration::from_micros(50);
+
 /// The MPI world of this process.
 pub(crate) struct Mpi {
     inner: Arc<Inner>,
@@ -159,6 +162,50 @@ impl Communicator for Mpi {
         if op == ReduceOp::Mean {
             let inv = 1.0 / self.inner.size as f32;
             buf.iter_mut().for_each(|x| *x *= inv);
+        }
+        self.inner
+            .traffic
+            .record(std::mem::size_of_val(buf), started.elapsed());
+        Ok(())
+    }
+
+    fn all_reduce_polled(&self, buf: &mut [f32]) -> CommResult<()> {
+        let started = Instant::now();
+        let send = buf.to_vec();
+        let mut failed = None;
+        mpi::request::scope(|scope| {
+            let mut request = {
+                let handles = match self.inner.lock() {
+                    Ok(handles) => handles,
+                    Err(e) => {
+                        failed = Some(e);
+                        return;
+                    }
+                };
+                self.inner.comm(&handles).immediate_all_reduce_into(
+                    scope,
+                    &send[..],
+                    &mut *buf,
+                    SystemOperation::sum(),
+                )
+            };
+            loop {
+                match self.inner.handles.lock() {
+                    Ok(_held) => match request.test() {
+                        Ok(_) => return,
+                        Err(pending) => request = pending,
+                    },
+                    // A poisoned lock: MPI itself is still sound, so wait it out unlocked.
+                    Err(_) => {
+                        request.wait_without_status();
+                        return;
+                    }
+                }
+                std::thread::sleep(POLL);
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
         }
         self.inner
             .traffic
