@@ -70,6 +70,12 @@ pub struct GenerateArgs {
     /// What the model computes in: f32, or bf16 / f16 on GPU devices.
     #[arg(long, default_value = "f32", value_parser = crate::parse_precision)]
     pub dtype: aligner_core::config::Precision,
+    /// Ranks per tensor group under `mpirun` (as `parallel.tensor`): each holds a block of
+    /// every layer (its heads, its share of the MLP and of the vocabulary) and the group
+    /// decodes together, one worker per rank; the prompts are split over the groups (under
+    /// `mpirun` without it, over the ranks).
+    #[arg(long, default_value_t = 1)]
+    tensor: usize,
 }
 
 /// A prompt line, optionally with SteerLM attributes.
@@ -224,9 +230,19 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     }
     let prompts: Vec<&Prompt> = rows.iter().map(|r| &r.prompt).collect();
 
+    if args.tensor > 1 && args.workers > 1 {
+        bail!(
+            "--workers {} with --tensor {}: a tensor group's ranks decode in lock step, with one worker each",
+            args.workers,
+            args.tensor
+        );
+    }
+    // Under `mpirun`: the model split over this rank's tensor group (`--tensor`), and the
+    // ranks (or groups) the prompts are split over.
+    let (model, comm) = crate::score::placed(lm.model, &lm.config, args.tensor)?;
     // The model moves into the engine: on the CPU its weights are then held once.
     let engine = Engine::new(
-        lm.model,
+        model,
         lm.config.clone(),
         Some(lm.tokenizer.clone()),
         EngineOptions {
@@ -242,7 +258,7 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     );
     let start = Instant::now();
     let generated = std::sync::atomic::AtomicUsize::new(0);
-    let (outputs, report) = pool.generate(&requests, &|g| {
+    let progress = |g: &aligner_gen::Generation| {
         let total =
             generated.fetch_add(g.token_ids.len(), std::sync::atomic::Ordering::Relaxed) + g.token_ids.len();
         bar.inc(1);
@@ -250,8 +266,17 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
             "{:.0} tokens/s",
             total as f64 / start.elapsed().as_secs_f64()
         ));
+    };
+    // Each rank (group) its share, in prompt order; every prompt samples with its own seed,
+    // so who generates it does not change it.
+    let mut report = Default::default();
+    let outputs = aligner_core::parallel::map_sharded(comm.as_ref(), &requests, |mine| {
+        let (outputs, done) = pool.generate(mine, &progress)?;
+        report = done;
+        Ok::<_, anyhow::Error>(outputs)
     })?;
     bar.finish_and_clear();
+    let report: aligner_gen::PoolReport = report;
     tracing::info!(
         prompts = outputs.len(),
         tokens = report.tokens(),
@@ -267,6 +292,8 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
         );
     }
 
+    // The world's rank 0 alone prints or writes.
+    let printer = aligner_parallel::world().is_root();
     let mut rows = Vec::with_capacity(outputs.len());
     for (((prompt, text), request), out) in prompts.iter().zip(&texts).zip(&requests).zip(&outputs) {
         let response = lm
@@ -280,10 +307,13 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
                 "token_logprobs": out.token_logprobs,
                 "stop_reason": out.stop_reason,
             })),
-            None => println!("{text}{response}\n"),
+            None if printer => println!("{text}{response}\n"),
+            None => {}
         }
     }
-    if let Some(path) = &args.out {
+    if let Some(path) = &args.out
+        && printer
+    {
         crate::write_jsonl(Some(path), &rows)?;
     }
     Ok(())

@@ -33,7 +33,7 @@ pub struct ScoreArgs {
 }
 
 /// The ranks the rows are split over, and the model split over this rank's tensor group.
-fn placed<M: burn::module::Module>(
+pub(crate) fn placed<M: burn::module::Module>(
     model: M,
     config: &aligner_core::LlamaConfig,
     tensor: usize,

@@ -461,6 +461,14 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         ),
         (set("sft", "train.bucket_mb=-1".into()), "train.bucket_mb"),
         (
+            set("ppo", "ppo.split_engine=false".into()),
+            "ppo.split_engine = false chooses how tensor groups generate, but parallel.tensor is 1",
+        ),
+        (
+            args(&["generate", "--prompt", "Once", "--tensor", "2", "--workers", "2"]),
+            "--workers 2 with --tensor 2: a tensor group's ranks decode in lock step",
+        ),
+        (
             set("ppo", "train.batch_size=4".into()),
             "train.batch_size = 4 is not used by ppo: a step samples ppo.rollout_prompts prompts",
         ),

@@ -124,6 +124,11 @@ fn windowed_and_qk_normed_models_on_wgpu_equal_transformers() {
 /// Two PPO steps on wgpu into `out`, scored by the reward model set in `reward` (a
 /// `reward_model.path=...` setting), with `extra` flags: (success, stderr).
 fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
+    ppo_on_wgpu_with(out, reward, extra, &[])
+}
+
+/// [`ppo_on_wgpu`] with more environment variables for the process.
+fn ppo_on_wgpu_with(out: &Path, reward: &str, extra: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let mut args = vec![
         "--device",
         "wgpu",
@@ -150,7 +155,8 @@ fn ppo_on_wgpu(out: &Path, reward: &str, extra: &[&str]) -> (bool, String) {
         "frontier.prompts=''",
     ];
     args.extend(extra);
-    aligner(&args)
+    let (ok, _, stderr) = common::aligner_output_with(&args, env);
+    (ok, stderr)
 }
 
 /// Trains `command` for 10 steps on `device` into `run`, evaluating at the start and the end.
@@ -439,10 +445,14 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let reward = common::quick_reward_model();
     let reward = format!("reward_model.path={}", reward.display());
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
+    // The three runs pick the same kernels: CubeCL's autotuner chooses by timing and keeps its
+    // choices in a store other tests' processes write to at the same time, so an environment
+    // of this test's own (one f16 rounding apart is enough to break a bitwise resume).
+    let env = [("CUBECL_ENVIRONMENT", "aligner-test-ppo-f16-resume")];
     let ppo = |out: &Path, extra: &[&str]| {
         let mut args = vec!["--set", "train.save_every=1", "--set", "model.dtype=\"f16\""];
         args.extend(extra);
-        let (ok, err) = ppo_on_wgpu(out, &reward, &args);
+        let (ok, err) = ppo_on_wgpu_with(out, &reward, &args, &env);
         assert!(ok, "{extra:?}: {err}");
     };
     ppo(&full, &[]);
@@ -466,7 +476,10 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
 
     ppo(&cut, &["--stop-after", "1"]);
     assert!(!cut.join("final").exists());
-    let (ok, err) = aligner(&["--device", "wgpu", "ppo", "--resume", cut.to_str().unwrap()]);
+    let (ok, _, err) = common::aligner_output_with(
+        &["--device", "wgpu", "ppo", "--resume", cut.to_str().unwrap()],
+        &env,
+    );
     assert!(ok, "{err}");
     let resumed = metrics(&cut);
     for key in ["reward", "value_loss", "kl"] {

@@ -775,6 +775,18 @@ impl LlamaConfig {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
 
+    /// The attention shape one rank of a tensor group of `ranks` computes
+    /// (`parallel.tensor`): its share of the query and key/value heads, each head as wide as
+    /// before (what its KV cache holds).
+    pub fn heads_of_tensor_rank(&self, ranks: usize) -> Self {
+        let mut config = self.clone();
+        let ranks = ranks.max(1);
+        config.head_dim = Some(self.head_dim());
+        config.num_attention_heads = self.num_attention_heads / ranks;
+        config.num_key_value_heads = Some(self.num_kv_heads() / ranks);
+        config
+    }
+
     /// Per-head dimension: `head_dim` when given, else `hidden_size / num_attention_heads`
     /// (Qwen3's default is 128, independent of the hidden size, as transformers has it).
     pub fn head_dim(&self) -> usize {

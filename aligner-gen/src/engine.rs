@@ -288,6 +288,12 @@ impl Engine {
         }
     }
 
+    /// Whether the engine's model is split over a tensor group (`parallel.tensor`): every
+    /// rank of the group must then run the same requests together, each pass a collective.
+    pub fn in_tensor_group(&self) -> bool {
+        self.runner.in_tensor_group()
+    }
+
     /// The forward pass the engine runs ([`ForwardPath::Burn`] or [`ForwardPath::Host`]).
     pub fn path(&self) -> ForwardPath {
         self.runner.path()

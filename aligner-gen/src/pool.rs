@@ -45,6 +45,18 @@ pub struct WorkerPool {
 impl WorkerPool {
     /// `workers` engines: `engine` and replicas of it on the same weights.
     pub fn new(engine: Engine, workers: usize) -> Self {
+        // A tensor group's ranks must run the same passes in the same order, which workers
+        // taking prompts as their rows free up would not: one worker there.
+        let workers = match engine.in_tensor_group() {
+            true if workers > 1 => {
+                tracing::warn!(
+                    workers,
+                    "a model split over a tensor group generates with one worker"
+                );
+                1
+            }
+            _ => workers,
+        };
         let mut engines = Vec::with_capacity(workers.max(1));
         for _ in 1..workers.max(1) {
             engines.push(engine.replica());
@@ -55,6 +67,12 @@ impl WorkerPool {
 
     pub fn workers(&self) -> usize {
         self.engines.len()
+    }
+
+    /// Whether the engines' model is split over a tensor group (see
+    /// [`Engine::in_tensor_group`]).
+    pub fn in_tensor_group(&self) -> bool {
+        self.engines.first().is_some_and(Engine::in_tensor_group)
     }
 
     /// Every worker takes `model`'s current weights (merged once, shared by all).

@@ -113,6 +113,13 @@ pub struct PpoSection {
     /// trains on samples one update old (`behaviour_lag` 1 in metrics.jsonl), the clipped
     /// ratio taken against the log-probs of the weights that drew them. One process only.
     pub one_step_off: bool,
+    /// With `parallel.tensor`: the engine holds this rank's blocks of the actor and its group
+    /// generates together, no rank holding the whole model (true); false gathers the whole
+    /// actor on every rank for its own engine each step (the samples one process draws, to
+    /// the bit, for the memory of a whole copy a rank: the engines' sums run in another order
+    /// on the blocks, and AdamW's first steps turn such differences of the behaviour
+    /// log-probs into updates of up to `train.lr` where a gradient nearly cancels).
+    pub split_engine: bool,
     /// Keep the frozen reference in host memory and score it on the CPU backend, leaving the
     /// accelerator's memory to the actor (NeMo-Aligner offloads its reference the same way;
     /// the rollout's reference log-probs are then computed on the CPU).
@@ -280,6 +287,7 @@ impl Default for PpoSection {
             offload_reference: false,
             offload_reward_model: false,
             one_step_off: false,
+            split_engine: true,
             slots: 64,
             workers: 1,
             eval_prompts: 64,
@@ -311,7 +319,8 @@ pub struct PpoConfig {
     /// set. With it and no `[reward]`, the environment's rewards are the only ones.
     #[serde(skip_serializing_if = "environment_is_off")]
     pub environment: aligner_gen::env::EnvironmentSection,
-    /// Tensor groups (`parallel.tensor`): critic-free advantages without an environment.
+    /// Tensor groups (`parallel.tensor`): the actor split over each group (not with an
+    /// environment).
     pub parallel: aligner_core::train::ParallelSection,
 }
 

@@ -197,6 +197,7 @@ impl PpoRunner<'_> {
                 reference,
                 scope,
                 pool: None,
+                split_engine: false,
                 ahead: None,
                 totals: StepTimes::default(),
                 steps_run: 0,
@@ -658,6 +659,9 @@ struct PpoStep<'r, 'scope> {
     scope: &'scope std::thread::Scope<'scope, 'r>,
     /// The generation engines (made from the trained weights once they are in place).
     pool: Option<WorkerPool>,
+    /// Tensor groups (`parallel.tensor`): the engine holds this rank's blocks of the actor
+    /// and the group generates together; it is made at the first use, from the blocks.
+    split_engine: bool,
     ahead: Option<Ahead<'scope>>,
     totals: StepTimes,
     /// Steps this process ran (the mean step times' count).
@@ -666,6 +670,24 @@ struct PpoStep<'r, 'scope> {
     flat_steps: usize,
     /// The last evaluation's reward in this process.
     last_eval: Option<f64>,
+}
+
+impl PpoStep<'_, '_> {
+    /// The generation engines on `actor`'s weights (`ppo.workers` of them; one for a model
+    /// split over a tensor group, whose ranks decode in lock step).
+    fn new_pool(&self, actor: &CausalLm) -> WorkerPool {
+        let engine = Engine::new(
+            actor.valid(),
+            self.runner.llama.clone(),
+            Some(self.runner.tokenizer.clone()),
+            EngineOptions {
+                slots: self.runner.config.ppo.slots,
+                cache_len: None,
+                ..EngineOptions::default()
+            },
+        );
+        WorkerPool::new(engine, self.runner.config.ppo.workers)
+    }
 }
 
 impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
@@ -683,17 +705,11 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         if let (Some(dir), Some(critic)) = (resumed, self.critic) {
             critic.load(dir.join("critic")).wait()?;
         }
-        let engine = Engine::new(
-            actor.valid(),
-            self.runner.llama.clone(),
-            Some(self.runner.tokenizer.clone()),
-            EngineOptions {
-                slots: self.runner.config.ppo.slots,
-                cache_len: None,
-                ..EngineOptions::default()
-            },
-        );
-        self.pool = Some(WorkerPool::new(engine, self.runner.config.ppo.workers));
+        // A tensor group's engine takes the actor's blocks, which do not exist yet.
+        self.split_engine = self.runner.run.tensor_group().is_some() && self.runner.config.ppo.split_engine;
+        if !self.split_engine {
+            self.pool = Some(self.new_pool(actor));
+        }
         Ok(())
     }
 
@@ -703,12 +719,16 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         let critic = self.critic;
         let began = Instant::now();
         // What the engines and the log-prob passes read: fully sharded, the actor gathered
-        // whole (a collective).
-        let whole = match (optim.full(), optim.splits()) {
+        // whole (a collective); in tensor groups, the blocks themselves (each group's ranks
+        // generate and score together).
+        let whole = match (optim.full(), optim.splits() && !self.split_engine) {
             (true, _) => Some(aligner_core::train::full::gather_parameters(&actor)),
             (_, true) => Some(aligner_core::train::tensor::gather_parameters(&actor)),
             _ => None,
         };
+        if self.split_engine && self.pool.is_none() {
+            self.pool = Some(self.new_pool(&actor));
+        }
         let whole_actor = whole.as_ref().unwrap_or(&actor);
         let mut times = StepTimes::default();
 
@@ -900,9 +920,22 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             let (rollout, seconds) = drawing.land(&mut self.pool)?;
             self.ahead = Some(Ahead::Drawn(rollout, seconds));
         }
+        // Tensor groups: the engine takes the blocks of the (gathered) actor.
+        let blocks = match self.runner.run.tensor_group().filter(|_| self.split_engine) {
+            Some(group) => Some(aligner_core::train::tensor::split_parameters(
+                actor.clone(),
+                group,
+            )?),
+            None => None,
+        };
+        let engine_actor = blocks.as_ref().unwrap_or(actor);
+        if self.pool.is_none() {
+            self.pool = Some(self.new_pool(engine_actor));
+        }
         let reward = self
             .runner
-            .evaluate(engines(&mut self.pool)?, actor, self.critic)?;
+            .evaluate(engines(&mut self.pool)?, engine_actor, self.critic)?;
+        drop(blocks);
         self.last_eval = Some(reward);
         let mut out = Map::new();
         out.insert("eval_reward".into(), reward.into());

@@ -412,6 +412,16 @@ impl Sampler<'_> {
             // groups' queues may hand the requests out to other batches).
             let (generations, seconds) = match comm.world_size() {
                 1 => (pool.generate(requests, &|_| {})?.0, Vec::new()),
+                // An engine split over the group: its ranks generate together, so each group
+                // takes a fixed share (a queue per tensor rank would hand them different ones).
+                _ if pool.in_tensor_group() => {
+                    let started = Instant::now();
+                    let generations = map_sharded(comm, requests, |mine| {
+                        Ok::<_, PpoError>(pool.generate(mine, &|_| {})?.0)
+                    })?;
+                    let seconds = aligner_core::parallel::gather(comm, &started.elapsed().as_secs_f64())?;
+                    (generations, seconds)
+                }
                 _ => self.generate_balanced(pool, requests)?,
             };
             let generations = aligner_core::parallel::broadcast_from_root(group.as_ref(), &generations)?;

@@ -96,16 +96,16 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     let env = config.environment.build()?;
     // The environment's rewards alone: no reward model scores.
     let env_only = env.is_some() && config.reward.is_empty();
-    if config.parallel.tensor > 1 && (needs_critic || env.is_some()) {
+    if config.parallel.tensor <= 1 && !config.ppo.split_engine {
+        return Err(crate::PpoError::Invalid(
+            "ppo.split_engine = false chooses how tensor groups generate, but parallel.tensor is 1".into(),
+        ));
+    }
+    if config.parallel.tensor > 1 && env.is_some() {
         return Err(crate::PpoError::Invalid(format!(
-            "parallel.tensor = {} trains critic-free advantages (grpo, rloo, ...) without an \
-             environment; this run has {}: use parallel.tensor = 1",
+            "parallel.tensor = {} runs single-turn rollouts; this run has an [environment]: use \
+             parallel.tensor = 1",
             config.parallel.tensor,
-            if needs_critic {
-                "a critic (ppo.advantage = \"gae\")"
-            } else {
-                "an [environment]"
-            }
         )));
     }
     if !needs_critic {

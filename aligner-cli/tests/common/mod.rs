@@ -29,8 +29,14 @@ pub fn aligner(args: &[&str]) -> (bool, String) {
 
 /// Runs the `aligner` binary from the repository root: (success, stdout, stderr).
 pub fn aligner_output(args: &[&str]) -> (bool, String, String) {
+    aligner_output_with(args, &[])
+}
+
+/// [`aligner_output`] with more environment variables for the process.
+pub fn aligner_output_with(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = Command::new(aligner_exe())
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(repo())
         .output()
         .unwrap();

@@ -171,6 +171,24 @@ impl CausalLm {
         }
     }
 
+    /// Under tensor parallel (`parallel.tensor`): this rank's block of the output projection,
+    /// `[hidden, its block of the vocabulary]`, and how the projection is split (the
+    /// vocabulary's indices this rank holds are `split.own_range()`); `None` for a whole
+    /// model.
+    pub fn output_block(&self) -> Option<(Tensor<2>, aligner_parallel::tensor::TensorSplit)> {
+        match &self.lm_head {
+            Some(head) => tensor_split(&head.weight).map(|s| (head.weight.val(), s)),
+            None => tensor_split(&self.model.embed_tokens.weight)
+                .map(|s| (self.model.embed_tokens.weight.val().transpose(), s)),
+        }
+    }
+
+    /// The tensor group this model's layers are split over (`parallel.tensor`); `None` for a
+    /// whole model.
+    pub fn tensor_group(&self) -> Option<aligner_parallel::tensor::Group> {
+        tensor_split(&self.model.embed_tokens.weight).map(|s| s.group)
+    }
+
     /// [`CausalLm::output_weight`] for projecting `hidden`, which places the weight's
     /// gradient work in the backward right after the projection's (a sharded weight's
     /// reduce-scatter, an overlapped bucket) rather than at its end.
@@ -234,12 +252,7 @@ impl CausalLm {
     /// In f32 whatever the compute type (the weight is cast to the activations' type there).
     pub fn token_logprobs_of_hidden(&self, hidden: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
         // Tensor parallel: each rank's logits over its block of the vocabulary.
-        let split = match &self.lm_head {
-            Some(head) => tensor_split(&head.weight).map(|s| (head.weight.val(), s)),
-            None => tensor_split(&self.model.embed_tokens.weight)
-                .map(|s| (self.model.embed_tokens.weight.val().transpose(), s)),
-        };
-        if let Some((block, split)) = split {
+        if let Some((block, split)) = self.output_block() {
             return aligner_parallel::tensor::vocab_parallel_logprobs(
                 hidden,
                 block,

@@ -10,6 +10,7 @@
 
 use aligner_core::model::{KvCache, default_positions, left_padded_layout, with_weights_in};
 use aligner_core::{CausalLm, LlamaConfig};
+use aligner_parallel::tensor::{Group, TensorSplit, tp_gather};
 use burn::tensor::{Bool, Device, FloatDType, Int, Tensor, TensorData};
 
 use crate::options::EngineStats;
@@ -17,8 +18,13 @@ use crate::options::EngineStats;
 pub(crate) struct BurnRunner {
     pub(crate) model: CausalLm,
     /// The output projection `[hidden, vocab]` laid out contiguously (with tied embeddings it
-    /// is otherwise a transposed view, which the logits GEMM would re-pack every step).
+    /// is otherwise a transposed view, which the logits GEMM would re-pack every step); under
+    /// tensor parallel this rank's block of the vocabulary.
     head: Tensor<2>,
+    /// Under tensor parallel: the tensor group and the whole vocabulary, whose logits each
+    /// pass gathers from the ranks' blocks.
+    vocab_split: Option<(Group, usize)>,
+    /// The shape of the KV cache (under tensor parallel, this rank's heads).
     config: LlamaConfig,
     device: Device,
     pub(crate) cache: Option<KvCache>,
@@ -29,9 +35,28 @@ pub(crate) struct BurnRunner {
 }
 
 fn packed_head(model: &CausalLm, device: &Device) -> Tensor<2> {
-    let weight = model.output_weight();
+    // A split model's own block: the whole projection never exists on one rank.
+    let weight = match model.output_block() {
+        Some((block, _)) => block,
+        None => model.output_weight(),
+    };
     let dtype = FloatDType::from(weight.dtype());
     Tensor::<2>::from_data(weight.into_data(), device).cast(dtype)
+}
+
+/// Under tensor parallel, the group and the whole vocabulary the logits are gathered over.
+fn vocab_split(model: &CausalLm) -> Option<(Group, usize)> {
+    model
+        .output_block()
+        .map(|(_, split)| (split.group.clone(), split.dims[split.axis]))
+}
+
+/// The cache's shape: a split model's rank holds its share of the heads.
+fn cache_config(model: &CausalLm, config: &LlamaConfig) -> LlamaConfig {
+    match model.tensor_group() {
+        Some(group) => config.heads_of_tensor_rank(group.0.world_size()),
+        None => config.clone(),
+    }
 }
 
 /// The model with its weights stored in the type it computes in: a half-precision model is
@@ -46,8 +71,10 @@ impl BurnRunner {
         let model = in_compute_type(model);
         // The KV cache holds keys and values in the compute type.
         config.precision = model.model.precision;
+        let config = cache_config(&model, &config);
         Self {
             head: packed_head(&model, &device),
+            vocab_split: vocab_split(&model),
             model,
             config,
             device,
@@ -57,11 +84,17 @@ impl BurnRunner {
         }
     }
 
+    /// Whether the model is split over a tensor group.
+    pub(crate) fn in_tensor_group(&self) -> bool {
+        self.vocab_split.is_some()
+    }
+
     /// The same weights, no cache.
     pub(crate) fn replica(&self) -> Self {
         Self {
             model: self.model.clone(),
             head: self.head.clone(),
+            vocab_split: self.vocab_split.clone(),
             config: self.config.clone(),
             device: self.device.clone(),
             cache: None,
@@ -75,6 +108,7 @@ impl BurnRunner {
         self.model = in_compute_type(model.to_device(&self.device));
         self.config.precision = self.model.model.precision;
         self.head = packed_head(&self.model, &self.device);
+        self.vocab_split = vocab_split(&self.model);
     }
 
     /// Allocates (or grows) the cache for `rows` rows of `needed` positions and puts the
@@ -315,7 +349,17 @@ impl BurnRunner {
         let hidden = self.model.model.forward(tokens, positions, mask, Some(cache));
         let [_, _, d] = hidden.dims();
         let last = hidden.narrow(1, new - 1, 1).reshape([rows, d]);
-        let logits = last.matmul(self.head.clone()).cast(FloatDType::F32);
+        let mut logits = last.matmul(self.head.clone()).cast(FloatDType::F32);
+        if let Some((group, vocab)) = &self.vocab_split {
+            // Every rank of the group gets the whole rows, so all of them draw the same tokens
+            // and run the same next pass.
+            let split = TensorSplit {
+                dims: vec![rows, *vocab],
+                axis: 1,
+                group: group.clone(),
+            };
+            logits = tp_gather(logits, split);
+        }
         self.model.cap_logits(logits)
     }
 }

@@ -57,7 +57,11 @@ pub(crate) enum Runner {
 impl Runner {
     pub(crate) fn new(model: CausalLm, config: &LlamaConfig, path: ForwardPath) -> Self {
         let device = model.model.embed_tokens.weight.device();
+        // A model split over a tensor group runs its split layers through Burn (the host
+        // kernels take whole layers).
+        let split = model.tensor_group().is_some();
         let host = match path {
+            _ if split => false,
             ForwardPath::Auto => aligner_parallel::fused_available(&device),
             ForwardPath::Burn => false,
             ForwardPath::Host => true,
@@ -71,6 +75,11 @@ impl Runner {
         } else {
             Runner::Burn(Box::new(BurnRunner::new(model, config.clone(), device)))
         }
+    }
+
+    /// Whether the model is split over a tensor group.
+    pub(crate) fn in_tensor_group(&self) -> bool {
+        matches!(self, Runner::Burn(b) if b.in_tensor_group())
     }
 
     /// Which forward pass this is.
