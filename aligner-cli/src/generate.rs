@@ -269,14 +269,13 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     };
     // Each rank (group) its share, in prompt order; every prompt samples with its own seed,
     // so who generates it does not change it.
-    let mut report = Default::default();
+    let mut report = aligner_gen::PoolReport::default();
     let outputs = aligner_core::parallel::map_sharded(comm.as_ref(), &requests, |mine| {
         let (outputs, done) = pool.generate(mine, &progress)?;
         report = done;
         Ok::<_, anyhow::Error>(outputs)
     })?;
     bar.finish_and_clear();
-    let report: aligner_gen::PoolReport = report;
     tracing::info!(
         prompts = outputs.len(),
         tokens = report.tokens(),

@@ -87,10 +87,7 @@ impl State {
         } else {
             &mut s.sum
         };
-        match into {
-            Some(sum) => sum.iter_mut().zip(&values).for_each(|(a, b)| *a += b),
-            None => *into = Some(values),
-        }
+        add_into(into, values);
         if self.last {
             s.pending = s.pending.saturating_sub(1);
             self.send_ready();
@@ -126,6 +123,14 @@ impl State {
         // The thread lives as long as the `Overlap`; a send can only fail after it panicked,
         // which `finish` reports.
         let _ = self.jobs.send((bucket, values));
+    }
+}
+
+/// Adds `values` into `sum` (which becomes them when it holds none yet).
+fn add_into(sum: &mut Option<Vec<f32>>, values: Vec<f32>) {
+    match sum {
+        Some(sum) => sum.iter_mut().zip(&values).for_each(|(a, b)| *a += b),
+        None => *sum = Some(values),
     }
 }
 
@@ -327,13 +332,10 @@ impl Overlap {
         // Per parameter: whether this rank had a gradient, and whether some of it is late.
         let mut flags = vec![0.0f32; 2 * n];
         for (i, slot) in state.slots.iter_mut().enumerate() {
-            let late = match (slot.late.take(), unhooked[i].take()) {
-                (Some(mut a), Some(b)) => {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    Some(a)
-                }
-                (a, b) => a.or(b),
-            };
+            let mut late = slot.late.take();
+            if let Some(values) = unhooked[i].take() {
+                add_into(&mut late, values);
+            }
             flags[i] = f32::from(u8::from(slot.sent || late.is_some()));
             flags[n + i] = f32::from(u8::from(late.is_some()));
             unhooked[i] = late;

@@ -197,7 +197,6 @@ impl PpoRunner<'_> {
                 reference,
                 scope,
                 pool: None,
-                split_engine: false,
                 ahead: None,
                 totals: StepTimes::default(),
                 steps_run: 0,
@@ -659,9 +658,6 @@ struct PpoStep<'r, 'scope> {
     scope: &'scope std::thread::Scope<'scope, 'r>,
     /// The generation engines (made from the trained weights once they are in place).
     pool: Option<WorkerPool>,
-    /// Tensor groups (`parallel.tensor`): the engine holds this rank's blocks of the actor
-    /// and the group generates together; it is made at the first use, from the blocks.
-    split_engine: bool,
     ahead: Option<Ahead<'scope>>,
     totals: StepTimes,
     /// Steps this process ran (the mean step times' count).
@@ -673,6 +669,15 @@ struct PpoStep<'r, 'scope> {
 }
 
 impl PpoStep<'_, '_> {
+    /// The group this rank's engine generates with (`ppo.split_engine` in tensor groups): it
+    /// holds this rank's blocks of the actor and is made at its first use, from the blocks.
+    fn engine_group(&self) -> Option<std::sync::Arc<dyn aligner_parallel::Communicator>> {
+        self.runner
+            .run
+            .tensor_group()
+            .filter(|_| self.runner.config.ppo.split_engine)
+    }
+
     /// The generation engines on `actor`'s weights (`ppo.workers` of them; one for a model
     /// split over a tensor group, whose ranks decode in lock step).
     fn new_pool(&self, actor: &CausalLm) -> WorkerPool {
@@ -706,8 +711,7 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             critic.load(dir.join("critic")).wait()?;
         }
         // A tensor group's engine takes the actor's blocks, which do not exist yet.
-        self.split_engine = self.runner.run.tensor_group().is_some() && self.runner.config.ppo.split_engine;
-        if !self.split_engine {
+        if self.engine_group().is_none() {
             self.pool = Some(self.new_pool(actor));
         }
         Ok(())
@@ -721,12 +725,13 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         // What the engines and the log-prob passes read: fully sharded, the actor gathered
         // whole (a collective); in tensor groups, the blocks themselves (each group's ranks
         // generate and score together).
-        let whole = match (optim.full(), optim.splits() && !self.split_engine) {
+        let split_engine = self.engine_group().is_some();
+        let whole = match (optim.full(), optim.splits() && !split_engine) {
             (true, _) => Some(aligner_core::train::full::gather_parameters(&actor)),
             (_, true) => Some(aligner_core::train::tensor::gather_parameters(&actor)),
             _ => None,
         };
-        if self.split_engine && self.pool.is_none() {
+        if split_engine && self.pool.is_none() {
             self.pool = Some(self.new_pool(&actor));
         }
         let whole_actor = whole.as_ref().unwrap_or(&actor);
@@ -921,7 +926,7 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
             self.ahead = Some(Ahead::Drawn(rollout, seconds));
         }
         // Tensor groups: the engine takes the blocks of the (gathered) actor.
-        let blocks = match self.runner.run.tensor_group().filter(|_| self.split_engine) {
+        let blocks = match self.engine_group() {
             Some(group) => Some(aligner_core::train::tensor::split_parameters(
                 actor.clone(),
                 group,

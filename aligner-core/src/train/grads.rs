@@ -91,27 +91,6 @@ pub fn clip_grad_norm<M: Module>(module: &M, grads: &mut GradientsParams, max_no
 /// enough that the copy in and out stays in cache-sized pieces.
 pub const BUCKET_ELEMENTS: usize = 1 << 22;
 
-/// The trainable parameters of a module, in visit order: what a data-parallel step
-/// synchronises.
-struct Trainable {
-    lens: Vec<usize>,
-}
-
-impl ModuleVisitor for Trainable {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let value = param.val();
-        if value.is_require_grad() {
-            self.lens.push(value.shape().num_elements());
-        }
-    }
-}
-
-fn trainable_lens<M: Module>(module: &M) -> Vec<usize> {
-    let mut visitor = Trainable { lens: Vec::new() };
-    module.visit(&mut visitor);
-    visitor.lens
-}
-
 /// Copies gradients (scaled) into a flat buffer: the values of every trainable parameter in
 /// visit order (zeros where this rank has none), then one presence flag per parameter.
 struct Flatten<'a> {
@@ -219,7 +198,8 @@ pub fn all_reduce_gradients<M: Module>(
     Ok(())
 }
 
-/// Each trainable parameter's id and number of values, in visit order.
+/// Each trainable parameter's id and number of values, in visit order: what a data-parallel
+/// step synchronises.
 pub fn trainable_params<M: Module>(module: &M) -> Vec<(u64, usize)> {
     struct Params(Vec<(u64, usize)>);
     impl ModuleVisitor for Params {
@@ -424,26 +404,16 @@ pub fn weights_checksum<M: Module>(module: &M) -> [f64; 2] {
 
 /// The ids of the trainable parameters of a module, in visit order.
 pub fn trainable_ids<M: Module>(module: &M) -> Vec<u64> {
-    struct Ids(Vec<u64>);
-    impl ModuleVisitor for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.val().is_require_grad() {
-                self.0.push(param.id.val());
-            }
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    module.visit(&mut ids);
-    ids.0
+    trainable_params(module).into_iter().map(|(id, _)| id).collect()
 }
 
 /// Which rank owns each trainable parameter when the optimiser is sharded (ZeRO stage 1):
 /// parameters in visit order, each to the rank with the fewest elements so far.
 pub fn optimizer_owners<M: Module>(module: &M, world: usize) -> Vec<usize> {
     let mut load = vec![0usize; world.max(1)];
-    trainable_lens(module)
+    trainable_params(module)
         .into_iter()
-        .map(|n| {
+        .map(|(_, n)| {
             let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
             load[rank] += n;
             rank
