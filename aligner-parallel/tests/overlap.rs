@@ -110,7 +110,14 @@ fn bucketed_gradients_equal_the_plain_backwards_whatever_way_they_take() {
             .zip(got)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max);
-        assert!(diff < 1e-5, "{name}: {diff} from the plain backwards' gradient");
+        // The hooks add each read's gradient on the host, the plain backward adds a
+        // parameter's two reads first: f32 sums in another order, within rounding of the
+        // gradient's size (with these random inputs `b`'s reaches 10³: measured up to 1,695).
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(
+            diff < 1e-5 * (1.0 + scale),
+            "{name}: {diff} from the plain backwards' gradient (largest {scale})"
+        );
     }
     let stats = overlap.stats();
     assert_eq!((stats.steps, stats.buckets, stats.early_buckets), (1, 4, 4));
