@@ -728,17 +728,6 @@ fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
             "{sets:?}: {stderr}"
         );
     }
-    let output = mpirun(2, &aligner_exe())
-        .args(["ppo", "--config", "configs/agent_tool.toml", "--out"])
-        .arg(dir.path().join("ppo"))
-        .args(["--set", "parallel.tensor=2"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success() && stderr.contains("parallel.tensor = 2 runs single-turn rollouts"),
-        "{stderr}"
-    );
     // One process is one group of one rank.
     let (ok, err) = aligner(&[
         "sft",
@@ -1072,6 +1061,79 @@ fn grpo_in_tensor_groups_trains_as_one_process() {
             "GRPO on {np} ranks in groups of 2 ends {diff} from one process"
         );
         same_logged_values(&run_of(1), &run_of(np));
+    }
+}
+
+/// GRPO in a multi-turn environment (configs/agent_env.toml, a Python program answering over
+/// three turns) on two ranks and in tensor groups: two data-parallel ranks (each weighing its
+/// shard by the model's own tokens, not the observations), and 1×2 and 2×2 groups with the
+/// whole actor in every rank's engine, end where one process does (the episodes run turn by
+/// turn, the environment called on the world's rank 0 alone); with the engine split over the
+/// group, step 1 draws one process's episodes.
+#[test]
+fn grpo_in_an_environment_on_ranks_and_in_tensor_groups_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "ppo.rollout_prompts=4",
+        "ppo.mini_batch=16",
+        "ppo.eval_prompts=4",
+        "train.max_steps=2",
+        "train.eval_every=2",
+        // The episodes' sparse rewards leave a few weights a gradient near 0, which AdamW's
+        // first steps turn into steps of ±lr whatever its size: at 1e-4 one weight of 260K
+        // ends 1.5e-5 from one process's (its gradient's float noise), at 5e-5, 7e-6.
+        "train.lr=5e-5",
+    ];
+    let run_of = |name: &str| dir.path().join(name);
+    // (ranks, run, tensor groups, split engine)
+    for (np, name, tensor, split) in [
+        (1, "one", false, false),
+        (2, "dp2", false, false),
+        (2, "np2", true, false),
+        (4, "np4", true, false),
+        (2, "np2-split", true, true),
+    ] {
+        let out = run_of(name);
+        let mut args: Vec<&str> = vec![
+            "ppo",
+            "--config",
+            "configs/agent_env.toml",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if tensor {
+            args.extend(["--set", "parallel.tensor=2"]);
+        }
+        if tensor && !split {
+            args.extend(["--set", "ppo.split_engine=false"]);
+        }
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        ranks(np, &args);
+    }
+    let first_step = |run: &Path| -> Value {
+        metrics(run)
+            .into_iter()
+            .find(|r| r["step"] == 1 && r.get("reward").is_some())
+            .unwrap()
+    };
+    let one = first_step(&run_of("one"));
+    assert_eq!(one["env/turns"].as_f64(), Some(3.0), "{one}");
+    let split = first_step(&run_of("np2-split"));
+    for key in ["reward", "response_length", "env/observation_tokens"] {
+        let (a, b) = (one[key].as_f64().unwrap(), split[key].as_f64().unwrap());
+        assert!(
+            (a - b).abs() <= 1e-5,
+            "split engine, step 1 {key}: {a} against {b}"
+        );
+    }
+    let moved = weights_diff(&repo().join("assets/stories260K"), &run_of("one").join("final"));
+    assert!(moved > 5e-5, "the policy moved {moved}");
+    for name in ["dp2", "np2", "np4"] {
+        let diff = weights_diff(&run_of("one").join("final"), &run_of(name).join("final"));
+        assert!(diff <= 1e-5, "{name} ends {diff} from one process");
+        same_logged_values(&run_of("one"), &run_of(name));
     }
 }
 

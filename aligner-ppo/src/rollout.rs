@@ -41,6 +41,11 @@ impl Sequence {
     pub fn is_observed(&self, j: usize) -> bool {
         self.observed.get(j).copied().unwrap_or(false)
     }
+
+    /// The response tokens the model wrote (the ones the losses are means over).
+    pub fn own_tokens(&self) -> usize {
+        self.response_ids.len() - self.observed.iter().filter(|&&o| o).count()
+    }
 }
 
 /// Tensors of a batch of sequences in the layout above.

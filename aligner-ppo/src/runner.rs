@@ -467,8 +467,9 @@ impl PpoRunner<'_> {
         let n = scored.sequences.len();
         let comm = self.run.comm();
         let (rank, world) = (comm.rank(), comm.world_size());
+        // The model's own tokens: an environment's observations are outside every loss.
         let tokens =
-            |r: Range<usize>| -> usize { scored.sequences[r].iter().map(|s| s.response_ids.len()).sum() };
+            |r: Range<usize>| -> usize { scored.sequences[r].iter().map(Sequence::own_tokens).sum() };
         let (mut clip, mut kl, mut loss_sum, mut batches) = (0.0, 0.0, 0.0, 0usize);
         let mut mismatch = None;
         let mut entropy_sum = 0.0;

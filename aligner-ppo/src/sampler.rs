@@ -246,11 +246,11 @@ impl Sampler<'_> {
         let group = requests.len() / prompts.len().max(1);
         let starts = section.starts(requests, |i| prompts[(i / group.max(1)).min(prompts.len() - 1)]);
         let mut per_rank: Vec<f64> = Vec::new();
-        let comm = self.run.comm();
         let limits = section.limits(self.config.ppo.max_new_tokens);
         // One process: each episode goes on as soon as its environment answers, the others
-        // decoding meanwhile. Data parallel: turn by turn, every rank with the others.
-        let episodes = if comm.world_size() == 1 {
+        // decoding meanwhile. Data parallel and tensor groups: turn by turn, every rank with
+        // the others (a group's ranks decode together, so they must see the same turns).
+        let episodes = if self.run.world().world_size() == 1 {
             run_episodes_continuous(
                 &starts,
                 first_episode,
@@ -269,8 +269,9 @@ impl Sampler<'_> {
         })
     }
 
-    /// `starts` run turn by turn over the data-parallel ranks: each turn's requests shared out
-    /// among them, the environment's replies made on rank 0 and shared ([`run_episodes`]);
+    /// `starts` run turn by turn over the ranks: each turn's requests shared out among the
+    /// data-parallel ranks (a tensor group's together), the environment's replies made on the
+    /// world's rank 0 and shared ([`run_episodes`]);
     /// each rank's generation seconds added to `per_rank`.
     fn episodes_in_lock_step(
         &self,
@@ -281,7 +282,6 @@ impl Sampler<'_> {
         limits: &EpisodeLimits,
         per_rank: &mut Vec<f64>,
     ) -> Result<Vec<Episode>> {
-        let comm = self.run.comm();
         Ok(run_episodes(
             starts,
             first_episode,
@@ -298,7 +298,9 @@ impl Sampler<'_> {
                 Ok(generations)
             },
             &mut |turns| {
-                let replies = comm.is_root().then(|| env.step(turns));
+                // Rank 0 of the world alone: an environment is called once per turn, not once
+                // per tensor rank.
+                let replies = self.run.is_writer().then(|| env.step(turns));
                 self.run.agree(&replies)?.ok_or_else(|| {
                     GenError::Core(aligner_core::CoreError::Invalid(
                         "rank 0 holds no environment replies".into(),

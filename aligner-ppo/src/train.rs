@@ -101,13 +101,6 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
             "ppo.split_engine = false chooses how tensor groups generate, but parallel.tensor is 1".into(),
         ));
     }
-    if config.parallel.tensor > 1 && env.is_some() {
-        return Err(crate::PpoError::Invalid(format!(
-            "parallel.tensor = {} runs single-turn rollouts; this run has an [environment]: use \
-             parallel.tensor = 1",
-            config.parallel.tensor,
-        )));
-    }
     if !needs_critic {
         config.reward.check_unused_model(
             config.reward_model.path.as_deref(),
