@@ -1137,6 +1137,63 @@ fn grpo_in_an_environment_on_ranks_and_in_tensor_groups_trains_as_one_process() 
     }
 }
 
+/// KTO and a SPIN iteration (its answers and reference log-probs made by the whole model,
+/// its training on the blocks) in a 1×2 tensor group end where one process does.
+#[test]
+fn kto_and_spin_in_a_tensor_group_train_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    for (command, sets) in [
+        ("kto", vec!["train.max_steps=4"]),
+        ("spin", vec!["spin.iterations=1", "train.max_steps=3"]),
+    ] {
+        for np in [1, 2] {
+            let name = format!("{command}-{np}");
+            let run = out(&name);
+            let mut args = vec![command, "--out", &run, "--set", "frontier.prompts=''"];
+            if np > 1 {
+                args.extend(["--set", "parallel.tensor=2"]);
+            }
+            for s in &sets {
+                args.extend(["--set", s]);
+            }
+            ranks(np, &args);
+        }
+        let (one, two) = (
+            dir.path().join(format!("{command}-1")),
+            dir.path().join(format!("{command}-2")),
+        );
+        let moved = weights_diff(&repo().join("assets/stories260K"), &one.join("final"));
+        assert!(moved > 1e-4, "{command}: the policy moved {moved}");
+        let diff = weights_diff(&one.join("final"), &two.join("final"));
+        assert!(
+            diff <= 1e-5,
+            "{command} in a 1×2 group ends {diff} from one process"
+        );
+    }
+    same_logged_values(&dir.path().join("kto-1"), &dir.path().join("kto-2"));
+    // SPIN's accuracies at steps 0 and 1 count margins that are 0 up to float noise (the
+    // policy is still its reference): every other value must agree.
+    let (one, two) = (
+        metrics(&dir.path().join("spin-1/iter-1")),
+        metrics(&dir.path().join("spin-2/iter-1")),
+    );
+    assert_eq!(one.len(), two.len());
+    for (x, y) in one.iter().zip(&two) {
+        for (key, value) in x.as_object().unwrap() {
+            let unmoved = x["step"].as_u64().is_some_and(|step| step <= 1);
+            if key.starts_with("time_") || (unmoved && key.ends_with("rewards/accuracy")) {
+                continue;
+            }
+            let (p, q) = (value.as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!(
+                (p - q).abs() <= 1e-4 * (1.0 + p.abs()),
+                "SPIN {key}: {p} against {q}"
+            );
+        }
+    }
+}
+
 #[test]
 fn kto_spin_rejection_sampling_and_annotation_run_on_two_ranks() {
     let dir = tempfile::tempdir().unwrap();

@@ -102,6 +102,8 @@ pub struct KtoConfig {
     pub kto: KtoSection,
     /// The reward–KL figures of the policy's own samples, at every validation.
     pub frontier: aligner_gen::FrontierSection,
+    /// Tensor groups (`parallel.tensor`): each rank trains its blocks of the policy.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for KtoConfig {
@@ -116,6 +118,7 @@ impl Default for KtoConfig {
             },
             kto: KtoSection::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            parallel: Default::default(),
         }
     }
 }
@@ -201,6 +204,8 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "KTO");
+    // Tensor groups after the reference log-probs, which every rank computes a share of.
+    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let objective = KtoObjective {
         params: config.kto.clone(),
     };

@@ -105,6 +105,9 @@ pub struct SpinConfig {
     /// The reward–KL figures of the policy's own samples (KL to the start model), at every
     /// validation of every iteration.
     pub frontier: aligner_gen::FrontierSection,
+    /// Tensor groups (`parallel.tensor`): each iteration trains the policy's blocks; the
+    /// answers and the reference log-probs come from the whole model, each group a share.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for SpinConfig {
@@ -120,6 +123,7 @@ impl Default for SpinConfig {
             train,
             spin: SpinSection::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            parallel: Default::default(),
         }
     }
 }
@@ -180,6 +184,7 @@ pub fn train(
     let frontier = config.frontier.for_start_model(&lm, device)?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let spin = Spin {
         config,
         registry,
@@ -397,6 +402,12 @@ impl Spin<'_> {
                 if work.len() > 1 {
                     tracing::info!(?work, "self-play answers per rank");
                 }
+                // A tensor group's ranks train on the same pairs: the world's rank 0's answers
+                // (the groups' queues may batch the prompts differently).
+                let answers = match self.run.tensor_group() {
+                    Some(_) => self.run.agree(&answers)?,
+                    None => answers,
+                };
                 let text: String = rows
                     .iter()
                     .zip(&answers)
