@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use std::collections::BTreeMap;
 
+use aligner_core::Device;
 use aligner_core::data::{Prompt, read_jsonl_numbered};
-use aligner_core::{Device, LoadedModel};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
 use aligner_steerlm::Conditioning;
 use anyhow::{Context, Result, bail};
@@ -131,8 +131,17 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
             .collect();
         crate::output::check_file("--out", out, &inputs, args.overwrite)?;
     }
-    let lm = LoadedModel::from_dir(&dir, device)
-        .with_context(|| format!("loading model {}", dir.display()))?
+    if args.tensor > 1 && args.workers > 1 {
+        bail!(
+            "--workers {} with --tensor {}: a tensor group's ranks decode in lock step, with one worker each",
+            args.workers,
+            args.tensor
+        );
+    }
+    // Under `mpirun`: the model split over this rank's tensor group (`--tensor`, each rank
+    // reading only its blocks), and the ranks (or groups) the prompts are split over.
+    let (lm, comm) = crate::score::load_placed(&dir, device, args.tensor)?;
+    let lm = lm
         .in_precision(args.dtype, device)
         .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
     aligner_core::train::check_new_tokens(&[("--max-new-tokens", args.max_new_tokens)], &lm.config)?;
@@ -230,19 +239,9 @@ pub fn run(args: GenerateArgs, device: &Device) -> Result<()> {
     }
     let prompts: Vec<&Prompt> = rows.iter().map(|r| &r.prompt).collect();
 
-    if args.tensor > 1 && args.workers > 1 {
-        bail!(
-            "--workers {} with --tensor {}: a tensor group's ranks decode in lock step, with one worker each",
-            args.workers,
-            args.tensor
-        );
-    }
-    // Under `mpirun`: the model split over this rank's tensor group (`--tensor`), and the
-    // ranks (or groups) the prompts are split over.
-    let (model, comm) = crate::score::placed(lm.model, &lm.config, args.tensor)?;
     // The model moves into the engine: on the CPU its weights are then held once.
     let engine = Engine::new(
-        model,
+        lm.model,
         lm.config.clone(),
         Some(lm.tokenizer.clone()),
         EngineOptions {

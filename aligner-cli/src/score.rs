@@ -50,6 +50,29 @@ pub(crate) fn placed<M: burn::module::Module>(
     Ok((model, grid.data))
 }
 
+/// The causal LM of `dir` loaded for this rank, and the ranks the rows are split over: under
+/// `--tensor T`, the tensor groups are formed first and each rank reads only its blocks of
+/// the split weights (no rank holds the whole model, even while loading).
+pub(crate) fn load_placed(
+    dir: &std::path::Path,
+    device: &Device,
+    tensor: usize,
+) -> Result<(LoadedModel, std::sync::Arc<dyn aligner_parallel::Communicator>)> {
+    let world = aligner_parallel::world();
+    let loading = || format!("loading model {}", dir.display());
+    if tensor <= 1 {
+        return Ok((LoadedModel::from_dir(dir, device).with_context(loading)?, world));
+    }
+    let config = aligner_core::LlamaConfig::from_file(&dir.join("config.json"))?;
+    aligner_core::train::check_tensor_heads(&config, tensor, &format!("--tensor {tensor}"))?;
+    let grid = aligner_parallel::Grid::split(world.as_ref(), tensor)
+        .map_err(|e| anyhow::anyhow!("--tensor {tensor}: {e}"))?;
+    let lm = LoadedModel::from_dir_split(dir, device, &grid.tensor)
+        .with_context(loading)
+        .with_context(|| format!("--tensor {tensor}"))?;
+    Ok((lm, grid.data))
+}
+
 /// `rows` scored `batch` at a time by `score`, split over the ranks of `comm` (the results in
 /// order on every rank), with a progress bar.
 fn score_split<T>(
@@ -96,10 +119,9 @@ pub fn run(args: ScoreArgs, device: &Device) -> Result<()> {
     if is_classifier {
         return score_rewards(&args, &dir, &config, device);
     }
-    let lm =
-        LoadedModel::from_dir(&dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let (lm, comm) = load_placed(&dir, device, args.tensor)?;
     let seqs = scored_rows(&args.data, &lm.tokenizer, &lm.config)?;
-    let (model, comm) = placed(lm.model, &lm.config, args.tensor)?;
+    let model = lm.model;
     let out = score_split(comm.as_ref(), &seqs, args.batch_size, |chunk| {
         Ok(chunk
             .iter()

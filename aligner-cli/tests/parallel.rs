@@ -544,9 +544,10 @@ fn a_tensor_parallel_checkpoint_resumes_in_another_layout() {
     );
 }
 
-/// `aligner score --tensor 2` under `mpirun`: the log-probs of a language model and the
-/// rewards of a reward model, each layer computed by two ranks together, equal one process's;
-/// 4 ranks are two groups that split the rows.
+/// `aligner score --tensor 2` under `mpirun`: the log-probs of language models (each rank
+/// reading only its blocks of the checkpoint) and the rewards of a reward model, each layer
+/// computed by two ranks together, equal one process's; 4 ranks are two groups that split
+/// the rows.
 #[test]
 fn score_in_tensor_groups_matches_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -579,8 +580,15 @@ fn score_in_tensor_groups_matches_one_process() {
             .collect()
     };
     let lm = repo().join("assets/stories260K");
+    // Gemma 2: an output projection of its own (split over the vocabulary as it is read),
+    // four norms a layer, soft-capped logits.
+    let gemma = repo().join("tests/reference/hf_random/gemma2_capped");
     let rm_final = rm.join("final");
-    for (model, key) in [(lm.as_path(), "logprob"), (rm_final.as_path(), "reward")] {
+    for (model, key) in [
+        (lm.as_path(), "logprob"),
+        (gemma.as_path(), "logprob"),
+        (rm_final.as_path(), "reward"),
+    ] {
         let one = scores(1, model, &[]);
         assert_eq!(one.len(), 10);
         for (np, extra) in [
@@ -601,9 +609,6 @@ fn score_in_tensor_groups_matches_one_process() {
     }
 }
 
-/// What tensor parallel cannot split is refused naming `parallel.tensor`: heads the groups do
-/// not divide, LoRA dropout, fused projections (Phi-3), experts (Mixtral), OLMo 2's norm over
-/// the whole query projection, a critic, and ZeRO sharding beside it.
 /// `aligner generate` under `mpirun`: the prompts split over two ranks, and over tensor groups
 /// of 1×2 and 2×2 whose ranks each hold a block of every layer (their heads, their share of
 /// the MLP and of the vocabulary, the KV cache of their heads) and decode together, the
@@ -663,6 +668,9 @@ fn generate_on_ranks_and_in_tensor_groups_matches_one_process() {
     }
 }
 
+/// What tensor parallel cannot split is refused naming `parallel.tensor`: heads the groups do
+/// not divide, LoRA dropout, fused projections (Phi-3), experts (Mixtral), OLMo 2's norm over
+/// the whole query projection, and ZeRO sharding beside it.
 #[test]
 fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();

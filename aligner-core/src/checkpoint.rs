@@ -7,6 +7,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use aligner_parallel::Communicator;
+use aligner_parallel::tensor::{Group, TensorSplit, register};
 
 use burn::module::Param;
 use burn::nn::{Embedding, Linear};
@@ -177,6 +181,18 @@ impl TensorFiles {
 
     /// The tensor `name` as f32, checked against `expected` (HF layout).
     fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        self.read_block(name, expected, None)
+    }
+
+    /// The tensor `name` as f32, checked against `expected` (HF layout); with `block` =
+    /// `(axis, range)`, only that block of it along that axis (a tensor group's rank's part:
+    /// the other ranks' values are never decoded).
+    fn read_block(
+        &self,
+        name: &str,
+        expected: &[usize],
+        block: Option<(usize, std::ops::Range<usize>)>,
+    ) -> Result<Vec<f32>> {
         let file = *self.index.get(name).ok_or_else(|| CoreError::MissingTensor {
             name: name.to_string(),
             dir: self.dir.clone(),
@@ -197,7 +213,22 @@ impl TensorFiles {
                 found: view.shape().to_vec(),
             });
         }
-        let values = decode_f32(name, view.dtype(), view.data())?;
+        let values = match block {
+            None => decode_f32(name, view.dtype(), view.data())?,
+            Some((axis, range)) => {
+                let size = view.data().len() / expected.iter().product::<usize>().max(1);
+                let inner: usize = expected[axis + 1..].iter().product();
+                let outer: usize = expected[..axis].iter().product();
+                let n = expected[axis];
+                let mut values = Vec::with_capacity(outer * range.len() * inner);
+                for o in 0..outer {
+                    let from = (o * n + range.start) * inner * size;
+                    let to = (o * n + range.end) * inner * size;
+                    values.extend(decode_f32(name, view.dtype(), &view.data()[from..to])?);
+                }
+                values
+            }
+        };
         // Copied out: the file's pages of this tensor leave memory (a 0.5B model's 2 GB of
         // pages would otherwise count beside its loaded weights until the folder is closed).
         let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
@@ -238,19 +269,53 @@ fn decode_f32(name: &str, dtype: Dtype, data: &[u8]) -> Result<Vec<f32>> {
     })
 }
 
-fn tensor_1d(name: &str, values: Vec<f32>, device: &Device) -> Param<Tensor<1>> {
-    let n = values.len();
-    named_param(name, Tensor::from_data(TensorData::new(values, [n]), device))
-}
-
-fn tensor_2d(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Tensor<2> {
-    Tensor::from_data(TensorData::new(values, shape), device)
-}
-
 /// Loads the weights of a HF folder into a model built for `config`.
 pub fn load_causal_lm(dir: &Path, config: &LlamaConfig, device: &Device) -> Result<CausalLm> {
     let mut model = CausalLm::new(config, device);
     load_slots(dir, config, slots(&mut model), device)?;
+    Ok(model)
+}
+
+/// [`load_causal_lm`] for a rank of tensor group `group` (`parallel.tensor`): each weight
+/// tensor parallel splits (`train::tensor`) is read as this rank's block of it alone and
+/// registered as split, so no rank ever holds the whole model. Refused, naming
+/// `parallel.tensor`, for what tensor parallel cannot split.
+pub fn load_causal_lm_split(
+    dir: &Path,
+    config: &LlamaConfig,
+    device: &Device,
+    group: &Arc<dyn Communicator>,
+) -> Result<CausalLm> {
+    if config.qk_norm() == crate::config::QkNorm::Whole {
+        return Err(CoreError::Invalid(
+            "parallel.tensor: this model normalises the whole query projection (OLMo 2), which \
+             tensor parallel would split; use parallel.tensor = 1"
+                .into(),
+        ));
+    }
+    let mut model = CausalLm::new(config, device);
+    load_slots_in(dir, config, slots(&mut model), device, Some(group))?;
+    let mut split = 0;
+    for (_, slot) in slots(&mut model) {
+        let ids = match slot {
+            Slot::Linear(linear) => vec![
+                Some(linear.weight.id.val()),
+                linear.bias.as_ref().map(|b| b.id.val()),
+            ],
+            Slot::Norm(_) => Vec::new(),
+            Slot::Embedding(embedding) => vec![Some(embedding.weight.id.val())],
+        };
+        split += ids
+            .into_iter()
+            .flatten()
+            .filter(|&id| crate::train::tensor::is_split(id))
+            .count();
+    }
+    tracing::info!(
+        parameters = split,
+        ranks = group.world_size(),
+        "tensor parallel: read this rank's blocks of the split weights"
+    );
     Ok(model)
 }
 
@@ -261,32 +326,96 @@ pub fn load_slots(
     slots: Vec<(String, Slot<'_>)>,
     device: &Device,
 ) -> Result<()> {
+    load_slots_in(dir, config, slots, device, None)
+}
+
+/// The tensor `name` of Burn shape `dims` (`transposed`: `[out, in]` on disk), whole, or,
+/// in tensor group `group`, this rank's block of it when tensor parallel splits it.
+fn load_param<const D: usize>(
+    files: &TensorFiles,
+    name: &str,
+    dims: [usize; D],
+    transposed: bool,
+    group: Option<&Arc<dyn Communicator>>,
+    device: &Device,
+) -> Result<Param<Tensor<D>>> {
+    let on_disk = |mut d: [usize; D]| {
+        if transposed {
+            d.reverse();
+        }
+        d
+    };
+    let axis = match group {
+        Some(_) => crate::train::tensor::split_axis(name).map_err(CoreError::Invalid)?,
+        None => None,
+    };
+    let (Some(axis), Some(group)) = (axis, group) else {
+        let values = files.read(name, &on_disk(dims))?;
+        let tensor = Tensor::<D>::from_data(TensorData::new(values, on_disk(dims)), device);
+        let tensor = match transposed {
+            true => tensor.transpose(),
+            false => tensor,
+        };
+        return Ok(named_param(name, tensor));
+    };
+    let split = TensorSplit {
+        dims: dims.to_vec(),
+        axis,
+        group: Group(group.clone()),
+    };
+    if dims[axis] < group.world_size() {
+        return Err(CoreError::Invalid(format!(
+            "parallel.tensor = {}: {name} has {} along the axis it is split on",
+            group.world_size(),
+            dims[axis]
+        )));
+    }
+    let range = split.own_range();
+    let disk_axis = if transposed { D - 1 - axis } else { axis };
+    let mut block = on_disk(dims);
+    block[disk_axis] = range.len();
+    let values = files.read_block(name, &on_disk(dims), Some((disk_axis, range)))?;
+    let tensor = Tensor::<D>::from_data(TensorData::new(values, block), device);
+    let tensor = match transposed {
+        true => tensor.transpose(),
+        false => tensor,
+    };
+    let param = named_param(name, tensor);
+    register(param.id.val(), split);
+    Ok(param)
+}
+
+fn load_slots_in(
+    dir: &Path,
+    config: &LlamaConfig,
+    slots: Vec<(String, Slot<'_>)>,
+    device: &Device,
+    group: Option<&Arc<dyn Communicator>>,
+) -> Result<()> {
     let files = TensorFiles::open(dir)?;
     let mut used = HashSet::new();
     for (prefix, slot) in slots {
+        let name = format!("{prefix}.weight");
         match slot {
             Slot::Linear(linear) => {
-                let [d_in, d_out] = linear.weight.dims();
-                let name = format!("{prefix}.weight");
-                let hf = files.read(&name, &[d_out, d_in])?;
-                linear.weight = named_param(&name, tensor_2d(hf, [d_out, d_in], device).transpose());
+                // The shapes without making the layer's random initial weights.
+                let dims: [usize; 2] = linear.weight.lazy_shape().dims();
+                linear.weight = load_param(&files, &name, dims, true, group, device)?;
                 used.insert(name);
                 if linear.bias.is_some() {
                     let name = format!("{prefix}.bias");
-                    linear.bias = Some(tensor_1d(&name, files.read(&name, &[d_out])?, device));
+                    linear.bias = Some(load_param(&files, &name, [dims[1]], false, group, device)?);
                     used.insert(name);
                 }
             }
             Slot::Norm(norm) => {
-                let name = format!("{prefix}.weight");
-                let [d] = norm.gamma.dims();
-                norm.gamma = tensor_1d(&name, files.read(&name, &[d])?, device);
+                let dims: [usize; 1] = norm.gamma.lazy_shape().dims();
+                norm.gamma = load_param(&files, &name, dims, false, group, device)?;
                 used.insert(name);
             }
             Slot::Embedding(embedding) => {
-                let name = format!("{prefix}.weight");
-                let shape = embedding.weight.dims();
-                embedding.weight = named_param(&name, tensor_2d(files.read(&name, &shape)?, shape, device));
+                let dims: [usize; 2] = embedding.weight.lazy_shape().dims();
+                embedding.weight = load_param(&files, &name, dims, false, group, device)?;
                 used.insert(name);
             }
         }

@@ -111,6 +111,26 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads `config.json`, the safetensors weights and `tokenizer.json` of `dir`.
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        Self::from_dir_in(dir, device, None)
+    }
+
+    /// [`LoadedModel::from_dir`] for a rank of tensor group `group` (`parallel.tensor`): the
+    /// weights tensor parallel splits are read as this rank's blocks alone
+    /// ([`checkpoint::load_causal_lm_split`]), so a model larger than one rank's memory
+    /// loads across its group.
+    pub fn from_dir_split(
+        dir: &Path,
+        device: &Device,
+        group: &std::sync::Arc<dyn aligner_parallel::Communicator>,
+    ) -> Result<Self> {
+        Self::from_dir_in(dir, device, Some(group))
+    }
+
+    fn from_dir_in(
+        dir: &Path,
+        device: &Device,
+        group: Option<&std::sync::Arc<dyn aligner_parallel::Communicator>>,
+    ) -> Result<Self> {
         let config = LlamaConfig::from_file(&dir.join("config.json"))?;
         let tokenizer = TextTokenizer::from_dir(dir)?;
         // A tokenizer with ids past the embedding table makes every later step index out of
@@ -128,7 +148,17 @@ impl LoadedModel {
                 ),
             });
         }
-        let model = checkpoint::load_causal_lm(dir, &config, device)?;
+        let model = match group {
+            Some(group) if group.world_size() > 1 => {
+                crate::train::check_tensor_heads(
+                    &config,
+                    group.world_size(),
+                    &format!("parallel.tensor = {}", group.world_size()),
+                )?;
+                checkpoint::load_causal_lm_split(dir, &config, device, group)?
+            }
+            _ => checkpoint::load_causal_lm(dir, &config, device)?,
+        };
         Ok(Self {
             dir: dir.to_path_buf(),
             config,

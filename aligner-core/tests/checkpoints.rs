@@ -293,3 +293,117 @@ fn llama2c_converter_reproduces_the_hf_folder() {
         assert_eq!(converted_config[key], shipped_config[key], "{key}");
     }
 }
+
+/// Rank `rank` of `size` ranks that never talk: reading a checkpoint's blocks needs only the
+/// rank and the group's size.
+struct RankOf {
+    rank: usize,
+    size: usize,
+}
+
+impl aligner_parallel::Communicator for RankOf {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.size
+    }
+    fn all_reduce(
+        &self,
+        _: &mut [f32],
+        _: aligner_parallel::ReduceOp,
+    ) -> aligner_parallel::comm::CommResult<()> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn all_reduce_f64(
+        &self,
+        _: &mut [f64],
+        _: aligner_parallel::ReduceOp,
+    ) -> aligner_parallel::comm::CommResult<()> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn reduce_scatter(&self, _: &[f32], _: &mut [f32]) -> aligner_parallel::comm::CommResult<()> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn broadcast(&self, _: &mut Vec<u8>, _: usize) -> aligner_parallel::comm::CommResult<()> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn all_gather(&self, _: &[u8]) -> aligner_parallel::comm::CommResult<Vec<Vec<u8>>> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn barrier(&self) -> aligner_parallel::comm::CommResult<()> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn work_queue(
+        &self,
+        _: usize,
+        _: usize,
+    ) -> aligner_parallel::comm::CommResult<Box<dyn aligner_parallel::WorkQueue + '_>> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+    fn traffic(&self) -> aligner_parallel::Traffic {
+        aligner_parallel::Traffic::default()
+    }
+    fn split(
+        &self,
+        _: usize,
+        _: usize,
+    ) -> aligner_parallel::comm::CommResult<std::sync::Arc<dyn aligner_parallel::Communicator>> {
+        Err(aligner_parallel::CommError::Failed(
+            "loading talks to no rank".into(),
+        ))
+    }
+}
+
+/// A tensor group's rank reads only its blocks of a checkpoint: each split weight (Gemma 2's
+/// fixture: q/k/v/gate/up by output, o/down by input, the embedding and its own output
+/// projection by the vocabulary) is exactly that block of the whole tensor, on 2 ranks and on
+/// 3 (uneven blocks), and the norms are whole.
+#[test]
+fn a_tensor_rank_reads_only_its_blocks_of_each_split_weight() {
+    let device = Device::flex();
+    let dir = repo().join("tests/reference/hf_random/gemma2_capped");
+    let config = LlamaConfig::from_file(&dir.join("config.json")).unwrap();
+    let whole = tensor_map(&load_causal_lm(&dir, &config, &device).unwrap());
+    for size in [2, 3] {
+        for rank in 0..size {
+            let group: std::sync::Arc<dyn aligner_parallel::Communicator> =
+                std::sync::Arc::new(RankOf { rank, size });
+            let model =
+                aligner_core::checkpoint::load_causal_lm_split(&dir, &config, &device, &group).unwrap();
+            let mut split = 0;
+            for (name, shape, values) in hf_tensors(&model) {
+                let (whole_shape, whole_values) = &whole[&name];
+                let Some(axis) = (0..shape.len()).find(|&a| shape[a] != whole_shape[a]) else {
+                    assert_eq!(&values, whole_values, "{name} on rank {rank} of {size}");
+                    assert!(
+                        !name.contains("proj") && !name.contains("embed"),
+                        "{name} was not split"
+                    );
+                    continue;
+                };
+                split += 1;
+                let range = aligner_parallel::shard_range(whole_shape[axis], rank, size);
+                let block = aligner_parallel::tensor::take_block(whole_values, whole_shape, axis, range);
+                assert_eq!(values, block, "{name} on rank {rank} of {size}");
+            }
+            // Seven projections a layer, the embedding and the output projection.
+            assert_eq!(split, 7 * config.num_hidden_layers + 2, "rank {rank} of {size}");
+        }
+    }
+    aligner_parallel::tensor::clear();
+}

@@ -28,7 +28,7 @@ use crate::model::param_name;
 
 /// The axis parameter `name` is split along (`None`: it stays whole), or why the model cannot
 /// be split.
-fn split_axis(name: &str) -> std::result::Result<Option<usize>, String> {
+pub(crate) fn split_axis(name: &str) -> std::result::Result<Option<usize>, String> {
     const FUSED: [&str; 2] = ["qkv_proj", "gate_up_proj"];
     const EXPERTS: [&str; 4] = [".experts.", "block_sparse_moe", "mlp.gate.", "shared_expert"];
     if let Some(fused) = FUSED.iter().find(|f| name.contains(*f)) {
