@@ -288,8 +288,8 @@ pub fn load_causal_lm_split(
 ) -> Result<CausalLm> {
     if config.qk_norm() == crate::config::QkNorm::Whole {
         return Err(CoreError::Invalid(
-            "parallel.tensor: this model normalises the whole query projection (OLMo 2), which \
-             tensor parallel would split; use parallel.tensor = 1"
+            "parallel.tensor: this model's q_norm normalises the whole projection (OLMo 2), \
+             which tensor parallel would split; use parallel.tensor = 1"
                 .into(),
         ));
     }

@@ -175,7 +175,11 @@ pub fn cached_reference_logprobs(
     batch_size: usize,
     comm: &dyn aligner_parallel::Communicator,
 ) -> Result<Vec<f32>> {
-    let key = comm.is_root().then(|| {
+    // The cache is read and written by the world's rank 0 alone, and what it read is shared
+    // with every rank: in tensor groups `comm` (the data-parallel ranks) has a root in each
+    // group, whose ranks must compute (or not) together.
+    let world = aligner_parallel::world();
+    let key = world.is_root().then(|| {
         let sequences: Vec<(&[u32], usize)> = seqs.iter().map(|s| (s.ids.as_slice(), s.prompt_len)).collect();
         crate::cache::CacheKey::builder("reference log-probs")
             .weights(reference)
@@ -187,7 +191,7 @@ pub fn cached_reference_logprobs(
         let values: Vec<f32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
         (values.len() == seqs.len()).then_some(values)
     });
-    if let Some(values) = crate::parallel::broadcast_from_root(comm, &cached)? {
+    if let Some(values) = crate::parallel::broadcast_from_root(world.as_ref(), &cached)? {
         return Ok(values);
     }
     let values: Vec<f32> = crate::parallel::map_sharded(comm, seqs, |mine| {

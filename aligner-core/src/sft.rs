@@ -10,7 +10,7 @@ use crate::error::{CoreError, Result};
 use crate::model::CausalLm;
 use crate::run::{RunDir, data_files};
 use crate::score::pad_right;
-use crate::start::{load_model, policy_store};
+use crate::start::policy_store;
 pub use crate::store::CausalLmStore;
 use crate::tokenizer::{ChatMessage, TextTokenizer};
 use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
@@ -366,7 +366,9 @@ impl Default for SftConfig {
 pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
     let files = data_files(&config.data)?;
-    let lm = load_model(&config.model, device)?;
+    // In tensor groups, each rank reads only its blocks of the weights.
+    let (lm, run) = crate::start::load_model_split(&config.model, &config.parallel, run, device)?;
+    let run = &run;
     let max_len = config.data.max_len(&lm.config)?;
     let (mut train, validation) = files.load(|path, _| load_sft_examples(path, &lm.tokenizer, max_len))?;
     if config.sft.packing {
@@ -377,7 +379,6 @@ pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");
-    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     fit(
         model,
         &SftObjective,

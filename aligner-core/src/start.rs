@@ -32,6 +32,26 @@ pub fn load_model(section: &ModelSection, device: &Device) -> Result<LoadedModel
     LoadedModel::from_dir(&model_dir(section)?, device)?.in_precision(section.dtype, device)
 }
 
+/// [`load_model`] for a run whose ranks form tensor groups of `parallel.tensor` (formed here:
+/// a collective): each rank reads only its blocks of the weights tensor parallel splits, so
+/// no rank holds the whole model. Returns the model and the run in its `data × tensor` grid
+/// (`run` itself, and the whole model, when `parallel.tensor` is 1).
+pub fn load_model_split(
+    section: &ModelSection,
+    parallel: &crate::train::ParallelSection,
+    run: &crate::run::RunDir,
+    device: &Device,
+) -> Result<(LoadedModel, crate::run::RunDir)> {
+    let dir = model_dir(section)?;
+    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let grid = parallel.grid(run, section, &config)?;
+    let lm = match grid.tensor_group() {
+        Some(group) => LoadedModel::from_dir_split(&dir, device, &group)?,
+        None => LoadedModel::from_dir(&dir, device)?,
+    };
+    Ok((lm.in_precision(section.dtype, device)?, grid))
+}
+
 /// The LoRA settings of `[model]`, when `lora_rank > 0`.
 pub fn lora_spec(section: &ModelSection) -> Option<LoraSpec> {
     (section.lora_rank > 0).then(|| LoraSpec {

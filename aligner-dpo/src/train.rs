@@ -2,7 +2,7 @@
 //! and a device in, the run's summary out.
 
 use aligner_core::run::{RunDir, data_files};
-use aligner_core::start::{load_model, policy_store};
+use aligner_core::start::{load_model, load_model_split, policy_store};
 use aligner_core::train::{ModelEval, RunSummary, fit_evaluated};
 use aligner_core::{CoreError, Device};
 
@@ -24,8 +24,17 @@ pub fn train(
     let loss = config.dpo.build_loss(registry)?;
     run.start(config)?;
     let files = data_files(&config.data)?;
-    let lm = load_model(&config.model, device)?;
-    let frontier = config.frontier.for_start_model(&lm, device)?;
+    // In tensor groups, each rank reads only its blocks of the weights; the reference
+    // log-probs are computed on the blocks, each group a share of the pairs.
+    let (lm, run) = load_model_split(&config.model, &config.parallel, run, device)?;
+    let run = &run;
+    let frontier = match run.tensor_group() {
+        // The frontier samples from and scores against the whole start model.
+        Some(_) if config.frontier.enabled() => config
+            .frontier
+            .for_start_model(&load_model(&config.model, device)?, device)?,
+        _ => config.frontier.for_start_model(&lm, device)?,
+    };
     let max_len = config.data.max_len(&lm.config)?;
     let batch = config.train.batch_size.max(1) * 2;
     let (train, validation) = files.load(|path, split| {
@@ -45,8 +54,6 @@ pub fn train(
         loss = loss.name(),
         "DPO"
     );
-    // Tensor groups after the reference log-probs, which every rank computes a share of.
-    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let objective = DpoObjective {
         loss,
         sft_weight: config.dpo.sft_weight,

@@ -14,7 +14,7 @@ use aligner_core::Device;
 use aligner_core::data::Prompt;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::{ScoredSequence, cached_reference_logprobs, sequence_logprobs};
-use aligner_core::start::{load_model, policy_store};
+use aligner_core::start::{load_model, load_model_split, policy_store};
 use aligner_core::train::{
     DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection,
 };
@@ -193,8 +193,17 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     ])?;
     run.start(config)?;
     let files = data_files(&config.data)?;
-    let lm = load_model(&config.model, device)?;
-    let frontier = config.frontier.for_start_model(&lm, device)?;
+    // In tensor groups, each rank reads only its blocks of the weights; the reference
+    // log-probs are computed on the blocks, each group a share of the examples.
+    let (lm, run) = load_model_split(&config.model, &config.parallel, run, device)?;
+    let run = &run;
+    let frontier = match run.tensor_group() {
+        // The frontier samples from and scores against the whole start model.
+        Some(_) if config.frontier.enabled() => config
+            .frontier
+            .for_start_model(&load_model(&config.model, device)?, device)?,
+        _ => config.frontier.for_start_model(&lm, device)?,
+    };
     let batch = config.train.batch_size.max(1) * 2;
     let max_len = config.data.max_len(&lm.config)?;
     let (train, validation) = files.load(|path, split| {
@@ -204,8 +213,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     tracing::info!(train = train.len(), validation = validation.len(), "KTO");
-    // Tensor groups after the reference log-probs, which every rank computes a share of.
-    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
+
     let objective = KtoObjective {
         params: config.kto.clone(),
     };

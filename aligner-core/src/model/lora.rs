@@ -183,7 +183,13 @@ impl LoraLinear {
 
     /// Freezes the base weights and attaches a fresh adapter.
     pub fn attach(&mut self, name: &str, rank: usize, alpha: f64, dropout: f64, device: &Device) {
-        let [d_in, d_out] = self.base.weight.dims();
+        // A base read as a tensor group's block: the adapter is made whole, as one process
+        // makes it, and cut into blocks with the rest of the model when training starts.
+        let dims = self.base.weight.dims();
+        let [d_in, d_out] = match aligner_parallel::tensor::split_of(self.base.weight.id.val(), &dims) {
+            Some(split) => [split.dims[0], split.dims[1]],
+            None => dims,
+        };
         self.lora = Some(LoraAdapter::new(name, d_in, d_out, rank, alpha, dropout, device));
     }
 

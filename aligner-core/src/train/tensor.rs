@@ -69,7 +69,12 @@ pub fn split_parameters<M: Module>(model: M, group: Arc<dyn Communicator>) -> Re
     impl ModuleVisitor for Shapes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(name) = param_name(param.id.val()) {
-                self.0.insert(name, param.val().dims().to_vec());
+                // A weight read as its block is checked by its whole shape.
+                let dims = match registered(param.id.val()) {
+                    Some(split) => split.dims,
+                    None => param.val().dims().to_vec(),
+                };
+                self.0.insert(name, dims);
             }
         }
     }
