@@ -1335,10 +1335,11 @@ fn kto_on_two_and_three_ranks_trains_as_one_process() {
     }
 }
 
-/// Self-rewarding and Constitutional AI on two ranks with LoRA adapters, then resumed: a
-/// finished iteration or stage is kept (its model not trained again), an unfinished one is run.
+/// Self-rewarding (data parallel) and Constitutional AI (its fine-tuning stages in a 1×2 tensor
+/// group) on two ranks with LoRA adapters, then resumed: a finished iteration or stage is kept
+/// (its model not trained again), an unfinished one is run.
 #[test]
-fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
+fn self_reward_and_cai_in_a_tensor_group_run_on_two_ranks_with_lora_and_resume_by_stage() {
     let dir = tempfile::tempdir().unwrap();
     let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
     let modified = |path: PathBuf| std::fs::metadata(&path).unwrap().modified().unwrap();
@@ -1402,6 +1403,10 @@ fn self_reward_and_cai_run_on_two_ranks_with_lora_and_resume_by_stage() {
             &out("cai"),
             "--set",
             "model.lora_rank=4",
+            // Its fine-tuning stages (the judge, SFT on the revisions, DPO) in a 1×2 tensor
+            // group; its answers, critiques and revisions over the ranks.
+            "--set",
+            "parallel.tensor=2",
             "--set",
             "cai.rl=dpo",
             "--set",

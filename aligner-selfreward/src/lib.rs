@@ -139,6 +139,9 @@ pub struct SelfRewardConfig {
     /// The held-out reward (the shipped lexicon), KL to the start model and NLL after each
     /// iteration.
     pub frontier: FrontierSection,
+    /// Tensor groups (`parallel.tensor`) for the fine-tuning stages (SFT, DPO, the reward
+    /// model): each rank trains its blocks of the model.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for SelfRewardConfig {
@@ -173,6 +176,7 @@ impl Default for SelfRewardConfig {
                 max_prompts: 64,
                 ..FrontierSection::shipped()
             },
+            parallel: Default::default(),
         }
     }
 }
@@ -307,7 +311,7 @@ pub fn train(
             write_jsonl(&validation_file, &validation)
         })?;
         let sft = SftConfig {
-            parallel: Default::default(),
+            parallel: config.parallel.clone(),
             model: config.model.clone(),
             data: DataSection {
                 train: Some(train_file),
@@ -380,7 +384,7 @@ pub fn train(
                 )));
             }
             let dpo = DpoConfig {
-                parallel: Default::default(),
+                parallel: config.parallel.clone(),
                 model: ModelSection {
                     path: Some(model_dir.clone()),
                     ..config.model.clone()

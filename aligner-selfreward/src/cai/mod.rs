@@ -125,6 +125,9 @@ pub struct CaiConfig {
     /// The held-out reward, KL to the start model and NLL after each stage; its reward
     /// function also scores the RL pairs, to check the AI labels against it.
     pub frontier: FrontierSection,
+    /// Tensor groups (`parallel.tensor`) for the fine-tuning stages (SFT, DPO, the reward
+    /// model): each rank trains its blocks of the model.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for CaiConfig {
@@ -177,6 +180,7 @@ impl Default for CaiConfig {
                 max_prompts: 64,
                 ..FrontierSection::shipped()
             },
+            parallel: Default::default(),
         }
     }
 }
@@ -303,7 +307,7 @@ pub fn train(
                 ));
             }
             let sft = SftConfig {
-                parallel: Default::default(),
+                parallel: config.parallel.clone(),
                 model: config.model.clone(),
                 data: DataSection {
                     train: Some(sl.join("sft.train.jsonl")),
@@ -339,7 +343,7 @@ pub fn train(
             let train_file = run.join("judge.train.jsonl");
             run.write_shared(|| write_jsonl(&train_file, &rows))?;
             let sft = SftConfig {
-                parallel: Default::default(),
+                parallel: config.parallel.clone(),
                 model: ModelSection {
                     path: Some(given(&fb.model).cloned().unwrap_or_else(|| start_dir.clone())),
                     ..config.model.clone()
@@ -398,7 +402,7 @@ pub fn train(
         match section.rl {
             RlMethod::Dpo => {
                 let dpo = DpoConfig {
-                    parallel: Default::default(),
+                    parallel: config.parallel.clone(),
                     model: policy_model,
                     data: DataSection {
                         train: Some(preferences_file.clone()),
@@ -414,7 +418,7 @@ pub fn train(
             RlMethod::RewardModel => {
                 let rm_run = rl.child("reward_model");
                 let rm = RmConfig {
-                    parallel: Default::default(),
+                    parallel: config.parallel.clone(),
                     model: ModelSection {
                         path: Some(start_dir.clone()),
                         ..config.model.clone()
