@@ -447,8 +447,14 @@ fn ppo_in_f16_on_wgpu_resumes_actor_and_critic_from_master_weights() {
     let (full, cut) = (dir.path().join("full"), dir.path().join("cut"));
     // The three runs pick the same kernels: CubeCL's autotuner chooses by timing and keeps its
     // choices in a store other tests' processes write to at the same time, so an environment
-    // of this test's own (one f16 rounding apart is enough to break a bitwise resume).
-    let env = [("CUBECL_ENVIRONMENT", "aligner-test-ppo-f16-resume")];
+    // of this test's own (one f16 rounding apart is enough to break a bitwise resume). And
+    // lavapipe runs a dispatch's workgroups on one thread: on several, the order in which
+    // they finish can move with the machine's load, and with it any sum made across them
+    // (the full suite broke this bitwise check three times; a run alone never did).
+    let env = [
+        ("CUBECL_ENVIRONMENT", "aligner-test-ppo-f16-resume"),
+        ("LP_NUM_THREADS", "1"),
+    ];
     let ppo = |out: &Path, extra: &[&str]| {
         let mut args = vec!["--set", "train.save_every=1", "--set", "model.dtype=\"f16\""];
         args.extend(extra);
