@@ -37,6 +37,17 @@ fn main() {
     for (r, got) in all.iter().enumerate() {
         assert_eq!(got, &vec![r as u8; r], "all-gather from rank {r}");
     }
+    // The same parts gathered on the last rank alone: the others receive nothing.
+    let root = size - 1;
+    match comm.gather(&mine, root).unwrap() {
+        Some(all) => {
+            assert_eq!(rank, root, "rank {rank} received a gather to rank {root}");
+            for (r, got) in all.iter().enumerate() {
+                assert_eq!(got, &vec![r as u8; r], "gather from rank {r}");
+            }
+        }
+        None => assert_ne!(rank, root, "the root received nothing"),
+    }
 
     // Rank 1 is slow, so the others take more of the queue; every item is handed out once.
     let items = 40;

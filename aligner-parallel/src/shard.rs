@@ -83,6 +83,13 @@ impl ShardSpec {
             .concat()
     }
 
+    /// [`ShardSpec::gather_values`] received by rank `root` alone (`None` on the others).
+    pub fn gather_values_to(&self, own: &[f32], root: usize) -> Option<Vec<f32>> {
+        crate::comm::gather_f32(self.comm.as_ref(), own, root)
+            .unwrap_or_else(|e| panic!("gathering a sharded parameter {:?}: {e}", self.dims))
+            .map(|parts| parts.concat())
+    }
+
     /// This rank's rows of the sum over the ranks of `whole` (each rank's gradient of the
     /// whole tensor): a reduce-scatter.
     pub fn reduce_scatter_values(&self, whole: &[f32]) -> Vec<f32> {

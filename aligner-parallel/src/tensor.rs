@@ -100,6 +100,14 @@ impl TensorSplit {
             .unwrap_or_else(|e| panic!("gathering a tensor-parallel parameter {:?}: {e}", self.dims));
         join_blocks(&parts, &self.dims, self.axis)
     }
+
+    /// [`TensorSplit::gather_values`] received by the group's rank `root` alone (`None` on
+    /// the others, which send their block and keep nothing).
+    pub fn gather_values_to(&self, own: &[f32], root: usize) -> Option<Vec<f32>> {
+        crate::comm::gather_f32(self.group.0.as_ref(), own, root)
+            .unwrap_or_else(|e| panic!("gathering a tensor-parallel parameter {:?}: {e}", self.dims))
+            .map(|parts| join_blocks(&parts, &self.dims, self.axis))
+    }
 }
 
 /// The block `range` along `axis` of `values`, a row-major tensor of shape `dims`.

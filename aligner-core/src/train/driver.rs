@@ -312,15 +312,23 @@ impl<'a> Optimizer<'a> {
         Ok(())
     }
 
-    /// Every rank's part of a sharded state (nothing when it is whole).
+    /// Every rank's part of a sharded state, on the run's writer alone (nothing on the other
+    /// ranks, nor when the state is whole): in tensor groups, the writer's group sends it
+    /// the blocks' states, joined into the whole model's, and the other groups take no part.
     fn gather(&self) -> Result<Vec<Vec<u8>>> {
         if let Some(group) = &self.tensor {
+            // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
+            if self.comm.rank() != 0 {
+                return Ok(Vec::new());
+            }
             let bytes = self
                 .adam
                 .into_bytes()
                 .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
-            let parts = group.all_gather(&bytes)?;
-            return Ok(vec![super::tensor::join_optimizer_states(&parts)?]);
+            return match group.gather(&bytes, 0)? {
+                Some(parts) => Ok(vec![super::tensor::join_optimizer_states(&parts)?]),
+                None => Ok(Vec::new()),
+            };
         }
         if self.shards == 0 {
             return Ok(Vec::new());
@@ -329,7 +337,7 @@ impl<'a> Optimizer<'a> {
             .adam
             .into_bytes()
             .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
-        Ok(self.comm.all_gather(&bytes)?)
+        Ok(self.comm.gather(&bytes, 0)?.unwrap_or_default())
     }
 
     /// Loads the state a checkpoint holds for this rank. A state saved over `saved_shards`
@@ -816,9 +824,14 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                 optimizer_rows: full,
             };
             let shards = optim.gather()?;
-            let whole_model = whole_of(&model, full, split);
+            let whole_model = whole_on_writer(&model, full, split, run);
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
+                    let Some(whole_model) = whole_model.as_deref() else {
+                        return Err(CoreError::Invalid(
+                            "a checkpoint's writer was given no whole model to save".into(),
+                        ));
+                    };
                     // A half-precision model folder rounds the weights; training resumes from
                     // the master weights saved beside them.
                     let dir = tmp.join(layout.model);
@@ -881,6 +894,29 @@ fn whole_of<M: Module>(model: &M, full: bool, split: bool) -> std::borrow::Cow<'
         true => std::borrow::Cow::Owned(super::tensor::gather_parameters(model)),
         false => std::borrow::Cow::Borrowed(model),
     }
+}
+
+/// What a checkpoint saves: the whole model on the run's writer alone (`None` on the other
+/// ranks). Fully sharded, every rank sends its rows and keeps nothing of the others'; in
+/// tensor groups, the ranks of the writer's group send it their blocks and the other groups
+/// take no part, so a checkpoint adds no whole copy of the model on any rank but the writer.
+fn whole_on_writer<'m, M: Module>(
+    model: &'m M,
+    full: bool,
+    split: bool,
+    run: &RunDir,
+) -> Option<std::borrow::Cow<'m, M>> {
+    if full {
+        return super::full::gather_parameters_to_root(model).map(std::borrow::Cow::Owned);
+    }
+    if split {
+        // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
+        return match run.comm().rank() == 0 {
+            true => super::tensor::gather_parameters_to_root(model).map(std::borrow::Cow::Owned),
+            false => None,
+        };
+    }
+    run.is_writer().then_some(std::borrow::Cow::Borrowed(model))
 }
 
 fn summary(

@@ -91,6 +91,37 @@ pub fn gather_parameters<M: Module>(model: &M) -> M {
     model.clone().map(&mut Gather)
 }
 
+/// [`gather_parameters`] received by rank 0 of the ranks alone (the run folder's writer):
+/// every rank sends its rows of each parameter in turn, and the others keep nothing of the
+/// rest, so no rank but rank 0 ever holds more than its shard and one parameter. `None` on
+/// the other ranks (a collective: every rank calls it).
+pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
+    struct Gather {
+        at_root: Option<bool>,
+    }
+    impl ModuleMapper for Gather {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let value = param.val();
+            let Some(spec) = spec_of(param.id.val(), &value.dims()) else {
+                return param;
+            };
+            let Some(whole) = spec.gather_values_to(&host_values(value.clone()), 0) else {
+                self.at_root = Some(false);
+                return param;
+            };
+            self.at_root = Some(true);
+            let trainable = value.is_require_grad();
+            let (id, tensor, mapper) = param.consume();
+            let id = ParamId::from(whole_id(id.val()));
+            Param::from_mapped_value(id, tensor, mapper)
+                .map(|tensor| leaf(whole, spec.dims.clone(), &tensor.device(), trainable))
+        }
+    }
+    let mut gather = Gather { at_root: None };
+    let model = model.clone().map(&mut gather);
+    (gather.at_root != Some(false)).then_some(model)
+}
+
 /// A parameter's values, row-major f32.
 pub(crate) fn host_values<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
     tensor

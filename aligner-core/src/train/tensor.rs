@@ -175,6 +175,33 @@ pub fn gather_parameters<M: Module>(model: &M) -> M {
     model.clone().map(&mut Gather)
 }
 
+/// [`gather_parameters`] received by the group's rank 0 alone: the others send their blocks
+/// of each parameter in turn and keep nothing, so none of them ever holds more than its
+/// blocks and one parameter. `None` on the other ranks (a collective over the group).
+pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
+    struct Gather {
+        at_root: Option<bool>,
+    }
+    impl ModuleMapper for Gather {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let value = param.val();
+            let Some(split) = split_of(param.id.val(), &value.dims()) else {
+                return param;
+            };
+            let trainable = value.is_require_grad();
+            let Some(whole) = split.gather_values_to(&host_values(value), 0) else {
+                self.at_root = Some(false);
+                return param;
+            };
+            self.at_root = Some(true);
+            param.map(|tensor| leaf(whole, split.dims.clone(), &tensor.device(), trainable))
+        }
+    }
+    let mut gather = Gather { at_root: None };
+    let model = model.clone().map(&mut gather);
+    (gather.at_root != Some(false)).then_some(model)
+}
+
 /// Whether parameter `id` is split over the group (its gradient's square counts once per
 /// block); the others are whole and equal on every rank of the group.
 pub fn is_split(id: u64) -> bool {

@@ -74,6 +74,12 @@ pub trait Communicator: Send + Sync {
     /// Every rank's `bytes`, in rank order.
     fn all_gather(&self, bytes: &[u8]) -> CommResult<Vec<Vec<u8>>>;
     fn barrier(&self) -> CommResult<()>;
+    /// Every rank's `bytes`, in rank order, on `root` alone (`None` on the other ranks, which
+    /// receive nothing): what one rank writes, such as a checkpoint's optimizer state.
+    fn gather(&self, bytes: &[u8], root: usize) -> CommResult<Option<Vec<Vec<u8>>>> {
+        let all = self.all_gather(bytes)?;
+        Ok((self.rank() == root).then_some(all))
+    }
     /// A queue over `0..items` handed out `chunk` at a time to whichever rank asks first: a
     /// rank that finishes early takes more. Every rank must create it (a collective), and
     /// drain it before the next collective.
@@ -174,16 +180,29 @@ impl Grid {
 
 /// Every rank's `own` values (f32), in rank order: an all-gather of their bytes.
 pub fn all_gather_f32(comm: &dyn Communicator, own: &[f32]) -> CommResult<Vec<Vec<f32>>> {
-    let bytes: Vec<u8> = own.iter().flat_map(|v| v.to_le_bytes()).collect();
     Ok(comm
-        .all_gather(&bytes)?
+        .all_gather(&f32_bytes(own))?
         .iter()
-        .map(|part| {
-            part.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()
-        })
+        .map(|part| f32s(part))
         .collect())
+}
+
+/// [`all_gather_f32`] received by `root` alone (`None` on the other ranks).
+pub fn gather_f32(comm: &dyn Communicator, own: &[f32], root: usize) -> CommResult<Option<Vec<Vec<f32>>>> {
+    Ok(comm
+        .gather(&f32_bytes(own), root)?
+        .map(|parts| parts.iter().map(|part| f32s(part)).collect()))
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// Refuses a reduce-scatter whose send buffer is not `world` blocks of the receive buffer.

@@ -251,35 +251,49 @@ impl Communicator for Mpi {
 
     fn all_gather(&self, bytes: &[u8]) -> CommResult<Vec<Vec<u8>>> {
         let handles = self.inner.lock()?;
-        let mut lengths = vec![0u64; self.inner.size];
         let comm = self.inner.comm(&handles);
-        comm.all_gather_into(&(bytes.len() as u64), &mut lengths[..]);
-        let counts: Vec<i32> = lengths
-            .iter()
-            .map(|&n| i32::try_from(n))
-            .collect::<Result<_, _>>()
-            .map_err(|_| CommError::Failed("all-gather of more than 2 GiB from one rank".into()))?;
-        let displs: Vec<i32> = counts
-            .iter()
-            .scan(0i32, |acc, &n| {
-                let at = *acc;
-                *acc += n;
-                Some(at)
-            })
-            .collect();
-        let total: usize = lengths.iter().map(|&n| n as usize).sum();
-        let mut all = vec![0u8; total];
-        {
-            let mut partition = PartitionMut::new(&mut all[..], counts, &displs[..]);
-            comm.all_gather_varcount_into(bytes, &mut partition);
-        }
-        let mut out = Vec::with_capacity(self.inner.size);
-        let mut at = 0usize;
-        for n in lengths {
-            out.push(all[at..at + n as usize].to_vec());
-            at += n as usize;
+        let lengths = part_lengths(comm, bytes, self.inner.size);
+        let mut out: Vec<Vec<u8>> = lengths.iter().map(|&n| Vec::with_capacity(n)).collect();
+        for round in Rounds::new(&lengths) {
+            let mut all = vec![0u8; round.total()];
+            let displs = round.displs();
+            {
+                let mut partition = PartitionMut::new(&mut all[..], round.counts(), &displs[..]);
+                comm.all_gather_varcount_into(
+                    not_in_place(&bytes[round.mine(self.inner.rank)]),
+                    &mut partition,
+                );
+            }
+            round.append(&all, &mut out);
         }
         Ok(out)
+    }
+
+    fn gather(&self, bytes: &[u8], root: usize) -> CommResult<Option<Vec<Vec<u8>>>> {
+        let handles = self.inner.lock()?;
+        let comm = self.inner.comm(&handles);
+        let lengths = part_lengths(comm, bytes, self.inner.size);
+        let at_root = self.inner.rank == root;
+        let mut out: Vec<Vec<u8>> = match at_root {
+            true => lengths.iter().map(|&n| Vec::with_capacity(n)).collect(),
+            false => Vec::new(),
+        };
+        let process = comm.process_at_rank(root as i32);
+        for round in Rounds::new(&lengths) {
+            let mine = not_in_place(&bytes[round.mine(self.inner.rank)]);
+            if !at_root {
+                process.gather_varcount_into(mine);
+                continue;
+            }
+            let mut all = vec![0u8; round.total()];
+            let displs = round.displs();
+            {
+                let mut partition = PartitionMut::new(&mut all[..], round.counts(), &displs[..]);
+                process.gather_varcount_into_root(mine, &mut partition);
+            }
+            round.append(&all, &mut out);
+        }
+        Ok(at_root.then_some(out))
     }
 
     fn barrier(&self) -> CommResult<()> {
@@ -425,6 +439,144 @@ impl WorkQueue for RemoteQueue {
                 self.done = true;
                 Ok(None)
             }
+        }
+    }
+}
+
+/// `piece`, or where it is empty, an empty slice of a real allocation: an empty slice's
+/// address is 1, which OpenMPI reads as `MPI_IN_PLACE` (and `MPI_Gatherv` then refuses).
+fn not_in_place(piece: &[u8]) -> &[u8] {
+    static NOTHING: [u8; 1] = [0];
+    match piece.is_empty() {
+        true => &NOTHING[..0],
+        false => piece,
+    }
+}
+
+/// Every rank's part length (an all-gather of one `u64` each).
+fn part_lengths(comm: &SimpleCommunicator, bytes: &[u8], size: usize) -> Vec<usize> {
+    let mut lengths = vec![0u64; size];
+    comm.all_gather_into(&(bytes.len() as u64), &mut lengths[..]);
+    lengths.into_iter().map(|n| n as usize).collect()
+}
+
+/// The rounds a gather of parts of `lengths` bytes goes in: MPI's counts and displacements
+/// are 32-bit, so each round moves at most 1 GiB in all (a 0.5B model's AdamW state is
+/// 2 GB a rank at two ranks), every rank the next piece of its part.
+struct Rounds<'a> {
+    lengths: &'a [usize],
+    per_rank: usize,
+    next: usize,
+    count: usize,
+}
+
+impl<'a> Rounds<'a> {
+    fn new(lengths: &'a [usize]) -> Self {
+        Self::with_limit(lengths, 1 << 30)
+    }
+
+    fn with_limit(lengths: &'a [usize], limit: usize) -> Self {
+        let per_rank = (limit / lengths.len().max(1)).max(1);
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        Self {
+            lengths,
+            per_rank,
+            next: 0,
+            count: longest.div_ceil(per_rank),
+        }
+    }
+}
+
+impl<'a> Iterator for Rounds<'a> {
+    type Item = Round<'a>;
+
+    fn next(&mut self) -> Option<Round<'a>> {
+        (self.next < self.count).then(|| {
+            self.next += 1;
+            Round {
+                lengths: self.lengths,
+                start: (self.next - 1) * self.per_rank,
+                per_rank: self.per_rank,
+            }
+        })
+    }
+}
+
+/// One round: each rank's bytes `start..start + per_rank` of its part (fewer at its end).
+struct Round<'a> {
+    lengths: &'a [usize],
+    start: usize,
+    per_rank: usize,
+}
+
+impl Round<'_> {
+    fn mine(&self, rank: usize) -> Range<usize> {
+        let end = self.lengths[rank].min(self.start + self.per_rank);
+        self.start.min(end)..end
+    }
+
+    fn counts(&self) -> Vec<i32> {
+        (0..self.lengths.len())
+            .map(|r| self.mine(r).len() as i32)
+            .collect()
+    }
+
+    fn displs(&self) -> Vec<i32> {
+        self.counts()
+            .iter()
+            .scan(0i32, |acc, &n| {
+                let at = *acc;
+                *acc += n;
+                Some(at)
+            })
+            .collect()
+    }
+
+    fn total(&self) -> usize {
+        (0..self.lengths.len()).map(|r| self.mine(r).len()).sum()
+    }
+
+    /// Appends each rank's piece of `all` (the round's receive buffer) to its part.
+    fn append(&self, all: &[u8], out: &mut [Vec<u8>]) {
+        let mut at = 0;
+        for (rank, part) in out.iter_mut().enumerate() {
+            let n = self.mine(rank).len();
+            part.extend_from_slice(&all[at..at + n]);
+            at += n;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rounds;
+
+    /// Parts of uneven lengths (one empty) moved in rounds of a few bytes come out whole, and
+    /// no round moves more than the limit.
+    #[test]
+    fn rounds_move_every_part_whole_within_the_limit() {
+        let parts: Vec<Vec<u8>> = [13usize, 0, 7, 29]
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| (0..n).map(|i| (r * 50 + i) as u8).collect())
+            .collect();
+        let lengths: Vec<usize> = parts.iter().map(Vec::len).collect();
+        for limit in [1, 4, 10, 1 << 30] {
+            let mut out = vec![Vec::new(); parts.len()];
+            let mut rounds = 0;
+            for round in Rounds::with_limit(&lengths, limit) {
+                rounds += 1;
+                assert!(round.total() <= limit.max(parts.len()), "limit {limit}");
+                let all: Vec<u8> = (0..parts.len())
+                    .flat_map(|r| parts[r][round.mine(r)].to_vec())
+                    .collect();
+                assert_eq!(all.len(), round.total());
+                assert_eq!(round.displs().len(), round.counts().len());
+                round.append(&all, &mut out);
+            }
+            assert_eq!(out, parts, "limit {limit}");
+            let per_rank = (limit / parts.len()).max(1);
+            assert_eq!(rounds, 29usize.div_ceil(per_rank), "limit {limit}");
         }
     }
 }

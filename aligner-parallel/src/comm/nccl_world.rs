@@ -161,6 +161,10 @@ impl Communicator for Nccl {
         self.mpi.all_gather(bytes)
     }
 
+    fn gather(&self, bytes: &[u8], root: usize) -> CommResult<Option<Vec<Vec<u8>>>> {
+        self.mpi.gather(bytes, root)
+    }
+
     fn barrier(&self) -> CommResult<()> {
         self.mpi.barrier()
     }
