@@ -286,15 +286,8 @@ pub fn load_causal_lm_split(
     device: &Device,
     group: &Arc<dyn Communicator>,
 ) -> Result<CausalLm> {
-    if config.qk_norm() == crate::config::QkNorm::Whole {
-        return Err(CoreError::Invalid(
-            "parallel.tensor: this model's q_norm normalises the whole projection (OLMo 2), \
-             which tensor parallel would split; use parallel.tensor = 1"
-                .into(),
-        ));
-    }
     let mut model = CausalLm::new(config, device);
-    load_slots_in(dir, config, slots(&mut model), device, Some(group))?;
+    load_slots_split(dir, config, slots(&mut model), device, group)?;
     let mut split = 0;
     for (_, slot) in slots(&mut model) {
         let ids = match slot {
@@ -327,6 +320,26 @@ pub fn load_slots(
     device: &Device,
 ) -> Result<()> {
     load_slots_in(dir, config, slots, device, None)
+}
+
+/// [`load_slots`] for a rank of tensor group `group`: the weights tensor parallel splits are
+/// read as this rank's blocks alone (and registered as split), the rest whole. Refused, naming
+/// `parallel.tensor`, for a model whose norms tensor parallel would cut (OLMo 2's q_norm).
+pub fn load_slots_split(
+    dir: &Path,
+    config: &LlamaConfig,
+    slots: Vec<(String, Slot<'_>)>,
+    device: &Device,
+    group: &Arc<dyn Communicator>,
+) -> Result<()> {
+    if config.qk_norm() == crate::config::QkNorm::Whole {
+        return Err(CoreError::Invalid(
+            "parallel.tensor: this model's q_norm normalises the whole projection (OLMo 2), \
+             which tensor parallel would split; use parallel.tensor = 1"
+                .into(),
+        ));
+    }
+    load_slots_in(dir, config, slots, device, Some(group))
 }
 
 /// The tensor `name` of Burn shape `dims` (`transposed`: `[out, in]` on disk), whole, or,

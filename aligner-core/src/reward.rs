@@ -109,11 +109,29 @@ impl RewardModel {
     /// Starts a reward model from a causal-LM or reward-model folder; a causal LM gets a fresh
     /// head of `outputs` values.
     pub fn load(dir: &Path, config: &LlamaConfig, outputs: usize, device: &Device) -> Result<Self> {
+        Self::load_in(dir, config, outputs, device, None)
+    }
+
+    /// [`RewardModel::load`] on a rank of tensor group `group` (when given): the trunk's
+    /// weights that tensor parallel splits are read as this rank's blocks alone; the head
+    /// stays whole.
+    pub fn load_in(
+        dir: &Path,
+        config: &LlamaConfig,
+        outputs: usize,
+        device: &Device,
+        group: Option<&std::sync::Arc<dyn aligner_parallel::Communicator>>,
+    ) -> Result<Self> {
         let mut model = Self::new(config, outputs, device);
-        if config.is_sequence_classifier() {
-            load_slots(dir, config, model.slots(), device)?;
-        } else {
-            load_slots(dir, config, trunk_slots(&mut model.model), device)?;
+        let slots = match config.is_sequence_classifier() {
+            true => model.slots(),
+            false => trunk_slots(&mut model.model),
+        };
+        match group {
+            Some(group) if group.world_size() > 1 => {
+                crate::checkpoint::load_slots_split(dir, config, slots, device, group)?
+            }
+            _ => load_slots(dir, config, slots, device)?,
         }
         Ok(model)
     }

@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::reward::RewardModel;
 use crate::run::{RunDir, data_files};
 use crate::score::pad_right;
-use crate::start::{LoadedRewardModel, head_store, model_dir};
+use crate::start::{head_store, load_head_model_split};
 pub use crate::store::RewardModelStore;
 use crate::tokenizer::TextTokenizer;
 use crate::train::{EvalSum, Objective, RunSummary, StepOutput, fit};
@@ -269,12 +269,13 @@ impl Default for RmConfig {
 pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSummary> {
     run.start(config)?;
     let files = data_files(&config.data)?;
-    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, &["reward".into()], device)?
-        .in_precision(config.model.dtype, device)?;
+    // The tensor groups form first, so that each rank reads only its blocks of the trunk.
+    let (start, run) =
+        load_head_model_split(&config.model, &["reward".into()], &config.parallel, run, device)?;
+    let run = &run;
     let max_len = config.data.max_len(&start.config)?;
     let (train, validation) = files.load(|path, _| load_pairs(path, &start.tokenizer, max_len))?;
     tracing::info!(train = train.len(), validation = validation.len(), "reward model");
-    let run = &config.parallel.grid(run, &config.model, &start.config)?;
     let mut model = start.model;
     let store = head_store(
         &mut model,

@@ -52,6 +52,26 @@ pub fn load_model_split(
     Ok((lm.in_precision(section.dtype, device)?, grid))
 }
 
+/// [`load_model_split`] for a model with a head of one output per label (reward and attribute
+/// models): the trunk of `[model]`'s folder, each rank of a tensor group reading only its
+/// blocks of it; the head stays whole.
+pub fn load_head_model_split(
+    section: &ModelSection,
+    labels: &[String],
+    parallel: &crate::train::ParallelSection,
+    run: &crate::run::RunDir,
+    device: &Device,
+) -> Result<(LoadedRewardModel, crate::run::RunDir)> {
+    let dir = model_dir(section)?;
+    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let grid = parallel.grid(run, section, &config)?;
+    let start = match grid.tensor_group() {
+        Some(group) => LoadedRewardModel::with_labels_split(&dir, labels, device, &group)?,
+        None => LoadedRewardModel::with_labels(&dir, labels, device)?,
+    };
+    Ok((start.in_precision(section.dtype, device)?, grid))
+}
+
 /// The LoRA settings of `[model]`, when `lora_rank > 0`.
 pub fn lora_spec(section: &ModelSection) -> Option<LoraSpec> {
     (section.lora_rank > 0).then(|| LoraSpec {
@@ -169,18 +189,36 @@ impl LoadedRewardModel {
         if labels.is_empty() {
             labels = vec!["reward".to_string()];
         }
-        Self::load(dir, config, labels, device)
+        Self::load(dir, config, labels, device, None)
     }
 
     /// The trunk of the model folder `dir` (a causal LM or a classifier) under a head of one
     /// output per label: where training a reward or attribute model starts.
     pub fn with_labels(dir: &Path, labels: &[String], device: &Device) -> Result<Self> {
         let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-        Self::load(dir, config, labels.to_vec(), device)
+        Self::load(dir, config, labels.to_vec(), device, None)
     }
 
-    fn load(dir: &Path, config: LlamaConfig, labels: Vec<String>, device: &Device) -> Result<Self> {
-        let model = RewardModel::load(dir, &config, labels.len(), device)?;
+    /// [`LoadedRewardModel::with_labels`] for a rank of the tensor group `group`: it reads
+    /// only its blocks of the trunk's split weights (see [`load_model_split`]).
+    pub fn with_labels_split(
+        dir: &Path,
+        labels: &[String],
+        device: &Device,
+        group: &std::sync::Arc<dyn aligner_parallel::Communicator>,
+    ) -> Result<Self> {
+        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        Self::load(dir, config, labels.to_vec(), device, Some(group))
+    }
+
+    fn load(
+        dir: &Path,
+        config: LlamaConfig,
+        labels: Vec<String>,
+        device: &Device,
+        group: Option<&std::sync::Arc<dyn aligner_parallel::Communicator>>,
+    ) -> Result<Self> {
+        let model = RewardModel::load_in(dir, &config, labels.len(), device, group)?;
         let tokenizer = TextTokenizer::from_dir(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),

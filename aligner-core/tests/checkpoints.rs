@@ -407,3 +407,62 @@ fn a_tensor_rank_reads_only_its_blocks_of_each_split_weight() {
     }
     aligner_parallel::tensor::clear();
 }
+
+/// A reward model's trunk on a tensor group's rank is read the same way, from a causal LM's
+/// folder (a fresh head) and from a reward model's (its trained head): each split weight of
+/// the trunk is this rank's block, and the head stays whole on every rank.
+#[test]
+fn a_tensor_rank_reads_only_its_blocks_of_a_reward_models_trunk() {
+    use aligner_core::checkpoint::{slot_tensors, trunk_slots};
+    use aligner_core::reward::RewardModel;
+    let device = Device::flex();
+    let lm_dir = repo().join("tests/reference/hf_random/llama3_scaled");
+    let lm_config = LlamaConfig::from_file(&lm_dir.join("config.json")).unwrap();
+    // A reward model's folder: the trunk under a head with values of its own.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut trained = RewardModel::load(&lm_dir, &lm_config, 2, &device).unwrap();
+    trained.score.weight = trained
+        .score
+        .weight
+        .map(|w| w.random_like(burn::tensor::Distribution::Default));
+    let labels = ["helpful".to_string(), "tidy".to_string()];
+    trained
+        .save(&lm_config, &labels, tmp.path(), Some(&lm_dir))
+        .unwrap();
+    let rm_config = LlamaConfig::from_file(&tmp.path().join("config.json")).unwrap();
+    for (dir, config) in [(lm_dir.as_path(), &lm_config), (tmp.path(), &rm_config)] {
+        let mut whole = RewardModel::load(dir, config, 2, &device).unwrap();
+        let whole_head = whole.score.weight.val().into_data();
+        let whole_trunk: HashMap<_, _> = slot_tensors(trunk_slots(&mut whole.model))
+            .into_iter()
+            .map(|(name, shape, values)| (name, (shape, values)))
+            .collect();
+        for size in [2, 3] {
+            for rank in 0..size {
+                let group: std::sync::Arc<dyn aligner_parallel::Communicator> =
+                    std::sync::Arc::new(RankOf { rank, size });
+                let mut model = RewardModel::load_in(dir, config, 2, &device, Some(&group)).unwrap();
+                assert_eq!(
+                    model.score.weight.val().into_data(),
+                    whole_head,
+                    "the head on rank {rank}"
+                );
+                let mut split = 0;
+                for (name, shape, values) in slot_tensors(trunk_slots(&mut model.model)) {
+                    let (whole_shape, whole_values) = &whole_trunk[&name];
+                    let Some(axis) = (0..shape.len()).find(|&a| shape[a] != whole_shape[a]) else {
+                        assert_eq!(&values, whole_values, "{name} on rank {rank} of {size}");
+                        continue;
+                    };
+                    split += 1;
+                    let range = aligner_parallel::shard_range(whole_shape[axis], rank, size);
+                    let block = aligner_parallel::tensor::take_block(whole_values, whole_shape, axis, range);
+                    assert_eq!(values, block, "{name} on rank {rank} of {size}");
+                }
+                // Seven projections a layer and the embedding.
+                assert_eq!(split, 7 * config.num_hidden_layers + 1, "rank {rank} of {size}");
+            }
+        }
+    }
+    aligner_parallel::tensor::clear();
+}

@@ -2,7 +2,7 @@
 //! and a device in, the run's summary out.
 
 use aligner_core::run::{RunDir, data_files};
-use aligner_core::start::{load_model, load_model_split, policy_store};
+use aligner_core::start::{load_model_split, policy_store};
 use aligner_core::train::{ModelEval, RunSummary, fit_evaluated};
 use aligner_core::{CoreError, Device};
 
@@ -28,13 +28,9 @@ pub fn train(
     // log-probs are computed on the blocks, each group a share of the pairs.
     let (lm, run) = load_model_split(&config.model, &config.parallel, run, device)?;
     let run = &run;
-    let frontier = match run.tensor_group() {
-        // The frontier samples from and scores against the whole start model.
-        Some(_) if config.frontier.enabled() => config
-            .frontier
-            .for_start_model(&load_model(&config.model, device)?, device)?,
-        _ => config.frontier.for_start_model(&lm, device)?,
-    };
+    let frontier = config
+        .frontier
+        .for_split_start_model(&lm, &config.model, run, device)?;
     let max_len = config.data.max_len(&lm.config)?;
     let batch = config.train.batch_size.max(1) * 2;
     let (train, validation) = files.load(|path, split| {

@@ -113,6 +113,24 @@ impl FrontierSection {
         self.build(reference, device)
     }
 
+    /// [`FrontierSection::for_start_model`] for a run whose start model `lm` was read from
+    /// `[model]` (`section`) and may be split over the tensor group of `run`: the frontier
+    /// samples from and scores against the whole start model, loaded whole for it then.
+    pub fn for_split_start_model(
+        &self,
+        lm: &aligner_core::LoadedModel,
+        section: &aligner_core::train::ModelSection,
+        run: &aligner_core::run::RunDir,
+        device: &Device,
+    ) -> crate::Result<Option<Frontier>> {
+        match run.tensor_group() {
+            Some(_) if self.enabled() => {
+                self.for_start_model(&aligner_core::start::load_model(section, device)?, device)
+            }
+            _ => self.for_start_model(lm, device),
+        }
+    }
+
     /// The evaluator of this section against `reference` (None when no prompts file is set):
     /// the prompts are read and the reward model loaded now, so a bad file stops the run
     /// before it trains.

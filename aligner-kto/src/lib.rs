@@ -14,7 +14,7 @@ use aligner_core::Device;
 use aligner_core::data::Prompt;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::{ScoredSequence, cached_reference_logprobs, sequence_logprobs};
-use aligner_core::start::{load_model, load_model_split, policy_store};
+use aligner_core::start::{load_model_split, policy_store};
 use aligner_core::train::{
     DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection,
 };
@@ -197,13 +197,9 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
     // log-probs are computed on the blocks, each group a share of the examples.
     let (lm, run) = load_model_split(&config.model, &config.parallel, run, device)?;
     let run = &run;
-    let frontier = match run.tensor_group() {
-        // The frontier samples from and scores against the whole start model.
-        Some(_) if config.frontier.enabled() => config
-            .frontier
-            .for_start_model(&load_model(&config.model, device)?, device)?,
-        _ => config.frontier.for_start_model(&lm, device)?,
-    };
+    let frontier = config
+        .frontier
+        .for_split_start_model(&lm, &config.model, run, device)?;
     let batch = config.train.batch_size.max(1) * 2;
     let max_len = config.data.max_len(&lm.config)?;
     let (train, validation) = files.load(|path, split| {

@@ -168,11 +168,19 @@ impl PpoRunner<'_> {
         // Without LoRA the reference is a frozen copy of the starting policy; with LoRA it is
         // the same weights with the adapters switched off (the base does not train), kept as
         // a copy only when it is offloaded to the CPU.
+        // In tensor groups the actor arrives as this rank's blocks. Beside a split engine the
+        // reference is those blocks too (its log-probs are computed by the group); beside an
+        // engine that generates with the whole model, the reference is whole as well, so the
+        // log-probs are one process's to the bit.
+        let start = || match self.run.tensor_group().filter(|_| !cfg.split_engine) {
+            Some(_) => aligner_core::train::tensor::gather_parameters(&actor).valid(),
+            None => actor.valid(),
+        };
         let reference = match (lora, cfg.offload_reference) {
-            (false, false) => Some(actor.valid()),
+            (false, false) => Some(start()),
             (true, false) => None,
             (_, true) => {
-                let mut frozen = actor.valid();
+                let mut frozen = start();
                 frozen.model.set_adapters_enabled(false);
                 let mut frozen = frozen.fork(&Device::flex());
                 // The host computes in f32 whatever the actor's type on the device.
@@ -711,9 +719,13 @@ impl<'r, 'scope> Method<CausalLm> for PpoStep<'r, 'scope> {
         if let (Some(dir), Some(critic)) = (resumed, self.critic) {
             critic.load(dir.join("critic")).wait()?;
         }
-        // A tensor group's engine takes the actor's blocks, which do not exist yet.
+        // A tensor group's engine takes the actor's blocks (made at its first use); any other
+        // generates with the whole model, so blocks read from the checkpoint are gathered.
         if self.engine_group().is_none() {
-            self.pool = Some(self.new_pool(actor));
+            self.pool = Some(match self.runner.run.tensor_group() {
+                Some(_) => self.new_pool(&aligner_core::train::tensor::gather_parameters(actor)),
+                None => self.new_pool(actor),
+            });
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use aligner_core::config::Precision;
 use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
-use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
+use aligner_core::start::{LoadedRewardModel, load_model, load_model_split, policy_store};
 use aligner_core::{CoreError, Device};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{RewardSpecs, Rewards};
@@ -131,12 +131,16 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
     let rm_dir = ((config.reward.is_empty() && !env_only) || needs_critic)
         .then(|| reward_model_dir(&config.reward_model, run, device))
         .transpose()?;
-    let mut lm = load_model(&config.model, device)?;
+    // In tensor groups (formed here, once the reward model is ready) each rank reads only its
+    // blocks of the actor; the reference is a copy of those blocks.
+    let (mut lm, grid) = load_model_split(&config.model, &config.parallel, run, device)?;
     // Declared tools are rendered into the chat prompts (the template's `tools`).
     if let Some(tools) = config.environment.tools_json() {
         lm.tokenizer = lm.tokenizer.with_tools(tools);
     }
-    let frontier = config.frontier.for_start_model(&lm, device)?;
+    let frontier = config
+        .frontier
+        .for_split_start_model(&lm, &config.model, &grid, device)?;
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let rewards = match spec_rewards {
         Some(rewards) => Some(rewards),
@@ -185,8 +189,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         critic = if needs_critic { config.ppo.critic_url.as_deref().unwrap_or("in process") } else { "none" },
         "PPO"
     );
-    // Tensor groups once the reward model and the prompts are ready.
-    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
+    let run = &grid;
     let runner = PpoRunner {
         config,
         llama: &lm.config,

@@ -69,6 +69,9 @@ pub struct SteerConfig {
     pub balance: BalanceSection,
     /// `bootstrap` only: what the conditioned model samples.
     pub bootstrap: BootstrapSection,
+    /// Tensor groups (`parallel.tensor`): the attribute model and conditioned SFT train on
+    /// them, each rank reading and training its blocks of the model.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for SteerConfig {
@@ -93,6 +96,7 @@ impl SteerConfig {
             steerlm: Conditioning::default(),
             balance: BalanceSection::default(),
             bootstrap: BootstrapSection::default(),
+            parallel: Default::default(),
         }
     }
 }

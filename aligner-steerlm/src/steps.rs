@@ -8,7 +8,7 @@ use aligner_core::data::{Prompt, PromptRow, read_jsonl, write_jsonl};
 use aligner_core::reward::RewardModel;
 use aligner_core::run::{RunDir, Split, data_files, progress_bar};
 use aligner_core::sft::{SftExample, SftObjective};
-use aligner_core::start::{LoadedRewardModel, head_store, model_dir, policy_store};
+use aligner_core::start::{LoadedRewardModel, head_store, load_head_model_split, model_dir, policy_store};
 use aligner_core::train::{RunSummary, fit};
 use aligner_core::{CoreError, Device, LoadedModel, TextTokenizer};
 use aligner_gen::{Engine, EngineOptions};
@@ -58,8 +58,9 @@ pub fn train_attributes(config: &SteerConfig, run: &RunDir, device: &Device) -> 
     run.start(config)?;
     let files = data_files(&config.data)?;
     let names = &config.steerlm.attributes;
-    let start = LoadedRewardModel::with_labels(&model_dir(&config.model)?, names, device)?
-        .in_precision(config.model.dtype, device)?;
+    // The tensor groups form first, so that each rank reads only its blocks of the trunk.
+    let (start, run) = load_head_model_split(&config.model, names, &config.parallel, run, device)?;
+    let run = &run;
     let max_len = config.data.max_len(&start.config)?;
     let as_it_is = BalanceSection::default();
     let (train, validation) = files.load(|path, split| {
@@ -210,7 +211,13 @@ fn conditioned_sft(
     data: ConditionedData,
     device: &Device,
 ) -> Result<RunSummary> {
-    let lm = LoadedModel::from_dir(policy, device)?;
+    // In tensor groups (formed here) each rank reads only its blocks of the policy.
+    let llama = aligner_core::LlamaConfig::from_file(&policy.join("config.json"))?;
+    let run = &config.parallel.grid(run, &config.model, &llama)?;
+    let lm = match run.tensor_group() {
+        Some(group) => LoadedModel::from_dir_split(policy, device, &group)?,
+        None => LoadedModel::from_dir(policy, device)?,
+    };
     let max_len = config.data.max_len(&lm.config)?;
     let examples = |rows: &[AttributeRow]| -> Result<Vec<SftExample>> {
         conditioned_rows(rows, conditioning, &lm.tokenizer)?
@@ -273,7 +280,11 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
     let policy = match &config.model.path {
         Some(path) => path.clone(),
         None => run.earlier_step("sft", SETTINGS_FILE, |step| {
-            train_conditioned(&SteerConfig::sft_defaults(), step, device).map(drop)
+            let sft = SteerConfig {
+                parallel: config.parallel.clone(),
+                ..SteerConfig::sft_defaults()
+            };
+            train_conditioned(&sft, step, device).map(drop)
         })?,
     };
     let conditioning = Conditioning::load(&policy)?;
@@ -298,7 +309,11 @@ pub fn bootstrap(config: &SteerConfig, run: &RunDir, device: &Device) -> Result<
         let attribute_dir = match &section.attribute_model {
             Some(path) => path.clone(),
             None => run.earlier_step("attributes", "config.json", |step| {
-                train_attributes(&SteerConfig::attributes_defaults(), step, device).map(drop)
+                let attributes = SteerConfig {
+                    parallel: config.parallel.clone(),
+                    ..SteerConfig::attributes_defaults()
+                };
+                train_attributes(&attributes, step, device).map(drop)
             })?,
         };
         // Checked before sampling: a labeller that cannot label would waste the samples.
