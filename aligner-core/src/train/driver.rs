@@ -298,10 +298,10 @@ impl<'a> Optimizer<'a> {
 
     /// Writes the state into checkpoint folder `tmp` (rank 0; a sharded state's parts were
     /// gathered from every rank first by [`Optimizer::gather`]).
-    fn save(&self, tmp: &Path, layout: &CheckpointLayout, shards: &[Vec<u8>]) -> Result<()> {
-        if let (Some(_), [whole]) = (&self.tensor, shards) {
-            // Tensor parallel: the whole model's state, joined from the group.
-            return crate::checkpoint::write_atomic(&tmp.join(layout.optimizer), whole);
+    fn save(&self, tmp: &Path, layout: &CheckpointLayout, shards: Vec<Vec<u8>>) -> Result<()> {
+        if self.tensor.is_some() && !shards.is_empty() {
+            // Tensor parallel: the whole model's state, joined from the group's as it is written.
+            return super::tensor::write_joined_optimizer_state(shards, &tmp.join(layout.optimizer));
         }
         if shards.is_empty() {
             return save_optimizer(&self.adam, &tmp.join(layout.optimizer));
@@ -314,7 +314,7 @@ impl<'a> Optimizer<'a> {
 
     /// Every rank's part of a sharded state, on the run's writer alone (nothing on the other
     /// ranks, nor when the state is whole): in tensor groups, the writer's group sends it
-    /// the blocks' states, joined into the whole model's, and the other groups take no part.
+    /// the blocks' states (joined as they are saved), and the other groups take no part.
     fn gather(&self) -> Result<Vec<Vec<u8>>> {
         if let Some(group) = &self.tensor {
             // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
@@ -325,10 +325,7 @@ impl<'a> Optimizer<'a> {
                 .adam
                 .into_bytes()
                 .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
-            return match group.gather(&bytes, 0)? {
-                Some(parts) => Ok(vec![super::tensor::join_optimizer_states(&parts)?]),
-                None => Ok(Vec::new()),
-            };
+            return Ok(group.gather(&bytes, 0)?.unwrap_or_default());
         }
         if self.shards == 0 {
             return Ok(Vec::new());
@@ -823,7 +820,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                 optimizer_shards: optim.shards(),
                 optimizer_rows: full,
             };
-            let shards = optim.gather()?;
+            let mut shards = Some(optim.gather()?);
             let whole_model = whole_on_writer(&model, full, split, run);
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
@@ -836,7 +833,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                     // the master weights saved beside them.
                     let dir = tmp.join(layout.model);
                     master::save_with_masters(store, &whole_model.valid(), &dir)?;
-                    optim.save(tmp, layout, &shards)
+                    optim.save(tmp, layout, shards.take().unwrap_or_default())
                 })?;
                 Ok::<_, T::Error>(crate::checkpoint::write_json(&tmp.join(layout.state), &state)?)
             })?;

@@ -208,71 +208,87 @@ pub fn is_split(id: u64) -> bool {
     registered(id).is_some()
 }
 
-/// An optimizer state (a burnpack file's bytes, as AdamW saves it) of the whole model, from
-/// the states of the group's ranks (`parts`, in rank order): each split parameter's moments
-/// joined from their blocks. The result is what one process training the model would save,
-/// which any layout loads.
-pub fn join_optimizer_states(parts: &[Vec<u8>]) -> Result<Vec<u8>> {
-    let readers = parts
-        .iter()
-        .map(|bytes| {
-            burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.clone()))
-                .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let first = readers
-        .first()
-        .ok_or_else(|| CoreError::Invalid("optimizer state: no part to join".into()))?;
-    let scalars: Vec<(String, burn_pack::Scalar)> =
-        first.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
-    let metadata: Vec<(String, String)> = first
-        .metadata()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let mut tensors_by_rank = Vec::with_capacity(readers.len());
-    for reader in readers {
-        let mut tensors = Vec::new();
-        for tensor in reader
-            .into_tensors()
-            .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?
-        {
-            tensors.push(
-                tensor
-                    .into_parts()
-                    .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?,
-            );
+/// Writes into `path` the optimizer state of the whole model, from the states of the group's
+/// ranks (`parts`: burnpack bytes, as AdamW saves them, in rank order): each split
+/// parameter's moments joined from their blocks. The file is what one process training the
+/// model would save, which any layout loads. Each joined moment is made as the file reaches
+/// it and dropped once written, so the writer holds the parts and one joined tensor, never
+/// the joined state beside them (nor the file's bytes: it is streamed, to a scratch file
+/// renamed into place).
+pub fn write_joined_optimizer_state(parts: Vec<Vec<u8>>, path: &std::path::Path) -> Result<()> {
+    let bad = |e: burn_pack::Error| CoreError::Invalid(format!("optimizer state: {e:?}"));
+    let mut scalars = Vec::new();
+    let mut metadata = Vec::new();
+    let mut tensors_by_rank = Vec::with_capacity(parts.len());
+    for (rank, bytes) in parts.into_iter().enumerate() {
+        let reader = burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(bad)?;
+        if rank == 0 {
+            scalars = reader.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
+            metadata = reader
+                .metadata()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
         }
-        tensors_by_rank.push(tensors);
+        let tensors = reader
+            .into_tensors()
+            .map_err(bad)?
+            .into_iter()
+            .map(|tensor| tensor.into_parts().map_err(bad))
+            .collect::<Result<Vec<_>>>()?;
+        tensors_by_rank.push(tensors.into_iter());
     }
-    let mut out = Vec::new();
-    let count = tensors_by_rank[0].len();
-    for i in 0..count {
-        let (name, dtype, shape, id, bytes) = &tensors_by_rank[0][i];
-        let split = id.and_then(registered);
-        let (shape, bytes, dtype) = match &split {
-            Some(split) if shape.to_vec() == split.block_dims(0) => {
-                let blocks = tensors_by_rank
-                    .iter()
-                    .map(|t| floats(&t[i].4, *dtype))
-                    .collect::<Result<Vec<_>>>()?;
-                let whole = aligner_parallel::tensor::join_blocks(&blocks, &split.dims, split.axis);
-                (split.dims.clone(), f32_bytes(&whole), burn::tensor::DType::F32)
-            }
-            _ => (shape.to_vec(), bytes.to_vec(), *dtype),
+    let Some(first) = tensors_by_rank.first() else {
+        return Err(CoreError::Invalid("optimizer state: no part to join".into()));
+    };
+    let count = first.len();
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        // The i-th tensor of every rank's state, in rank order.
+        let mut pieces = Vec::with_capacity(tensors_by_rank.len());
+        for tensors in tensors_by_rank.iter_mut() {
+            pieces.push(tensors.next().ok_or_else(|| {
+                CoreError::Invalid("optimizer state: the ranks' states hold different tensors".into())
+            })?);
+        }
+        let mut pieces = pieces.into_iter();
+        let Some((name, dtype, shape, id, bytes)) = pieces.next() else {
+            continue;
         };
-        out.push(burn_pack::Tensor::new(
-            name.clone(),
-            dtype,
-            shape,
-            *id,
-            burn::tensor::Bytes::from_bytes_vec(bytes),
-        ));
+        let split = id.and_then(registered);
+        let tensor = match split {
+            Some(split) if shape.to_vec() == split.block_dims(0) => {
+                let blocks: Vec<burn::tensor::Bytes> =
+                    std::iter::once(bytes).chain(pieces.map(|piece| piece.4)).collect();
+                let (dims, axis) = (split.dims.clone(), split.axis);
+                let len = dims.iter().product::<usize>() * 4;
+                burn_pack::Tensor::deferred(name, burn::tensor::DType::F32, dims.clone(), id, len, move || {
+                    let values = blocks
+                        .iter()
+                        .map(|block| floats(block, dtype))
+                        .collect::<Result<Vec<_>>>()
+                        .map_err(|e| burn_pack::Error::ValidationError(e.to_string()))?;
+                    let whole = aligner_parallel::tensor::join_blocks(&values, &dims, axis);
+                    Ok(burn::tensor::Bytes::from_bytes_vec(f32_bytes(&whole)))
+                })
+            }
+            _ => burn_pack::Tensor::new(name, dtype, shape.to_vec(), id, bytes),
+        };
+        out.push(tensor);
     }
-    pack(out, &scalars, &metadata)
+    let mut writer = burn_pack::Writer::new(out).auto_extension(false);
+    for (key, value) in &scalars {
+        writer = writer.with_scalar(key, *value);
+    }
+    for (key, value) in &metadata {
+        writer = writer.with_metadata(key, value);
+    }
+    writer
+        .write_to_file(path)
+        .map_err(|e| CoreError::Invalid(format!("{}: optimizer state: {e:?}", path.display())))
 }
 
-/// This rank's optimizer state out of `bytes`, a whole model's (as [`join_optimizer_states`]
+/// This rank's optimizer state out of `bytes`, a whole model's (as [`write_joined_optimizer_state`]
 /// or one process saves it): each split parameter's moments cut to this rank's block.
 pub fn split_optimizer_state(bytes: Vec<u8>) -> Result<Vec<u8>> {
     let bad = |e: burn_pack::Error| CoreError::Invalid(format!("optimizer state: {e:?}"));
