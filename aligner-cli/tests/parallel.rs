@@ -1148,7 +1148,7 @@ fn grpo_in_an_environment_on_ranks_and_in_tensor_groups_trains_as_one_process() 
 /// KTO and a SPIN iteration (its answers and reference log-probs made by the whole model,
 /// its training on the blocks) in a 1×2 tensor group end where one process does.
 #[test]
-fn kto_spin_and_steerlm_in_a_tensor_group_train_as_one_process() {
+fn kto_spin_rs_and_steerlm_in_a_tensor_group_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
     let no_frontier = "frontier.prompts=''";
@@ -1157,6 +1157,20 @@ fn kto_spin_and_steerlm_in_a_tensor_group_train_as_one_process() {
         (
             "spin",
             vec![no_frontier, "spin.iterations=1", "train.max_steps=3"],
+        ),
+        // Rejection sampling: every rank draws a share of the samples with the whole model;
+        // the round's SFT trains in the group.
+        (
+            "rs",
+            vec![
+                no_frontier,
+                "rs.rounds=1",
+                "rs.n=2",
+                "rs.max_new_tokens=16",
+                "rs.eval_prompts=8",
+                "reward.function=tinystories_sentiment",
+                "train.max_steps=4",
+            ],
         ),
         // The attribute model: the trunk's blocks under a whole head of several outputs.
         ("steerlm attributes", vec!["train.max_steps=4"]),
@@ -1193,11 +1207,32 @@ fn kto_spin_and_steerlm_in_a_tensor_group_train_as_one_process() {
             "{command} in a 1×2 group ends {diff} from one process"
         );
     }
-    for name in ["kto", "steerlm-attributes", "steerlm-sft"] {
+    for (run, step) in [
+        ("kto", ""),
+        ("steerlm-attributes", ""),
+        ("steerlm-sft", ""),
+        ("rs", "round-1"),
+    ] {
         same_logged_values(
-            &dir.path().join(format!("{name}-1")),
-            &dir.path().join(format!("{name}-2")),
+            &dir.path().join(format!("{run}-1")).join(step),
+            &dir.path().join(format!("{run}-2")).join(step),
         );
+    }
+    // The same samples kept, and the same rewards before and after the round.
+    let round = |np: usize| -> Value {
+        let text = std::fs::read_to_string(dir.path().join(format!("rs-{np}/rs.jsonl"))).unwrap();
+        serde_json::from_str(text.trim()).unwrap()
+    };
+    let (one, two) = (round(1), round(2));
+    assert_eq!(one["kept"], two["kept"]);
+    for key in [
+        "sample_reward",
+        "kept_reward",
+        "eval_reward_before",
+        "eval_reward_after",
+    ] {
+        let (a, b) = (one[key].as_f64().unwrap(), two[key].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5, "rs {key}: {a} against {b}");
     }
     // SPIN's accuracies at steps 0 and 1 count margins that are 0 up to float noise (the
     // policy is still its reference): every other value must agree.

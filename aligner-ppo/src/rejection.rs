@@ -76,6 +76,9 @@ pub struct RsConfig {
     /// trained on, its observations masked.
     #[serde(skip_serializing_if = "environment_is_off")]
     pub environment: aligner_gen::env::EnvironmentSection,
+    /// Tensor groups (`parallel.tensor`): each round's SFT trains on them; the samples are
+    /// drawn by every rank's engine, each a share, with the whole model.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 fn environment_is_off(section: &aligner_gen::env::EnvironmentSection) -> bool {
@@ -100,6 +103,7 @@ impl Default for RsConfig {
             reward: aligner_gen::RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
             environment: aligner_gen::env::EnvironmentSection::default(),
+            parallel: Default::default(),
         }
     }
 }
@@ -140,6 +144,9 @@ pub struct RejectionSampling<'a> {
     pub eval_prompts: &'a [EncodedPrompt],
     /// The run's folder (each round's SFT is a run of its own inside it).
     pub run: &'a RunDir,
+    /// The same run with its ranks in tensor groups (`parallel.tensor`), which each round's
+    /// SFT trains on (`run` itself without them).
+    pub grid: &'a RunDir,
     pub device: Device,
     /// The start model, for the KL term of the selection (`rs.kl_coef` > 0).
     pub reference: Option<&'a CausalLm>,
@@ -184,7 +191,7 @@ impl RejectionSampling<'_> {
                 }
             }
             let kept = train.len();
-            let round_run = self.run.child(&format!("round-{round}"));
+            let round_run = self.grid.child(&format!("round-{round}"));
             let dir = round_run.path();
             if self.run.is_writer() {
                 std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;

@@ -264,6 +264,9 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     }
     let (train_prompts, eval_prompts) = prompt_files(&config.data, &lm, &config.reward)?;
     let frontier = config.frontier.for_start_model(&lm, device)?;
+    // Each round's SFT trains in tensor groups (formed here, refused naming the key where the
+    // model cannot be split); the samples are drawn over every rank with the whole model.
+    let grid = config.parallel.grid(run, &config.model, &lm.config)?;
     // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.
     let reference = lm.model.clone();
     let mut model = lm.model;
@@ -278,6 +281,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
         train_prompts: &train_prompts,
         eval_prompts: &eval_prompts,
         run,
+        grid: &grid,
         device: device.clone(),
         reference: Some(&reference),
         frontier: frontier.as_ref(),

@@ -69,35 +69,25 @@ pub fn shard_parameters<M: Module>(model: M, comm: Arc<dyn Communicator>) -> Res
 }
 
 /// A copy of `model` with every sharded parameter whole again (a collective: every rank
-/// calls it and gets the same model). Evaluation, checkpoints and the final save use it.
+/// calls it and gets the same model). Evaluation and the final save use it.
 pub fn gather_parameters<M: Module>(model: &M) -> M {
-    struct Gather;
-    impl ModuleMapper for Gather {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let value = param.val();
-            let Some(spec) = spec_of(param.id.val(), &value.dims()) else {
-                return param;
-            };
-            let trainable = value.is_require_grad();
-            let (id, tensor, mapper) = param.consume();
-            let id = ParamId::from(whole_id(id.val()));
-            Param::from_mapped_value(id, tensor, mapper).map(|tensor| {
-                let device = tensor.device();
-                let whole = spec.gather_values(&host_values(tensor));
-                leaf(whole, spec.dims.clone(), &device, trainable)
-            })
-        }
-    }
-    model.clone().map(&mut Gather)
+    gather(model, None).0
 }
 
-/// [`gather_parameters`] received by rank 0 of the ranks alone (the run folder's writer):
-/// every rank sends its rows of each parameter in turn, and the others keep nothing of the
-/// rest, so no rank but rank 0 ever holds more than its shard and one parameter. `None` on
-/// the other ranks (a collective: every rank calls it).
+/// [`gather_parameters`] received by rank 0 of the ranks alone (a checkpoint's writer): every
+/// rank sends its rows of each parameter in turn, and the others keep nothing of the rest, so
+/// no rank but rank 0 ever holds more than its shard and one parameter. `None` on the others.
 pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
+    let (model, received) = gather(model, Some(0));
+    received.then_some(model)
+}
+
+/// `model` with its sharded parameters gathered whole on every rank (`root` None) or on
+/// `root` alone, and whether this rank received them (the others keep their shards).
+fn gather<M: Module>(model: &M, root: Option<usize>) -> (M, bool) {
     struct Gather {
-        at_root: Option<bool>,
+        root: Option<usize>,
+        received: bool,
     }
     impl ModuleMapper for Gather {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -105,21 +95,26 @@ pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
             let Some(spec) = spec_of(param.id.val(), &value.dims()) else {
                 return param;
             };
-            let Some(whole) = spec.gather_values_to(&host_values(value.clone()), 0) else {
-                self.at_root = Some(false);
+            let trainable = value.is_require_grad();
+            let own = host_values(value);
+            let whole = match self.root {
+                None => Some(spec.gather_values(&own)),
+                Some(root) => spec.gather_values_to(&own, root),
+            };
+            drop(own);
+            let Some(whole) = whole else {
+                self.received = false;
                 return param;
             };
-            self.at_root = Some(true);
-            let trainable = value.is_require_grad();
             let (id, tensor, mapper) = param.consume();
             let id = ParamId::from(whole_id(id.val()));
             Param::from_mapped_value(id, tensor, mapper)
                 .map(|tensor| leaf(whole, spec.dims.clone(), &tensor.device(), trainable))
         }
     }
-    let mut gather = Gather { at_root: None };
+    let mut gather = Gather { root, received: true };
     let model = model.clone().map(&mut gather);
-    (gather.at_root != Some(false)).then_some(model)
+    (model, gather.received)
 }
 
 /// A parameter's values, row-major f32.

@@ -154,33 +154,26 @@ pub fn split_parameters<M: Module>(model: M, group: Arc<dyn Communicator>) -> Re
 }
 
 /// A copy of `model` with every split parameter whole again (a collective over the group:
-/// its ranks call it together and get the same model). Checkpoints, the final save,
-/// `keep_best`, the frontier and PPO/GRPO's engines use it.
+/// its ranks call it together and get the same model). The final save, `keep_best`, the
+/// frontier and PPO/GRPO's engines use it.
 pub fn gather_parameters<M: Module>(model: &M) -> M {
-    struct Gather;
-    impl ModuleMapper for Gather {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let value = param.val();
-            let Some(split) = split_of(param.id.val(), &value.dims()) else {
-                return param;
-            };
-            let trainable = value.is_require_grad();
-            param.map(|tensor| {
-                let device = tensor.device();
-                let whole = split.gather_values(&host_values(tensor));
-                leaf(whole, split.dims.clone(), &device, trainable)
-            })
-        }
-    }
-    model.clone().map(&mut Gather)
+    gather(model, None).0
 }
 
-/// [`gather_parameters`] received by the group's rank 0 alone: the others send their blocks
-/// of each parameter in turn and keep nothing, so none of them ever holds more than its
-/// blocks and one parameter. `None` on the other ranks (a collective over the group).
+/// [`gather_parameters`] received by the group's rank 0 alone (a checkpoint's writer): the
+/// others send their blocks of each parameter in turn and keep nothing, so none of them ever
+/// holds more than its blocks and one parameter. `None` on the other ranks.
 pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
+    let (model, received) = gather(model, Some(0));
+    received.then_some(model)
+}
+
+/// `model` with its split parameters gathered whole on every rank (`root` None) or on `root`
+/// alone, and whether this rank received them (the others keep their blocks).
+fn gather<M: Module>(model: &M, root: Option<usize>) -> (M, bool) {
     struct Gather {
-        at_root: Option<bool>,
+        root: Option<usize>,
+        received: bool,
     }
     impl ModuleMapper for Gather {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -189,17 +182,22 @@ pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
                 return param;
             };
             let trainable = value.is_require_grad();
-            let Some(whole) = split.gather_values_to(&host_values(value), 0) else {
-                self.at_root = Some(false);
+            let own = host_values(value);
+            let whole = match self.root {
+                None => Some(split.gather_values(&own)),
+                Some(root) => split.gather_values_to(&own, root),
+            };
+            drop(own);
+            let Some(whole) = whole else {
+                self.received = false;
                 return param;
             };
-            self.at_root = Some(true);
             param.map(|tensor| leaf(whole, split.dims.clone(), &tensor.device(), trainable))
         }
     }
-    let mut gather = Gather { at_root: None };
+    let mut gather = Gather { root, received: true };
     let model = model.clone().map(&mut gather);
-    (gather.at_root != Some(false)).then_some(model)
+    (model, gather.received)
 }
 
 /// Whether parameter `id` is split over the group (its gradient's square counts once per
@@ -221,7 +219,8 @@ pub fn write_joined_optimizer_state(parts: Vec<Vec<u8>>, path: &std::path::Path)
     let mut metadata = Vec::new();
     let mut tensors_by_rank = Vec::with_capacity(parts.len());
     for (rank, bytes) in parts.into_iter().enumerate() {
-        let reader = burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(bad)?;
+        let reader =
+            burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(bad)?;
         if rank == 0 {
             scalars = reader.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
             metadata = reader
@@ -258,19 +257,27 @@ pub fn write_joined_optimizer_state(parts: Vec<Vec<u8>>, path: &std::path::Path)
         let split = id.and_then(registered);
         let tensor = match split {
             Some(split) if shape.to_vec() == split.block_dims(0) => {
-                let blocks: Vec<burn::tensor::Bytes> =
-                    std::iter::once(bytes).chain(pieces.map(|piece| piece.4)).collect();
+                let blocks: Vec<burn::tensor::Bytes> = std::iter::once(bytes)
+                    .chain(pieces.map(|piece| piece.4))
+                    .collect();
                 let (dims, axis) = (split.dims.clone(), split.axis);
                 let len = dims.iter().product::<usize>() * 4;
-                burn_pack::Tensor::deferred(name, burn::tensor::DType::F32, dims.clone(), id, len, move || {
-                    let values = blocks
-                        .iter()
-                        .map(|block| floats(block, dtype))
-                        .collect::<Result<Vec<_>>>()
-                        .map_err(|e| burn_pack::Error::ValidationError(e.to_string()))?;
-                    let whole = aligner_parallel::tensor::join_blocks(&values, &dims, axis);
-                    Ok(burn::tensor::Bytes::from_bytes_vec(f32_bytes(&whole)))
-                })
+                burn_pack::Tensor::deferred(
+                    name,
+                    burn::tensor::DType::F32,
+                    dims.clone(),
+                    id,
+                    len,
+                    move || {
+                        let values = blocks
+                            .iter()
+                            .map(|block| floats(block, dtype))
+                            .collect::<Result<Vec<_>>>()
+                            .map_err(|e| burn_pack::Error::ValidationError(e.to_string()))?;
+                        let whole = aligner_parallel::tensor::join_blocks(&values, &dims, axis);
+                        Ok(burn::tensor::Bytes::from_bytes_vec(f32_bytes(&whole)))
+                    },
+                )
             }
             _ => burn_pack::Tensor::new(name, dtype, shape.to_vec(), id, bytes),
         };
