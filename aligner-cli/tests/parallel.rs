@@ -967,6 +967,27 @@ fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
 
 /// Every value two PPO runs logged but the timings (and the per-rank timing only ranks have),
 /// within 1e-4.
+/// PPO's first logged training step in `run`.
+fn first_step(run: &Path) -> Value {
+    metrics(run)
+        .into_iter()
+        .find(|r| r["step"] == 1 && r.get("reward").is_some())
+        .unwrap()
+}
+
+/// The `--set`s of a PPO run in 1×2 groups (`tensor`), its engine split over the group or
+/// generating with the whole actor (`split`).
+fn tensor_group_sets(tensor: bool, split: bool) -> Vec<&'static str> {
+    let mut sets = Vec::new();
+    if tensor {
+        sets.extend(["--set", "parallel.tensor=2"]);
+    }
+    if tensor && !split {
+        sets.extend(["--set", "ppo.split_engine=false"]);
+    }
+    sets
+}
+
 fn same_logged_values(one: &Path, many: &Path) {
     let (a, b) = (metrics(one), metrics(many));
     assert_eq!(a.len(), b.len());
@@ -1022,23 +1043,12 @@ fn grpo_in_tensor_groups_trains_as_one_process() {
         (4, split_of(4), true),
     ] {
         let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap()];
-        if np > 1 {
-            args.extend(["--set", "parallel.tensor=2"]);
-        }
-        if np > 1 && !split {
-            args.extend(["--set", "ppo.split_engine=false"]);
-        }
+        args.extend(tensor_group_sets(np > 1, split));
         for s in &sets {
             args.extend(["--set", s]);
         }
         ranks(np, &args);
     }
-    let first_step = |run: &Path| -> Value {
-        metrics(run)
-            .into_iter()
-            .find(|r| r["step"] == 1 && r.get("reward").is_some())
-            .unwrap()
-    };
     let one = first_step(&run_of(1));
     for np in [2, 4] {
         let split = first_step(&split_of(np));
@@ -1109,23 +1119,12 @@ fn grpo_in_an_environment_on_ranks_and_in_tensor_groups_trains_as_one_process() 
             "--out",
             out.to_str().unwrap(),
         ];
-        if tensor {
-            args.extend(["--set", "parallel.tensor=2"]);
-        }
-        if tensor && !split {
-            args.extend(["--set", "ppo.split_engine=false"]);
-        }
+        args.extend(tensor_group_sets(tensor, split));
         for s in &sets {
             args.extend(["--set", s]);
         }
         ranks(np, &args);
     }
-    let first_step = |run: &Path| -> Value {
-        metrics(run)
-            .into_iter()
-            .find(|r| r["step"] == 1 && r.get("reward").is_some())
-            .unwrap()
-    };
     let one = first_step(&run_of("one"));
     assert_eq!(one["env/turns"].as_f64(), Some(3.0), "{one}");
     let split = first_step(&run_of("np2-split"));

@@ -287,23 +287,7 @@ pub fn load_causal_lm_split(
     group: &Arc<dyn Communicator>,
 ) -> Result<CausalLm> {
     let mut model = CausalLm::new(config, device);
-    load_slots_split(dir, config, slots(&mut model), device, group)?;
-    let mut split = 0;
-    for (_, slot) in slots(&mut model) {
-        let ids = match slot {
-            Slot::Linear(linear) => vec![
-                Some(linear.weight.id.val()),
-                linear.bias.as_ref().map(|b| b.id.val()),
-            ],
-            Slot::Norm(_) => Vec::new(),
-            Slot::Embedding(embedding) => vec![Some(embedding.weight.id.val())],
-        };
-        split += ids
-            .into_iter()
-            .flatten()
-            .filter(|&id| crate::train::tensor::is_split(id))
-            .count();
-    }
+    let split = load_slots_split(dir, config, slots(&mut model), device, group)?;
     tracing::info!(
         parameters = split,
         ranks = group.world_size(),
@@ -319,19 +303,20 @@ pub fn load_slots(
     slots: Vec<(String, Slot<'_>)>,
     device: &Device,
 ) -> Result<()> {
-    load_slots_in(dir, config, slots, device, None)
+    load_slots_in(dir, config, slots, device, None).map(drop)
 }
 
 /// [`load_slots`] for a rank of tensor group `group`: the weights tensor parallel splits are
-/// read as this rank's blocks alone (and registered as split), the rest whole. Refused, naming
-/// `parallel.tensor`, for a model whose norms tensor parallel would cut (OLMo 2's q_norm).
+/// read as this rank's blocks alone (and registered as split), the rest whole; returns how
+/// many were split. Refused, naming `parallel.tensor`, for a model whose norms tensor
+/// parallel would cut (OLMo 2's q_norm).
 pub fn load_slots_split(
     dir: &Path,
     config: &LlamaConfig,
     slots: Vec<(String, Slot<'_>)>,
     device: &Device,
     group: &Arc<dyn Communicator>,
-) -> Result<()> {
+) -> Result<usize> {
     if config.qk_norm() == crate::config::QkNorm::Whole {
         return Err(CoreError::Invalid(
             "parallel.tensor: this model's q_norm normalises the whole projection (OLMo 2), \
@@ -362,39 +347,48 @@ fn load_param<const D: usize>(
         Some(_) => crate::train::tensor::split_axis(name).map_err(CoreError::Invalid)?,
         None => None,
     };
-    let (Some(axis), Some(group)) = (axis, group) else {
-        let values = files.read(name, &on_disk(dims))?;
-        let tensor = Tensor::<D>::from_data(TensorData::new(values, on_disk(dims)), device);
-        let tensor = match transposed {
-            true => tensor.transpose(),
-            false => tensor,
-        };
-        return Ok(named_param(name, tensor));
+    let split = match (axis, group) {
+        (Some(axis), Some(group)) => {
+            if dims[axis] < group.world_size() {
+                return Err(CoreError::Invalid(format!(
+                    "parallel.tensor = {}: {name} has {} along the axis it is split on",
+                    group.world_size(),
+                    dims[axis]
+                )));
+            }
+            Some(TensorSplit {
+                dims: dims.to_vec(),
+                axis,
+                group: Group(group.clone()),
+            })
+        }
+        _ => None,
     };
-    let split = TensorSplit {
-        dims: dims.to_vec(),
-        axis,
-        group: Group(group.clone()),
+    // The whole tensor, or this rank's block of it (read as a block: the rest is not decoded).
+    let mut shape = on_disk(dims);
+    let values = match &split {
+        None => files.read(name, &shape)?,
+        Some(split) => {
+            let range = split.own_range();
+            let disk_axis = if transposed {
+                D - 1 - split.axis
+            } else {
+                split.axis
+            };
+            let values = files.read_block(name, &shape, Some((disk_axis, range.clone())))?;
+            shape[disk_axis] = range.len();
+            values
+        }
     };
-    if dims[axis] < group.world_size() {
-        return Err(CoreError::Invalid(format!(
-            "parallel.tensor = {}: {name} has {} along the axis it is split on",
-            group.world_size(),
-            dims[axis]
-        )));
-    }
-    let range = split.own_range();
-    let disk_axis = if transposed { D - 1 - axis } else { axis };
-    let mut block = on_disk(dims);
-    block[disk_axis] = range.len();
-    let values = files.read_block(name, &on_disk(dims), Some((disk_axis, range)))?;
-    let tensor = Tensor::<D>::from_data(TensorData::new(values, block), device);
+    let tensor = Tensor::<D>::from_data(TensorData::new(values, shape), device);
     let tensor = match transposed {
         true => tensor.transpose(),
         false => tensor,
     };
     let param = named_param(name, tensor);
-    register(param.id.val(), split);
+    if let Some(split) = split {
+        register(param.id.val(), split);
+    }
     Ok(param)
 }
 
@@ -404,7 +398,7 @@ fn load_slots_in(
     slots: Vec<(String, Slot<'_>)>,
     device: &Device,
     group: Option<&Arc<dyn Communicator>>,
-) -> Result<()> {
+) -> Result<usize> {
     let files = TensorFiles::open(dir)?;
     let mut used = HashSet::new();
     for (prefix, slot) in slots {
@@ -441,7 +435,14 @@ fn load_slots_in(
     if !unused.is_empty() {
         tracing::warn!(dir = %dir.display(), tensors = ?unused, "checkpoint tensors not used by the model");
     }
-    Ok(())
+    // The weights read as this rank's blocks.
+    Ok(match group {
+        Some(_) => used
+            .iter()
+            .filter(|name| matches!(crate::train::tensor::split_axis(name), Ok(Some(_))))
+            .count(),
+        None => 0,
+    })
 }
 
 /// Tensors some checkpoints carry that carry no information for us.

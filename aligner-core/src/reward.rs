@@ -129,7 +129,7 @@ impl RewardModel {
         };
         match group {
             Some(group) if group.world_size() > 1 => {
-                crate::checkpoint::load_slots_split(dir, config, slots, device, group)?
+                crate::checkpoint::load_slots_split(dir, config, slots, device, group).map(drop)?
             }
             _ => load_slots(dir, config, slots, device)?,
         }

@@ -42,14 +42,31 @@ pub fn load_model_split(
     run: &crate::run::RunDir,
     device: &Device,
 ) -> Result<(LoadedModel, crate::run::RunDir)> {
+    let (dir, grid) = folder_and_grid(section, parallel, run)?;
+    let lm = load_for_run(&dir, &grid, device)?;
+    Ok((lm.in_precision(section.dtype, device)?, grid))
+}
+
+/// The causal LM of the folder `dir` as this rank of `run` holds it: its blocks of the split
+/// weights in a tensor group, the whole model without one.
+pub fn load_for_run(dir: &Path, run: &crate::run::RunDir, device: &Device) -> Result<LoadedModel> {
+    match run.tensor_group() {
+        Some(group) => LoadedModel::from_dir_split(dir, device, &group),
+        None => LoadedModel::from_dir(dir, device),
+    }
+}
+
+/// `[model]`'s folder, and `run` in the tensor groups of `parallel` (a collective; refused,
+/// naming the key, where the model cannot be split).
+fn folder_and_grid(
+    section: &ModelSection,
+    parallel: &crate::train::ParallelSection,
+    run: &crate::run::RunDir,
+) -> Result<(PathBuf, crate::run::RunDir)> {
     let dir = model_dir(section)?;
     let config = LlamaConfig::from_file(&dir.join("config.json"))?;
     let grid = parallel.grid(run, section, &config)?;
-    let lm = match grid.tensor_group() {
-        Some(group) => LoadedModel::from_dir_split(&dir, device, &group)?,
-        None => LoadedModel::from_dir(&dir, device)?,
-    };
-    Ok((lm.in_precision(section.dtype, device)?, grid))
+    Ok((dir, grid))
 }
 
 /// [`load_model_split`] for a model with a head of one output per label (reward and attribute
@@ -62,9 +79,7 @@ pub fn load_head_model_split(
     run: &crate::run::RunDir,
     device: &Device,
 ) -> Result<(LoadedRewardModel, crate::run::RunDir)> {
-    let dir = model_dir(section)?;
-    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-    let grid = parallel.grid(run, section, &config)?;
+    let (dir, grid) = folder_and_grid(section, parallel, run)?;
     let start = match grid.tensor_group() {
         Some(group) => LoadedRewardModel::with_labels_split(&dir, labels, device, &group)?,
         None => LoadedRewardModel::with_labels(&dir, labels, device)?,

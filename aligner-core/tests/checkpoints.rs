@@ -369,6 +369,31 @@ impl aligner_parallel::Communicator for RankOf {
     }
 }
 
+/// Checks a tensor group rank's tensors against the whole model's: one of another shape must be
+/// exactly rank `rank`'s block of the whole one (along the axis where the shapes differ), any
+/// other equal to it. Returns the names of the split tensors and of the whole ones.
+fn blocks_of_whole(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    whole: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+    rank: usize,
+    size: usize,
+) -> (Vec<String>, Vec<String>) {
+    let (mut split, mut unsplit) = (Vec::new(), Vec::new());
+    for (name, shape, values) in tensors {
+        let (whole_shape, whole_values) = &whole[&name];
+        let Some(axis) = (0..shape.len()).find(|&a| shape[a] != whole_shape[a]) else {
+            assert_eq!(&values, whole_values, "{name} on rank {rank} of {size}");
+            unsplit.push(name);
+            continue;
+        };
+        let range = aligner_parallel::shard_range(whole_shape[axis], rank, size);
+        let block = aligner_parallel::tensor::take_block(whole_values, whole_shape, axis, range);
+        assert_eq!(values, block, "{name} on rank {rank} of {size}");
+        split.push(name);
+    }
+    (split, unsplit)
+}
+
 /// A tensor group's rank reads only its blocks of a checkpoint: each split weight (Gemma 2's
 /// fixture: q/k/v/gate/up by output, o/down by input, the embedding and its own output
 /// projection by the vocabulary) is exactly that block of the whole tensor, on 2 ranks and on
@@ -385,24 +410,19 @@ fn a_tensor_rank_reads_only_its_blocks_of_each_split_weight() {
                 std::sync::Arc::new(RankOf { rank, size });
             let model =
                 aligner_core::checkpoint::load_causal_lm_split(&dir, &config, &device, &group).unwrap();
-            let mut split = 0;
-            for (name, shape, values) in hf_tensors(&model) {
-                let (whole_shape, whole_values) = &whole[&name];
-                let Some(axis) = (0..shape.len()).find(|&a| shape[a] != whole_shape[a]) else {
-                    assert_eq!(&values, whole_values, "{name} on rank {rank} of {size}");
-                    assert!(
-                        !name.contains("proj") && !name.contains("embed"),
-                        "{name} was not split"
-                    );
-                    continue;
-                };
-                split += 1;
-                let range = aligner_parallel::shard_range(whole_shape[axis], rank, size);
-                let block = aligner_parallel::tensor::take_block(whole_values, whole_shape, axis, range);
-                assert_eq!(values, block, "{name} on rank {rank} of {size}");
+            let (split, unsplit) = blocks_of_whole(hf_tensors(&model), &whole, rank, size);
+            for name in unsplit {
+                assert!(
+                    !name.contains("proj") && !name.contains("embed"),
+                    "{name} was not split"
+                );
             }
             // Seven projections a layer, the embedding and the output projection.
-            assert_eq!(split, 7 * config.num_hidden_layers + 2, "rank {rank} of {size}");
+            assert_eq!(
+                split.len(),
+                7 * config.num_hidden_layers + 2,
+                "rank {rank} of {size}"
+            );
         }
     }
     aligner_parallel::tensor::clear();
@@ -447,20 +467,14 @@ fn a_tensor_rank_reads_only_its_blocks_of_a_reward_models_trunk() {
                     whole_head,
                     "the head on rank {rank}"
                 );
-                let mut split = 0;
-                for (name, shape, values) in slot_tensors(trunk_slots(&mut model.model)) {
-                    let (whole_shape, whole_values) = &whole_trunk[&name];
-                    let Some(axis) = (0..shape.len()).find(|&a| shape[a] != whole_shape[a]) else {
-                        assert_eq!(&values, whole_values, "{name} on rank {rank} of {size}");
-                        continue;
-                    };
-                    split += 1;
-                    let range = aligner_parallel::shard_range(whole_shape[axis], rank, size);
-                    let block = aligner_parallel::tensor::take_block(whole_values, whole_shape, axis, range);
-                    assert_eq!(values, block, "{name} on rank {rank} of {size}");
-                }
+                let trunk = slot_tensors(trunk_slots(&mut model.model));
+                let (split, _) = blocks_of_whole(trunk, &whole_trunk, rank, size);
                 // Seven projections a layer and the embedding.
-                assert_eq!(split, 7 * config.num_hidden_layers + 1, "rank {rank} of {size}");
+                assert_eq!(
+                    split.len(),
+                    7 * config.num_hidden_layers + 1,
+                    "rank {rank} of {size}"
+                );
             }
         }
     }

@@ -214,10 +214,7 @@ fn conditioned_sft(
     // In tensor groups (formed here) each rank reads only its blocks of the policy.
     let llama = aligner_core::LlamaConfig::from_file(&policy.join("config.json"))?;
     let run = &config.parallel.grid(run, &config.model, &llama)?;
-    let lm = match run.tensor_group() {
-        Some(group) => LoadedModel::from_dir_split(policy, device, &group)?,
-        None => LoadedModel::from_dir(policy, device)?,
-    };
+    let lm = aligner_core::start::load_for_run(policy, run, device)?;
     let max_len = config.data.max_len(&lm.config)?;
     let examples = |rows: &[AttributeRow]| -> Result<Vec<SftExample>> {
         conditioned_rows(rows, conditioning, &lm.tokenizer)?
