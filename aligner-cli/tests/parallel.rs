@@ -736,6 +736,19 @@ fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
             "{sets:?}: {stderr}"
         );
     }
+    // Online DPO samples from the whole policy: data-parallel ranks only (its config has no
+    // `[parallel]`), so Constitutional AI ending in it is refused before its first stage.
+    let output = mpirun(2, &aligner_exe())
+        .args(["cai", "--out", dir.path().join("cai").to_str().unwrap()])
+        .args(["--set", "parallel.tensor=2", "--set", "cai.rl='reward_model'"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("does not run in tensor groups"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("cai/judge").exists());
     // One process is one group of one rank.
     let (ok, err) = aligner(&[
         "sft",
@@ -1385,6 +1398,53 @@ fn kto_on_two_and_three_ranks_trains_as_one_process() {
                 );
             }
         }
+    }
+}
+
+/// Online DPO over data-parallel ranks: each draws and scores its share of a step's prompts
+/// (every answer seeded by its place in the whole batch) and trains on its share of the pairs;
+/// 2 and 3 ranks (uneven shares) end where one process does, and a 3-rank run stopped at its
+/// checkpoint resumes on 2 ranks to the same end.
+#[test]
+fn online_dpo_on_two_and_three_ranks_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("online.toml");
+    std::fs::write(
+        &config,
+        "[online]\nprompts_per_step = 8\nmax_new_tokens = 16\neval_prompts = 7\n\
+         [train]\nmax_steps = 4\neval_every = 2\nsave_every = 2\n\
+         [frontier]\nprompts = \"\"\n\
+         [[reward]]\nfunction = \"tinystories_sentiment\"\n",
+    )
+    .unwrap();
+    let run_of = |name: &str| dir.path().join(name);
+    let config = config.to_str().unwrap();
+    for (np, name, extra) in [
+        (1, "one", None),
+        (2, "two", None),
+        (3, "three", None),
+        (3, "cut", Some("2")),
+    ] {
+        let out = run_of(name);
+        let mut args = vec!["online-dpo", "--config", config, "--out", out.to_str().unwrap()];
+        if let Some(step) = extra {
+            args.extend(["--stop-after", step]);
+        }
+        ranks(np, &args);
+    }
+    let cut = run_of("cut");
+    ranks(
+        2,
+        &["online-dpo", "--resume", cut.to_str().unwrap(), "--allow-change"],
+    );
+    let one = run_of("one");
+    let pairs: f64 = metrics(&one).iter().filter_map(|r| r["pairs"].as_f64()).sum();
+    assert!(pairs > 0.0, "no step had a pair to train on");
+    for name in ["two", "three", "cut"] {
+        let run = run_of(name);
+        let diff = weights_diff(&one.join("final"), &run.join("final"));
+        assert!(diff <= 1e-5, "online DPO, {name}: ends {diff} from one process");
+        same_metrics(&one, &run, 1e-5);
     }
 }
 

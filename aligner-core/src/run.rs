@@ -503,20 +503,30 @@ fn sum_files(dir: &Path) -> Result<Manifest> {
             if name == MANIFEST {
                 continue;
             }
-            let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
-            files.insert(
-                name,
-                FileSum {
-                    bytes: bytes.len() as u64,
-                    crc32c: crc32c::crc32c(&bytes),
-                },
-            );
+            files.insert(name, sum_file(&path)?);
         }
         Ok(())
     }
     let mut files = std::collections::BTreeMap::new();
     walk(dir, dir, &mut files)?;
     Ok(Manifest { files })
+}
+
+/// `path`'s size and CRC-32C, read in 4 MiB pieces: a checkpoint's optimizer state is
+/// several times the model, and its writer must not hold it whole a second time to sum it.
+fn sum_file(path: &Path) -> Result<FileSum> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| CoreError::io(path, e))?;
+    let mut buffer = vec![0u8; 4 << 20];
+    let (mut bytes, mut crc) = (0u64, 0u32);
+    loop {
+        let read = file.read(&mut buffer).map_err(|e| CoreError::io(path, e))?;
+        if read == 0 {
+            return Ok(FileSum { bytes, crc32c: crc });
+        }
+        crc = crc32c::crc32c_append(crc, &buffer[..read]);
+        bytes += read as u64;
+    }
 }
 
 /// Writes `dir/manifest.json` for the files `dir` holds.

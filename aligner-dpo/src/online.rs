@@ -19,11 +19,12 @@ use aligner_core::train::{
     Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop,
 };
 use aligner_core::{CausalLm, CoreError, Device};
-use aligner_gen::env::{Environment, EnvironmentSection, EpisodeStats};
+use aligner_gen::env::{Environment, EnvironmentSection, Episode, EpisodeStats};
 use aligner_gen::reward::ModelReward;
 use aligner_gen::{
     Engine, EngineOptions, GenerationRequest, RewardInput, RewardSpecs, Rewards, SamplingParams,
 };
+use aligner_parallel::{Communicator, shard_range};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use serde::{Deserialize, Serialize};
@@ -210,9 +211,12 @@ pub fn train(
         aligner_core::train::Range::NonNegative,
     )?;
     check_train(&config.train, "train")?;
-    if run.comm().world_size() > 1 {
+    if run.tensor_group().is_some() {
+        // Refused before a reward model is trained for it.
         return Err(DpoError::Invalid(
-            "online DPO runs in one process (launch it without mpirun)".into(),
+            "parallel.tensor is not available for online DPO yet (its engine samples from the \
+             whole policy): use parallel.tensor = 1; data-parallel ranks under mpirun are"
+                .into(),
         ));
     }
     config.reward.check_unused_model(
@@ -383,7 +387,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
             sequences: sampled,
             scores,
             episodes: stats,
-        } = self.sampler.sample(engine, &prompts, 2, seed)?;
+        } = self.sampler.sample(engine, &prompts, 2, seed, self.run.comm())?;
         let mut examples = Vec::new();
         for (pair, s) in sampled.chunks(2).zip(scores.chunks(2)) {
             if let Some(p) = prefer(s[0], s[1]) {
@@ -406,31 +410,66 @@ impl Method<CausalLm> for OnlineStep<'_> {
         row.insert("lr".into(), lr.into());
         let mut policy = policy;
         if !examples.is_empty() {
-            if self.objective.loss.uses_reference() {
-                let seqs: Vec<ScoredSequence> = examples
-                    .iter()
-                    .flat_map(|e| [e.chosen.clone(), e.rejected.clone()])
-                    .collect();
-                let lp = response_logprobs(&self.reference, &seqs, 32)?;
-                for (e, pair) in examples.iter_mut().zip(lp.chunks(2)) {
-                    e.reference = Some((pair[0].total() as f32, pair[1].total() as f32));
-                }
-            }
-            let batch: Vec<&DpoExample> = examples.iter().collect();
+            // Every rank drew the same pairs; each trains on its share, its loss weighted by
+            // the share's part of the pairs, and the optimizer sums the gradients.
+            let comm = self.run.comm();
+            let total = examples.len();
+            let mine = shard_range(total, comm.rank(), comm.world_size());
+            let share = mine.len() as f64 / total as f64;
+            let mut examples = examples[mine].to_vec();
             optim.begin_pass(&policy, true)?;
-            let (out, router_loss) =
-                aligner_core::model::with_router_loss(|| self.objective.step(&policy, &batch));
-            let out = aligner_core::train::with_router_term(out?, router_loss);
-            let value = out.loss.clone().into_scalar::<f32>() as f64;
+            let mut grads = GradientsParams::new();
+            let mut sums = (0.0, Vec::new());
+            if !examples.is_empty() {
+                if self.objective.loss.uses_reference() {
+                    let seqs: Vec<ScoredSequence> = examples
+                        .iter()
+                        .flat_map(|e| [e.chosen.clone(), e.rejected.clone()])
+                        .collect();
+                    let lp = response_logprobs(&self.reference, &seqs, 32)?;
+                    for (e, pair) in examples.iter_mut().zip(lp.chunks(2)) {
+                        e.reference = Some((pair[0].total() as f32, pair[1].total() as f32));
+                    }
+                }
+                let batch: Vec<&DpoExample> = examples.iter().collect();
+                let (out, router_loss) =
+                    aligner_core::model::with_router_loss(|| self.objective.step(&policy, &batch));
+                let out = aligner_core::train::with_router_term(out?, router_loss);
+                let value = out.loss.clone().into_scalar::<f32>() as f64;
+                sums.0 = share * value;
+                sums.1 = out.metrics.into_iter().map(|(k, v)| (k, share * v)).collect();
+                let loss = match comm.world_size() {
+                    1 => out.loss,
+                    _ => out.loss.mul_scalar(share),
+                };
+                grads = GradientsParams::from_grads(loss.backward(), &policy);
+            }
+            // The loss and metrics of the whole batch, on every rank (so all stop together on a
+            // non-finite loss).
+            let (value, metrics) = match comm.world_size() {
+                1 => sums,
+                _ => {
+                    let mut all = (0.0, Vec::<(String, f64)>::new());
+                    for (value, metrics) in aligner_core::parallel::gather(comm, &sums)? {
+                        all.0 += value;
+                        for (k, v) in metrics {
+                            match all.1.iter_mut().find(|m| m.0 == k) {
+                                Some(m) => m.1 += v,
+                                None => all.1.push((k, v)),
+                            }
+                        }
+                    }
+                    all
+                }
+            };
             if !value.is_finite() {
                 return Err(non_finite(self.run, "online DPO loss", value, step, ONLINE_STATE).into());
             }
-            let grads = GradientsParams::from_grads(out.loss.backward(), &policy);
             let (updated, norm) = optim.step(lr, policy, grads)?;
             policy = updated;
             row.insert("loss".into(), value.into());
             row.insert("grad_norm".into(), norm.into());
-            for (k, v) in out.metrics {
+            for (k, v) in metrics {
                 row.insert(k, v.into());
             }
         }
@@ -450,7 +489,10 @@ impl Method<CausalLm> for OnlineStep<'_> {
         if !self.eval_set.is_empty() {
             let engine = made(&mut self.engine)?;
             engine.refit(policy)?;
-            let scores = self.sampler.sample(engine, &self.eval_set, 1, 0xe7a1)?.scores;
+            let scores = self
+                .sampler
+                .sample(engine, &self.eval_set, 1, 0xe7a1, self.run.comm())?
+                .scores;
             out.insert("eval_reward".into(), mean(&scores).into());
             self.last = Some(mean(&scores));
         }
@@ -478,13 +520,16 @@ struct Sampler<'a> {
 
 impl Sampler<'_> {
     /// `n` answers per prompt (in prompt order) as scored sequences (an episode's
-    /// observations marked), their rewards, and the episodes' statistics.
+    /// observations marked), their rewards, and the episodes' statistics. Over data-parallel
+    /// ranks each draws and scores its share of the prompts, and every rank gets them all:
+    /// each answer's seed is its place in the whole batch, so the answers are one process's.
     fn sample(
         &self,
         engine: &mut Engine,
         prompts: &[&EncodedPrompt],
         n: usize,
         seed: u64,
+        comm: &dyn Communicator,
     ) -> Result<Drawn, DpoError> {
         let params = SamplingParams {
             temperature: self.config.temperature,
@@ -493,23 +538,26 @@ impl Sampler<'_> {
             ..SamplingParams::default()
         };
         let requests = GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), n, &params);
+        let mine = shard_range(prompts.len(), comm.rank(), comm.world_size());
+        let first = mine.start * n;
+        let own = &requests[first..mine.end * n];
         let (outputs, episodes) = match self.env {
-            None => (engine.generate(&requests)?, None),
+            None => (engine.generate(own)?, None),
             Some(env) => {
                 let episodes = self.environment.run(
                     env,
                     engine,
                     self.tokenizer,
-                    &requests,
-                    |i| prompts[i / n],
-                    seed,
+                    own,
+                    |i| prompts[(first + i) / n],
+                    seed.wrapping_add(first as u64),
                     self.config.max_new_tokens,
                 )?;
                 let outputs = episodes.iter().map(|e| e.generation.clone()).collect();
                 (outputs, Some(episodes))
             }
         };
-        let texts: Vec<String> = requests
+        let texts: Vec<String> = own
             .iter()
             .zip(&outputs)
             .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
@@ -518,7 +566,7 @@ impl Sampler<'_> {
             .iter()
             .enumerate()
             .map(|(i, o)| {
-                let p = prompts[i / n];
+                let p = prompts[(first + i) / n];
                 RewardInput {
                     prompt: &p.text,
                     response: &texts[i],
@@ -533,11 +581,30 @@ impl Sampler<'_> {
             true => vec![0.0; inputs.len()],
             false => self.rewards.score_parts(&inputs)?.total,
         };
+        if let Some(episodes) = &episodes {
+            for (score, e) in scores.iter_mut().zip(episodes) {
+                *score += self.environment.reward_of(e);
+            }
+        }
+        let (outputs, scores, episodes) = match comm.world_size() {
+            1 => (outputs, scores, episodes),
+            _ => {
+                let parts = aligner_core::parallel::gather(comm, &(outputs, scores, episodes))?;
+                let mut all = (Vec::new(), Vec::new(), None::<Vec<Episode>>);
+                for (outputs, scores, episodes) in parts {
+                    all.0.extend(outputs);
+                    all.1.extend(scores);
+                    if let Some(episodes) = episodes {
+                        all.2.get_or_insert_with(Vec::new).extend(episodes);
+                    }
+                }
+                all
+            }
+        };
         let mut sequences: Vec<ScoredSequence> =
             requests.iter().zip(&outputs).map(|(r, o)| o.scored(r)).collect();
         let stats = episodes.map(|episodes| {
-            for ((score, seq), e) in scores.iter_mut().zip(&mut sequences).zip(&episodes) {
-                *score += self.environment.reward_of(e);
+            for (seq, e) in sequences.iter_mut().zip(&episodes) {
                 seq.observed = e.observed.clone();
             }
             EpisodeStats::of(&episodes)

@@ -850,6 +850,9 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             o.comm_seconds
         );
     }
+    // AdamW's moments are twice the weights: freed before the final gather, which makes the
+    // whole model on every rank of a split or fully sharded run, so the save adds to less.
+    drop(optim);
     let model = whole_of(&model, full, split).into_owned();
     aligner_parallel::shard::clear();
     aligner_parallel::tensor::clear();

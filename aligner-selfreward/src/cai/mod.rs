@@ -243,9 +243,10 @@ pub fn train(
         )));
     }
     let constitution = Constitution::load(given(&section.constitution).map(PathBuf::as_path))?;
-    if section.rl == RlMethod::RewardModel && run.comm().world_size() > 1 {
+    if section.rl == RlMethod::RewardModel && config.parallel.tensor > 1 {
         return Err(SelfRewardError::Invalid(
-            "cai.rl = \"reward_model\" ends in online DPO, which runs in one process: use cai.rl = \"dpo\" under mpirun"
+            "cai.rl = \"reward_model\" ends in online DPO, which does not run in tensor groups: \
+             use cai.rl = \"dpo\" with parallel.tensor, or parallel.tensor = 1"
                 .into(),
         ));
     }
