@@ -320,10 +320,15 @@ impl RunDir {
         };
         for entry in entries.filter_map(|e| e.ok()) {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let stale = name.starts_with(".tmp-step-") || (!self.resume && name.starts_with("step-"));
+            // A killed save's folder, or a rank's staged optimizer state (`.tmp-rank-R-...`).
+            let stale = name.starts_with(".tmp-") || (!self.resume && name.starts_with("step-"));
             if stale {
-                std::fs::remove_dir_all(entry.path())
-                    .map_err(|e| CoreError::cannot_write(entry.path(), e))?;
+                let path = entry.path();
+                match path.is_dir() {
+                    true => std::fs::remove_dir_all(&path),
+                    false => std::fs::remove_file(&path),
+                }
+                .map_err(|e| CoreError::cannot_write(&path, e))?;
             }
         }
         Ok(())
@@ -793,6 +798,8 @@ mod tests {
             .unwrap();
         }
         std::fs::create_dir_all(run.checkpoints().join(".tmp-step-6")).unwrap();
+        // A rank killed while it sent its optimizer state leaves the state it staged.
+        std::fs::write(run.checkpoints().join(".tmp-rank-1-optimizer.bin"), b"moments").unwrap();
         let resumed = RunDir::resuming(dir.path());
         resumed.prepare_checkpoints().unwrap();
         let names = || -> Vec<String> {

@@ -299,9 +299,10 @@ impl<'a> Optimizer<'a> {
     /// Writes the state into checkpoint folder `tmp` (rank 0; a sharded state's parts were
     /// gathered from every rank first by [`Optimizer::gather`]).
     fn save(&self, tmp: &Path, layout: &CheckpointLayout, shards: Vec<Vec<u8>>) -> Result<()> {
-        if self.tensor.is_some() && !shards.is_empty() {
-            // Tensor parallel: the whole model's state, joined from the group's as it is written.
-            return super::tensor::write_joined_optimizer_state(shards, &tmp.join(layout.optimizer));
+        if self.tensor.is_some() {
+            // Tensor parallel: the whole model's state, each split moment gathered from the
+            // group as the file reaches it.
+            return super::tensor::write_gathered_optimizer_state(&self.adam, &tmp.join(layout.optimizer));
         }
         if shards.is_empty() {
             return save_optimizer(&self.adam, &tmp.join(layout.optimizer));
@@ -313,19 +314,18 @@ impl<'a> Optimizer<'a> {
     }
 
     /// Every rank's part of a sharded state, on the run's writer alone (nothing on the other
-    /// ranks, nor when the state is whole): in tensor groups, the writer's group sends it
-    /// the blocks' states (joined as they are saved), and the other groups take no part.
-    fn gather(&self) -> Result<Vec<Vec<u8>>> {
+    /// ranks, nor when the state is whole). In tensor groups the writer's group's other ranks
+    /// send it their blocks here, a moment at a time, while the writer receives them as it
+    /// writes the file ([`Optimizer::save`]); the other groups take no part.
+    /// `scratch` is where a sending rank's state is staged (streamed out, read back a tensor
+    /// at a time).
+    fn gather(&self, scratch: &Path) -> Result<Vec<Vec<u8>>> {
         if let Some(group) = &self.tensor {
             // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
-            if self.comm.rank() != 0 {
-                return Ok(Vec::new());
+            if self.comm.rank() == 0 && group.rank() != 0 {
+                super::tensor::send_optimizer_blocks(&self.adam, scratch)?;
             }
-            let bytes = self
-                .adam
-                .into_bytes()
-                .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
-            return Ok(group.gather(&bytes, 0)?.unwrap_or_default());
+            return Ok(Vec::new());
         }
         if self.shards == 0 {
             return Ok(Vec::new());
@@ -820,8 +820,13 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                 optimizer_shards: optim.shards(),
                 optimizer_rows: full,
             };
-            let mut shards = Some(optim.gather()?);
+            // The model first: in tensor groups the optimizer's blocks go to the writer while
+            // it writes the file, after the model.
             let whole_model = whole_on_writer(&model, full, split, run);
+            let scratch = run
+                .checkpoints()
+                .join(format!(".tmp-rank-{}-optimizer.bin", run.world().rank()));
+            let mut shards = Some(optim.gather(&scratch)?);
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
                     let Some(whole_model) = whole_model.as_deref() else {

@@ -206,88 +206,129 @@ pub fn is_split(id: u64) -> bool {
     registered(id).is_some()
 }
 
-/// Writes into `path` the optimizer state of the whole model, from the states of the group's
-/// ranks (`parts`: burnpack bytes, as AdamW saves them, in rank order): each split
-/// parameter's moments joined from their blocks. The file is what one process training the
-/// model would save, which any layout loads. Each joined moment is made as the file reaches
-/// it and dropped once written, so the writer holds the parts and one joined tensor, never
-/// the joined state beside them (nor the file's bytes: it is streamed, to a scratch file
-/// renamed into place).
-pub fn write_joined_optimizer_state(parts: Vec<Vec<u8>>, path: &std::path::Path) -> Result<()> {
+/// One tensor of an optimizer state: name, type, shape, parameter id and bytes.
+type StateTensor = (
+    String,
+    burn::tensor::DType,
+    Vec<usize>,
+    Option<u64>,
+    burn::tensor::Bytes,
+);
+
+/// The tensors of an optimizer state (burnpack bytes, as AdamW saves them) in the file's
+/// order, with its scalars and metadata.
+struct StateParts {
+    tensors: Vec<StateTensor>,
+    scalars: Vec<(String, burn_pack::Scalar)>,
+    metadata: Vec<(String, String)>,
+}
+
+/// A scratch file, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// `adam`'s state saved to the scratch file `scratch` (streamed) and read back lazily: each
+/// tensor's bytes are read from the file when used, so the state is never held a second time
+/// (AdamW's in-memory encoding would hold it twice more while it is made). The file goes when
+/// the returned guard does.
+fn saved_state(
+    adam: &burn::optim::ModuleOptimizer,
+    scratch: std::path::PathBuf,
+) -> Result<(StateParts, Scratch)> {
+    let scratch = Scratch(scratch);
+    super::save_optimizer(adam, &scratch.0)?;
+    let bad =
+        |e: burn_pack::Error| CoreError::Invalid(format!("{}: optimizer state: {e:?}", scratch.0.display()));
+    let reader = burn_pack::Reader::from_file_exact(&scratch.0).map_err(bad)?;
+    Ok((state_parts(reader)?, scratch))
+}
+
+fn state_parts(reader: burn_pack::Reader) -> Result<StateParts> {
     let bad = |e: burn_pack::Error| CoreError::Invalid(format!("optimizer state: {e:?}"));
-    let mut scalars = Vec::new();
-    let mut metadata = Vec::new();
-    let mut tensors_by_rank = Vec::with_capacity(parts.len());
-    for (rank, bytes) in parts.into_iter().enumerate() {
-        let reader =
-            burn_pack::Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes)).map_err(bad)?;
-        if rank == 0 {
-            scalars = reader.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
-            metadata = reader
-                .metadata()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-        }
-        let tensors = reader
-            .into_tensors()
-            .map_err(bad)?
-            .into_iter()
-            .map(|tensor| tensor.into_parts().map_err(bad))
-            .collect::<Result<Vec<_>>>()?;
-        tensors_by_rank.push(tensors.into_iter());
+    let scalars = reader.scalars().iter().map(|(k, v)| (k.clone(), *v)).collect();
+    let metadata = reader
+        .metadata()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let tensors = reader
+        .into_tensors()
+        .map_err(bad)?
+        .into_iter()
+        .map(|tensor| {
+            let (name, dtype, shape, id, bytes) = tensor.into_parts().map_err(bad)?;
+            Ok((name, dtype, shape.to_vec(), id, bytes))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(StateParts {
+        tensors,
+        scalars,
+        metadata,
+    })
+}
+
+/// On a rank of the writer's tensor group other than the writer (its rank 0): sends the
+/// writer this rank's block of each split parameter's moments, one tensor at a time in the
+/// order of the file, as [`write_gathered_optimizer_state`] receives them. The state is
+/// staged in the file `scratch` meanwhile (removed after; a killed run's is removed by the
+/// next run in the folder).
+pub fn send_optimizer_blocks(adam: &burn::optim::ModuleOptimizer, scratch: &std::path::Path) -> Result<()> {
+    if let Some(dir) = scratch.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
     }
-    let Some(first) = tensors_by_rank.first() else {
-        return Err(CoreError::Invalid("optimizer state: no part to join".into()));
-    };
-    let count = first.len();
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        // The i-th tensor of every rank's state, in rank order.
-        let mut pieces = Vec::with_capacity(tensors_by_rank.len());
-        for tensors in tensors_by_rank.iter_mut() {
-            pieces.push(tensors.next().ok_or_else(|| {
-                CoreError::Invalid("optimizer state: the ranks' states hold different tensors".into())
-            })?);
+    let (parts, _scratch) = saved_state(adam, scratch.to_path_buf())?;
+    for (_, dtype, shape, id, bytes) in parts.tensors {
+        if let Some(split) = id.and_then(|id| split_of(id, &shape)) {
+            split.gather_values_to(&floats(&bytes, dtype)?, 0);
         }
-        let mut pieces = pieces.into_iter();
-        let Some((name, dtype, shape, id, bytes)) = pieces.next() else {
-            continue;
-        };
-        let split = id.and_then(registered);
-        let tensor = match split {
-            Some(split) if shape.to_vec() == split.block_dims(0) => {
-                let blocks: Vec<burn::tensor::Bytes> = std::iter::once(bytes)
-                    .chain(pieces.map(|piece| piece.4))
-                    .collect();
-                let (dims, axis) = (split.dims.clone(), split.axis);
-                let len = dims.iter().product::<usize>() * 4;
-                burn_pack::Tensor::deferred(
-                    name,
-                    burn::tensor::DType::F32,
-                    dims.clone(),
-                    id,
-                    len,
-                    move || {
-                        let values = blocks
-                            .iter()
-                            .map(|block| floats(block, dtype))
-                            .collect::<Result<Vec<_>>>()
+    }
+    Ok(())
+}
+
+/// Writes into `path`, on the writer (the group's rank 0), the optimizer state of the whole
+/// model from `own`, its own state: each split parameter's moments are gathered from the
+/// group's blocks (sent by [`send_optimizer_blocks`]) as the file reaches them, joined and
+/// dropped once written. The writer holds its own state and one joined tensor, never the
+/// other ranks' states beside it; the file (streamed to a scratch file renamed into place)
+/// is what one process training the model would save, which any layout loads.
+pub fn write_gathered_optimizer_state(
+    adam: &burn::optim::ModuleOptimizer,
+    path: &std::path::Path,
+) -> Result<()> {
+    let (parts, _scratch) = saved_state(adam, path.with_extension("own.tmp"))?;
+    let tensors = parts
+        .tensors
+        .into_iter()
+        .map(
+            |(name, dtype, shape, id, bytes)| match id.and_then(|id| split_of(id, &shape)) {
+                Some(split) => {
+                    let len = split.dims.iter().product::<usize>() * 4;
+                    let dims = split.dims.clone();
+                    burn_pack::Tensor::deferred(name, burn::tensor::DType::F32, dims, id, len, move || {
+                        let block = floats(&bytes, dtype)
                             .map_err(|e| burn_pack::Error::ValidationError(e.to_string()))?;
-                        let whole = aligner_parallel::tensor::join_blocks(&values, &dims, axis);
+                        let whole = split.gather_values_to(&block, 0).ok_or_else(|| {
+                            burn_pack::Error::ValidationError(
+                                "only the group's rank 0 writes the optimizer state".into(),
+                            )
+                        })?;
                         Ok(burn::tensor::Bytes::from_bytes_vec(f32_bytes(&whole)))
-                    },
-                )
-            }
-            _ => burn_pack::Tensor::new(name, dtype, shape.to_vec(), id, bytes),
-        };
-        out.push(tensor);
-    }
-    let mut writer = burn_pack::Writer::new(out).auto_extension(false);
-    for (key, value) in &scalars {
+                    })
+                }
+                None => burn_pack::Tensor::new(name, dtype, shape, id, bytes),
+            },
+        )
+        .collect();
+    let mut writer = burn_pack::Writer::new(tensors).auto_extension(false);
+    for (key, value) in &parts.scalars {
         writer = writer.with_scalar(key, *value);
     }
-    for (key, value) in &metadata {
+    for (key, value) in &parts.metadata {
         writer = writer.with_metadata(key, value);
     }
     writer
