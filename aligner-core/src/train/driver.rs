@@ -296,45 +296,48 @@ impl<'a> Optimizer<'a> {
         }
     }
 
-    /// Writes the state into checkpoint folder `tmp` (rank 0; a sharded state's parts were
-    /// gathered from every rank first by [`Optimizer::gather`]).
-    fn save(&self, tmp: &Path, layout: &CheckpointLayout, shards: Vec<Vec<u8>>) -> Result<()> {
+    /// Writes the state into checkpoint folder `tmp` (the writer, rank 0): one process's whole
+    /// state; a tensor group's, each split moment gathered from the group as the file reaches
+    /// it; a sharded state's part of every rank, the others' moved in from where
+    /// [`Optimizer::stage`] put them in `checkpoints`.
+    fn save(&self, tmp: &Path, layout: &CheckpointLayout, checkpoints: &Path) -> Result<()> {
         if self.tensor.is_some() {
-            // Tensor parallel: the whole model's state, each split moment gathered from the
-            // group as the file reaches it.
             return super::tensor::write_gathered_optimizer_state(&self.adam, &tmp.join(layout.optimizer));
         }
-        if shards.is_empty() {
+        if self.shards == 0 {
             return save_optimizer(&self.adam, &tmp.join(layout.optimizer));
         }
-        for (rank, bytes) in shards.iter().enumerate() {
-            crate::checkpoint::write_atomic(&tmp.join(optimizer_shard(rank)), bytes)?;
+        save_optimizer(&self.adam, &tmp.join(optimizer_shard(0)))?;
+        for rank in 1..self.shards {
+            let (staged, to) = (staged_state(checkpoints, rank), tmp.join(optimizer_shard(rank)));
+            std::fs::rename(&staged, &to).map_err(|e| CoreError::cannot_write(&to, e))?;
         }
         Ok(())
     }
 
-    /// Every rank's part of a sharded state, on the run's writer alone (nothing on the other
-    /// ranks, nor when the state is whole). In tensor groups the writer's group's other ranks
-    /// send it their blocks here, a moment at a time, while the writer receives them as it
-    /// writes the file ([`Optimizer::save`]); the other groups take no part.
-    /// `scratch` is where a sending rank's state is staged (streamed out, read back a tensor
-    /// at a time).
-    fn gather(&self, scratch: &Path) -> Result<Vec<Vec<u8>>> {
+    /// What every rank but the writer does for a checkpoint's optimizer state (a collective;
+    /// nothing for one process). Sharded, each rank streams its part to a staged file in
+    /// `checkpoints` and all wait until every part is written; the writer moves them into the
+    /// checkpoint, so no rank ever holds another's part. In tensor groups the writer's group's
+    /// other ranks send it their blocks, a moment at a time, while it writes the file
+    /// ([`Optimizer::save`]); the other groups take no part.
+    fn stage(&self, checkpoints: &Path) -> Result<()> {
         if let Some(group) = &self.tensor {
-            // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
+            // The writer (world rank 0) is rank 0 of the first group, the data rank 0, whose
+            // ranks' world ranks are their group ranks.
             if self.comm.rank() == 0 && group.rank() != 0 {
-                super::tensor::send_optimizer_blocks(&self.adam, scratch)?;
+                super::tensor::send_optimizer_blocks(&self.adam, &staged_state(checkpoints, group.rank()))?;
             }
-            return Ok(Vec::new());
+            return Ok(());
         }
         if self.shards == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
-        let bytes = self
-            .adam
-            .into_bytes()
-            .map_err(|e| CoreError::Invalid(format!("optimizer state: {e:?}")))?;
-        Ok(self.comm.gather(&bytes, 0)?.unwrap_or_default())
+        if self.comm.rank() != 0 {
+            std::fs::create_dir_all(checkpoints).map_err(|e| CoreError::cannot_write(checkpoints, e))?;
+            save_optimizer(&self.adam, &staged_state(checkpoints, self.comm.rank()))?;
+        }
+        Ok(self.comm.barrier()?)
     }
 
     /// Loads the state a checkpoint holds for this rank. A state saved over `saved_shards`
@@ -526,6 +529,12 @@ fn merge_optimizer_states(
         .into_bytes()
         .map_err(|e| CoreError::Invalid(format!("merging optimizer states: {e:?}")))?;
     Ok(bytes.to_vec())
+}
+
+/// Where rank `rank` stages its part of a checkpoint's optimizer state: in the run's
+/// `checkpoints` folder, whose next run clears a killed save's (`.tmp-` names).
+fn staged_state(checkpoints: &Path, rank: usize) -> PathBuf {
+    checkpoints.join(format!(".tmp-rank-{rank}-optimizer.bin"))
 }
 
 /// The file rank `rank`'s share of a sharded optimiser state is saved in.
@@ -823,10 +832,8 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             // The model first: in tensor groups the optimizer's blocks go to the writer while
             // it writes the file, after the model.
             let whole_model = whole_on_writer(&model, full, split, run);
-            let scratch = run
-                .checkpoints()
-                .join(format!(".tmp-rank-{}-optimizer.bin", run.world().rank()));
-            let mut shards = Some(optim.gather(&scratch)?);
+            let checkpoints = run.checkpoints();
+            optim.stage(&checkpoints)?;
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
                     let Some(whole_model) = whole_model.as_deref() else {
@@ -838,7 +845,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                     // the master weights saved beside them.
                     let dir = tmp.join(layout.model);
                     master::save_with_masters(store, &whole_model.valid(), &dir)?;
-                    optim.save(tmp, layout, shards.take().unwrap_or_default())
+                    optim.save(tmp, layout, &checkpoints)
                 })?;
                 Ok::<_, T::Error>(crate::checkpoint::write_json(&tmp.join(layout.state), &state)?)
             })?;
