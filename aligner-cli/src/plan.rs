@@ -45,7 +45,7 @@ pub struct PlanArgs {
     /// Memory per device: `80GB`, `141GB`, `24GiB`.
     #[arg(long, default_value = "80GB", value_parser = parse_bytes)]
     gpu_memory: f64,
-    /// Also list the layouts aligner does not run yet (tensor groups with ZeRO sharding or a critic, full recomputation);
+    /// Also list the layouts aligner does not run yet (tensor groups with ZeRO sharding, full recomputation);
     /// they are listed anyway when nothing aligner runs fits.
     #[arg(long)]
     all: bool,
@@ -128,9 +128,9 @@ fn launch_command(args: &PlanArgs, layout: &Layout, per_node: usize) -> String {
 
 fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
     println!(
-        "| data × tensor | sharding | frozen models | recompute | weights | master | optimizer | companions | gradients | activations | logits | kept | sync | peak GB | fits | runs today |"
+        "| data × tensor | sharding | frozen models | recompute | weights | master | optimizer | companions | gradients | activations | logits | kept | sync | training GB | saving GB | peak GB | fits | runs today |"
     );
-    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
+    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
     for (
         i,
         Candidate {
@@ -145,7 +145,7 @@ fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
         }
         let mark = if plan.picked == Some(i) { " ← picked" } else { "" };
         println!(
-            "| {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}{mark} |",
+            "| {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}{mark} |",
             layout.data,
             layout.tensor,
             layout.sharding.name(),
@@ -160,6 +160,8 @@ fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
             gb(e.logits),
             gb(e.kept),
             gb(e.sync),
+            gb(e.training),
+            gb(e.saving),
             gb(e.peak),
             if *fits { "yes" } else { "no" },
             if layout.runs_today(method) {
@@ -258,26 +260,36 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let describe = |plan: &Option<Plan>, runs_today: bool| -> String {
         plan.as_ref()
             .and_then(|p| {
+                let memory = args.gpu_memory;
                 let i = match runs_today {
                     true => p.picked?,
-                    false => p.candidates.iter().position(|c| c.fits)?,
+                    false => p.candidates.iter().position(|c| c.estimate.training <= memory)?,
                 };
                 let c = &p.candidates[i];
+                let (what, bytes) = match runs_today {
+                    true => ("peak", c.estimate.peak),
+                    false => ("training", c.estimate.training),
+                };
                 Some(format!(
-                    "{} devices ({} × {}, sharding {}, peak {} GB)",
+                    "{} devices ({} × {}, sharding {}{}, {what} {} GB)",
                     c.layout.devices(),
                     c.layout.data,
                     c.layout.tensor,
                     c.layout.sharding.name(),
-                    gb(c.estimate.peak)
+                    if c.layout.recompute {
+                        ", full recomputation"
+                    } else {
+                        ""
+                    },
+                    gb(bytes)
                 ))
             })
             .unwrap_or_else(|| "none up to 4096 devices".into())
     };
     bail!(
         "nothing aligner runs fits on {devices} devices of {} GB each. The smallest cluster that \
-         would: {}. With the layouts aligner does not run yet (tensor groups with ZeRO or a \
-         critic, full recomputation): {}",
+         would: {}. With what aligner does not do yet (tensor groups with ZeRO, full \
+         recomputation, and saving without the whole model gathered on every rank): {}",
         gb(args.gpu_memory),
         describe(&today, true),
         describe(&predicted, false),

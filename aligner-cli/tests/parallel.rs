@@ -1693,6 +1693,7 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
             .lines()
             .find(|l| l.starts_with(&format!("| {np} × 1 | {sharding} | device | off |")))
             .unwrap_or_else(|| panic!("{text}"));
+        // The training phases' column ("training GB"): `bench train` saves nothing.
         let predicted: f64 = row.split('|').nth(14).unwrap().trim().parse().unwrap();
         let error = (predicted - measured).abs() / measured;
         assert!(

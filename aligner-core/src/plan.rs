@@ -21,12 +21,19 @@
 //!   layer gathered with its whole gradient, and the largest whole gradient's host copy and
 //!   send buffer as it is reduce-scattered; no embedding-sized gradient outlives the backward.
 //!
+//! - **the final save** (and `keep_best`): tensor groups and `full` sharding gather the whole
+//!   model (f32, on the device) on every rank beside the states;
+//! - **a checkpoint**, on its writer: the whole model gathered (tensor groups, `full`), and on
+//!   a CPU, whose host memory is the device's, Burn's copy of the rank's own AdamW state as it
+//!   streams to the file (sharded parts are staged in files, a tensor group's blocks sent to
+//!   the writer a moment at a time: no rank holds another's state).
+//!
 //! Its constants (the tensors autodiff keeps per layer) were measured against aligner's peak
 //! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (tensor groups with
-//! ZeRO sharding or PPO's critic, full recomputation) are predicted from the same counts and
-//! marked as such. Tensor groups (`parallel.tensor`) hold 1/T of the weights, gradients,
-//! moments and of the activations that the split layers make, and gather the whole model
-//! (f32) for checkpoints, the final save and, with PPO/GRPO, each step's rollout.
+//! ZeRO sharding, full recomputation) are predicted from the same counts and marked as such.
+//! Tensor groups (`parallel.tensor`) hold 1/T of the weights, gradients, moments and of the
+//! activations that the split layers make; PPO/GRPO's engine and reference hold the blocks
+//! too (`ppo.split_engine`).
 
 use crate::config::{LlamaConfig, Precision, QkNorm};
 
@@ -120,9 +127,9 @@ pub struct Layout {
 
 impl Layout {
     /// Whether aligner runs this layout for `method` today: tensor groups without ZeRO
-    /// sharding beside them, and not for PPO (its critic); no full recomputation.
-    pub fn runs_today(&self, method: PlanMethod) -> bool {
-        let tensor = self.tensor == 1 || (self.sharding == Stage::None && method != PlanMethod::Ppo);
+    /// sharding beside them (every method, PPO's critic included); no full recomputation.
+    pub fn runs_today(&self, _method: PlanMethod) -> bool {
+        let tensor = self.tensor == 1 || self.sharding == Stage::None;
         tensor && !self.recompute
     }
 
@@ -149,6 +156,12 @@ pub struct Breakdown {
     pub kept: f64,
     /// The runtime itself (the process on a CPU; context and allocator slack on a GPU).
     pub runtime: f64,
+    /// The largest phase of the training steps (forward, backward, the gradients' sums and,
+    /// fully sharded, PPO/GRPO's rollout).
+    pub training: f64,
+    /// The largest phase of saving: a checkpoint on its writer, or the whole model gathered
+    /// for the final save, `keep_best` and the frontier's samples.
+    pub saving: f64,
     /// The largest phase (what must fit).
     pub peak: f64,
 }
@@ -302,18 +315,18 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     }
     let frozen_share = if layout.offload_frozen { 0.0 } else { 1.0 };
     // A sampling method's engine holds the whole policy in its own layout on every rank,
-    // whatever the sharding or tensor groups (it is refitted from the policy, gathered whole,
-    // each step).
-    let engine = p * w;
+    // whatever the sharding (it is refitted from the policy, gathered whole, each step); in
+    // a tensor group, the rank's blocks (`ppo.split_engine`, refitted from them).
+    let engine = p * w / t;
     b.companions = match work.method {
         PlanMethod::Sft | PlanMethod::Dpo => 0.0,
         PlanMethod::Grpo | PlanMethod::Ppo => engine,
     };
     b.companions += match work.method {
         PlanMethod::Sft | PlanMethod::Dpo => 0.0,
-        // The reference: none with LoRA (the base with the adapters off); whole, as it is
-        // loaded, in tensor groups too.
-        PlanMethod::Grpo => work.lora_rank.map_or(p * w, |_| 0.0) * frozen_share,
+        // The reference: none with LoRA (the base with the adapters off); in a tensor group,
+        // a copy of the actor's blocks beside the split engine.
+        PlanMethod::Grpo => work.lora_rank.map_or(p * w / t, |_| 0.0) * frozen_share,
         PlanMethod::Ppo => {
             let reference = work.lora_rank.map_or(p * w / t, |_| 0.0);
             let reward_model = p * w / t;
@@ -358,14 +371,25 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     let gathering = if full { 4.0 * output_projection / t } else { 0.0 };
     let forward = states + b.activations + b.logits + gathering;
     // A fully sharded sampling method gathers the whole policy (f32) for its engine and its
-    // log-prob passes each step, before the update's activations exist.
-    let rollout = match (full || t > 1.0, work.method) {
+    // log-prob passes each step, before the update's activations exist (a tensor group's
+    // engine generates on the blocks).
+    let rollout = match (full, work.method) {
         (true, PlanMethod::Grpo | PlanMethod::Ppo) => states + 4.0 * p,
         _ => 0.0,
     };
-    // Tensor groups gather the whole model (f32) for checkpoints and the final save, beside the
-    // blocks and the optimizer's state.
-    let gathered = if t > 1.0 { states + 4.0 * p } else { 0.0 };
+    // Tensor groups and full sharding gather the whole model (f32, on the device) on every
+    // rank for the final save and `keep_best`, beside the blocks and the optimizer's state.
+    let whole = if t > 1.0 || full { 4.0 * p } else { 0.0 };
+    let gathered = states + whole;
+    // A checkpoint on its writer: the whole model gathered to it (tensor groups, `full`), and
+    // on a CPU, whose host memory is the device's, Burn's copy of the rank's own AdamW state
+    // while it streams to its file (a GPU's host holds it). No rank holds another's state:
+    // sharded parts are staged in files, a tensor group's blocks sent a moment at a time.
+    let encoded = match kind {
+        DeviceKind::Cpu => b.optimizer,
+        DeviceKind::Gpu => 0.0,
+    };
+    let checkpoint = states + whole + encoded;
     let after_backward = states + b.gradients;
     if layout.data > 1 {
         let flat = 4.0 * trainable / t;
@@ -379,7 +403,9 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
             Stage::Full => 2.0 * 4.0 * output_projection / t,
         };
     }
-    b.peak = forward.max(after_backward + b.sync).max(rollout).max(gathered);
+    b.training = forward.max(after_backward + b.sync).max(rollout);
+    b.saving = gathered.max(checkpoint);
+    b.peak = b.training.max(b.saving);
     b
 }
 
@@ -465,7 +491,9 @@ pub fn plan(config: &LlamaConfig, work: &Workload, cluster: &Cluster) -> Plan {
 }
 
 /// The smallest cluster of `cluster`'s devices (a power of two up to 4096) on which some
-/// layout fits: the one aligner runs today, and the one with the predicted layouts too.
+/// layout fits: the one aligner runs today, and the one with the predicted layouts too, where
+/// a layout fits by its training phases alone (saving is predicted to stream the whole model
+/// to the writer instead of gathering it on every rank, which aligner does not do yet).
 pub fn smallest_cluster(
     config: &LlamaConfig,
     work: &Workload,
@@ -479,7 +507,12 @@ pub fn smallest_cluster(
         if today.is_none() && plan.picked.is_some() {
             today = Some(plan.clone());
         }
-        if predicted.is_none() && plan.candidates.iter().any(|c| c.fits) {
+        if predicted.is_none()
+            && plan
+                .candidates
+                .iter()
+                .any(|c| c.estimate.training <= sized.memory)
+        {
             predicted = Some(plan);
         }
         devices *= 2;
@@ -564,9 +597,26 @@ mod tests {
         assert_eq!(one.optimizer, 8.0 * p);
         assert_eq!(at(4, Stage::Optimizer).optimizer, 2.0 * p);
         assert_eq!(at(4, Stage::Gradients).gradients, one.gradients);
-        assert!(at(4, Stage::Gradients).peak < at(4, Stage::Optimizer).peak);
-        assert!(at(4, Stage::Full).peak < at(4, Stage::Gradients).peak);
-        assert!(at(2, Stage::None).peak > one.peak, "the all-reduce buffer");
+        assert!(at(4, Stage::Gradients).training < at(4, Stage::Optimizer).training);
+        assert!(at(4, Stage::Full).training < at(4, Stage::Gradients).training);
+        assert!(
+            at(2, Stage::None).training > one.training,
+            "the all-reduce buffer"
+        );
+        // Saving: a CPU rank's checkpoint copies its own AdamW state as it streams to the
+        // file, and `full` sharding gathers the whole model on the writer; nothing else.
+        let p4 = 4.0 * p;
+        assert!(one.saving > one.training);
+        // The moments held and the copy saved: both a quarter at four ranks.
+        assert_eq!(
+            one.saving - at(4, Stage::Optimizer).saving,
+            2.0 * (one.optimizer - 2.0 * p)
+        );
+        assert!(at(4, Stage::Full).saving < one.saving - p4 / 2.0);
+        assert!(
+            at(2, Stage::Full).peak < one.peak,
+            "full sharding's peak falls, saving included"
+        );
     }
 
     #[test]
@@ -586,7 +636,8 @@ mod tests {
             memory: 80e9,
             kind: DeviceKind::Gpu,
         };
-        // 70B in bf16 is 141 GB of weights: no data-parallel layout fits, at any size.
+        // 70B in bf16 is 141 GB of weights: no data-parallel layout fits, at any size, and the
+        // sharded and split ones gather the whole model (280 GB in f32) on every rank to save.
         assert!(plan(&config, &work, &cluster).picked.is_none());
         let (today, predicted) = smallest_cluster(&config, &work, &cluster);
         assert!(today.is_none());
@@ -597,6 +648,11 @@ mod tests {
             devices: devices / 2,
             ..cluster
         };
-        assert!(!plan(&config, &work, &smaller).candidates.iter().any(|c| c.fits));
+        assert!(
+            !plan(&config, &work, &smaller)
+                .candidates
+                .iter()
+                .any(|c| c.estimate.training <= smaller.memory)
+        );
     }
 }
