@@ -496,7 +496,8 @@ impl Method<CausalLm> for OnlineStep<'_> {
             out.insert("eval_reward".into(), mean(&scores).into());
             self.last = Some(mean(&scores));
         }
-        if let Some(frontier) = self.frontier {
+        // Rank 0 measures the frontier (it writes the log); the other ranks' would be the same.
+        if let Some(frontier) = self.frontier.filter(|_| self.run.is_writer()) {
             out.extend(ModelEval::evaluate(frontier, &policy.valid())?);
         }
         Ok(out)
