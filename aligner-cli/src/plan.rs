@@ -126,7 +126,7 @@ fn launch_command(args: &PlanArgs, layout: &Layout, per_node: usize) -> String {
     command
 }
 
-fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
+fn print_table(plan: &Plan, all: bool) {
     println!(
         "| data × tensor | sharding | frozen models | recompute | weights | master | optimizer | companions | gradients | activations | logits | kept | sync | training GB | saving GB | peak GB | fits | runs today |"
     );
@@ -140,7 +140,7 @@ fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
         },
     ) in plan.candidates.iter().enumerate()
     {
-        if !all && !layout.runs_today(method) {
+        if !all && !layout.runs_today() {
             continue;
         }
         let mark = if plan.picked == Some(i) { " ← picked" } else { "" };
@@ -164,11 +164,7 @@ fn print_table(plan: &Plan, method: PlanMethod, all: bool) {
             gb(e.saving),
             gb(e.peak),
             if *fits { "yes" } else { "no" },
-            if layout.runs_today(method) {
-                "yes"
-            } else {
-                "not yet"
-            },
+            if layout.runs_today() { "yes" } else { "not yet" },
         );
     }
 }
@@ -237,7 +233,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     );
     println!();
     let planned = plan(&config, &work, &cluster);
-    print_table(&planned, work.method, args.all || planned.picked.is_none());
+    print_table(&planned, args.all || planned.picked.is_none());
     println!();
     if let Some(i) = planned.picked {
         let c = &planned.candidates[i];
@@ -260,10 +256,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let describe = |plan: &Option<Plan>, runs_today: bool| -> String {
         plan.as_ref()
             .and_then(|p| {
-                let memory = args.gpu_memory;
                 let i = match runs_today {
                     true => p.picked?,
-                    false => p.candidates.iter().position(|c| c.estimate.training <= memory)?,
+                    false => p
+                        .candidates
+                        .iter()
+                        .position(|c| c.estimate.trains_in(args.gpu_memory))?,
                 };
                 let c = &p.candidates[i];
                 let (what, bytes) = match runs_today {

@@ -126,9 +126,9 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Whether aligner runs this layout for `method` today: tensor groups without ZeRO
-    /// sharding beside them (every method, PPO's critic included); no full recomputation.
-    pub fn runs_today(&self, _method: PlanMethod) -> bool {
+    /// Whether aligner runs this layout today: tensor groups without ZeRO sharding beside them
+    /// (for every method, PPO's critic included); no full recomputation.
+    pub fn runs_today(&self) -> bool {
         let tensor = self.tensor == 1 || self.sharding == Stage::None;
         tensor && !self.recompute
     }
@@ -164,6 +164,14 @@ pub struct Breakdown {
     pub saving: f64,
     /// The largest phase (what must fit).
     pub peak: f64,
+}
+
+impl Breakdown {
+    /// Whether the training phases alone fit in `memory` bytes (how a layout not built yet,
+    /// whose saving is predicted not to gather the whole model on every rank, is judged).
+    pub fn trains_in(&self, memory: f64) -> bool {
+        self.training <= memory
+    }
 }
 
 /// Parameter counts of a model shape.
@@ -377,19 +385,17 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         (true, PlanMethod::Grpo | PlanMethod::Ppo) => states + 4.0 * p,
         _ => 0.0,
     };
-    // Tensor groups and full sharding gather the whole model (f32, on the device) on every
-    // rank for the final save and `keep_best`, beside the blocks and the optimizer's state.
+    // Saving. Tensor groups and full sharding gather the whole model (f32, on the device)
+    // beside the states: on every rank for the final save, `keep_best` and the frontier, on
+    // the writer for a checkpoint. A checkpoint's writer on a CPU, whose host memory is the
+    // device's, also holds Burn's copy of its own AdamW state while it streams to the file (a
+    // GPU's host holds it), which makes it the largest of these. No rank holds another's
+    // state: sharded parts are staged in files, a tensor group's blocks sent a moment at a time.
     let whole = if t > 1.0 || full { 4.0 * p } else { 0.0 };
-    let gathered = states + whole;
-    // A checkpoint on its writer: the whole model gathered to it (tensor groups, `full`), and
-    // on a CPU, whose host memory is the device's, Burn's copy of the rank's own AdamW state
-    // while it streams to its file (a GPU's host holds it). No rank holds another's state:
-    // sharded parts are staged in files, a tensor group's blocks sent a moment at a time.
     let encoded = match kind {
         DeviceKind::Cpu => b.optimizer,
         DeviceKind::Gpu => 0.0,
     };
-    let checkpoint = states + whole + encoded;
     let after_backward = states + b.gradients;
     if layout.data > 1 {
         let flat = 4.0 * trainable / t;
@@ -404,7 +410,7 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         };
     }
     b.training = forward.max(after_backward + b.sync).max(rollout);
-    b.saving = gathered.max(checkpoint);
+    b.saving = states + whole + encoded;
     b.peak = b.training.max(b.saving);
     b
 }
@@ -484,9 +490,7 @@ pub fn plan(config: &LlamaConfig, work: &Workload, cluster: &Cluster) -> Plan {
             }
         })
         .collect();
-    let picked = candidates
-        .iter()
-        .position(|c| c.fits && c.layout.runs_today(work.method));
+    let picked = candidates.iter().position(|c| c.fits && c.layout.runs_today());
     Plan { candidates, picked }
 }
 
@@ -507,12 +511,7 @@ pub fn smallest_cluster(
         if today.is_none() && plan.picked.is_some() {
             today = Some(plan.clone());
         }
-        if predicted.is_none()
-            && plan
-                .candidates
-                .iter()
-                .any(|c| c.estimate.training <= sized.memory)
-        {
+        if predicted.is_none() && plan.candidates.iter().any(|c| c.estimate.trains_in(sized.memory)) {
             predicted = Some(plan);
         }
         devices *= 2;
@@ -648,11 +647,7 @@ mod tests {
             devices: devices / 2,
             ..cluster
         };
-        assert!(
-            !plan(&config, &work, &smaller)
-                .candidates
-                .iter()
-                .any(|c| c.estimate.training <= smaller.memory)
-        );
+        let candidates = plan(&config, &work, &smaller).candidates;
+        assert!(!candidates.iter().any(|c| c.estimate.trains_in(smaller.memory)));
     }
 }

@@ -16,7 +16,7 @@ use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
 use aligner_core::train::{
     CheckpointLayout, DataSection, EpochOrder, LoopSettings, Method, ModelEval, ModelSection, MovedKey,
-    Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop,
+    Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop, sum_metrics_by_name,
 };
 use aligner_core::{CausalLm, CoreError, Device};
 use aligner_gen::env::{Environment, EnvironmentSection, Episode, EpisodeStats};
@@ -449,17 +449,9 @@ impl Method<CausalLm> for OnlineStep<'_> {
             let (value, metrics) = match comm.world_size() {
                 1 => sums,
                 _ => {
-                    let mut all = (0.0, Vec::<(String, f64)>::new());
-                    for (value, metrics) in aligner_core::parallel::gather(comm, &sums)? {
-                        all.0 += value;
-                        for (k, v) in metrics {
-                            match all.1.iter_mut().find(|m| m.0 == k) {
-                                Some(m) => m.1 += v,
-                                None => all.1.push((k, v)),
-                            }
-                        }
-                    }
-                    all
+                    let parts = aligner_core::parallel::gather(comm, &sums)?;
+                    let value = parts.iter().map(|p| p.0).sum();
+                    (value, sum_metrics_by_name(parts.into_iter().map(|p| p.1)))
                 }
             };
             if !value.is_finite() {

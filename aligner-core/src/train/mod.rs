@@ -399,14 +399,7 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             let all = crate::parallel::gather(comm, &(loss_sum, tokens, metric_sums))?;
             loss_sum = all.iter().map(|s| s.0).sum();
             tokens = all.iter().map(|s| s.1).sum();
-            let by_rank: Vec<Vec<(String, f64, f64)>> = all
-                .into_iter()
-                .map(|s| s.2.into_iter().map(|(name, v)| (name, v, 0.0)).collect())
-                .collect();
-            metric_sums = sum_by_name(by_rank)
-                .into_iter()
-                .map(|(name, v, _)| (name, v))
-                .collect();
+            metric_sums = sum_metrics_by_name(all.into_iter().map(|s| s.2));
             if !loss_sum.is_finite() {
                 return Err(non_finite(self.run, "loss", loss_sum, step, TRAINER_STATE));
             }
@@ -493,6 +486,19 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         keys.extend(self.objective.plot_keys());
         keys
     }
+}
+
+/// Named metrics of several ranks (each a share of the whole batch's) added up by name, in
+/// order of first appearance.
+pub fn sum_metrics_by_name(parts: impl IntoIterator<Item = Vec<(String, f64)>>) -> Vec<(String, f64)> {
+    let triples = parts
+        .into_iter()
+        .map(|part| part.into_iter().map(|(name, v)| (name, v, 0.0)).collect())
+        .collect();
+    sum_by_name(triples)
+        .into_iter()
+        .map(|(name, v, _)| (name, v))
+        .collect()
 }
 
 /// `(name, sum, weight)` triples of several ranks added up by name, in order of first
