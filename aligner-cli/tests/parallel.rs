@@ -298,6 +298,51 @@ fn sft_on_two_and_three_ranks_trains_as_one_process() {
     trains_as_one_process_sharded(&["sft"], 12, &sets, dir.path(), &layouts);
 }
 
+/// `train.keep_best` where the ranks hold the model in parts (3 fully sharded ranks, a 1×2
+/// tensor group): the validations run on the parts (3 ranks over 5 batches: one evaluates a
+/// batch again and discards it), `best/` is saved from them as the file reaches each
+/// parameter, and `final/` (copied from `best/`) matches one process's, step included.
+#[test]
+fn keep_best_on_the_ranks_parts_matches_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "train.max_steps=8".to_string(),
+        // As in the tensor-group test below: at a larger lr AdamW's first step turns rounding
+        // noise in a few near-zero gradients into differences above 1e-5.
+        "train.lr=1e-4".into(),
+        "train.eval_every=2".into(),
+        "train.eval_examples=10".into(),
+        "train.save_every=0".into(),
+        "train.keep_best=\"eval_nll_response\"".into(),
+    ];
+    let layouts = [(3, "full", 1), (2, "none", 2)];
+    trains_as_one_process_in(&["sft"], 6, &sets, dir.path(), &layouts);
+    let kept = |run: &str| {
+        let run = dir.path().join(run);
+        let weights = |d: &str| std::fs::read(run.join(d).join("model.safetensors")).unwrap();
+        assert!(
+            weights("final") == weights("best"),
+            "{}: final/ holds best/'s weights",
+            run.display()
+        );
+        let kept: Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("final_step.json")).unwrap()).unwrap();
+        (kept["step"].as_u64().unwrap(), kept["value"].as_f64().unwrap())
+    };
+    // The held-out response NLL is lowest after 4 of the 8 steps (by 3e-4): a model saved
+    // after training, not the last one.
+    let (step, value) = kept("sft-np1-none-t1");
+    assert_eq!(step, 4);
+    for run in ["sft-np3-full-t1", "sft-np2-none-t2"] {
+        let (kept_step, kept_value) = kept(run);
+        assert_eq!(kept_step, step, "{run}");
+        assert!(
+            (kept_value - value).abs() <= 1e-5,
+            "{run}: {kept_value} against {value}"
+        );
+    }
+}
+
 /// The reward model and DPO on 2 and 3 data-parallel ranks with ZeRO stages, and in tensor
 /// groups of 1×2 (and DPO 2×2), train to the weights and metrics of one process.
 #[test]

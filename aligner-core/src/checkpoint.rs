@@ -479,31 +479,104 @@ impl<'a> PendingTensor<'a> {
     }
 }
 
+/// Where a save reads the parameters that the ranks hold in parts (a fully sharded model's
+/// rows, a tensor group's blocks), one at a time as the file reaches them: set around a save
+/// on the writer by [`with_parts_source`], so a save never needs the whole model gathered
+/// first (the trainer's loop answers the requests on the other ranks).
+pub trait PartsSource {
+    /// The whole shape of parameter `id`, and the id the whole parameter carries, when this
+    /// rank's tensor of shape `dims` is a part of it (`None`: the tensor is whole).
+    fn whole_of(&self, id: u64, dims: &[usize]) -> Option<(Vec<usize>, u64)>;
+    /// The whole values (row-major) of parameter `id` from this rank's part `own`, of shape
+    /// `dims`: a collective the other ranks holding parts answer.
+    fn gather(&self, id: u64, dims: &[usize], own: &[f32]) -> Vec<f32>;
+}
+
+thread_local! {
+    static PARTS: std::cell::RefCell<Option<std::rc::Rc<dyn PartsSource>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `save` with `source` giving the whole values of the parameters held in parts: the
+/// model folders and master weights it writes read them through it, a tensor at a time.
+pub fn with_parts_source<R>(source: std::rc::Rc<dyn PartsSource>, save: impl FnOnce() -> R) -> R {
+    struct Restore(Option<std::rc::Rc<dyn PartsSource>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PARTS.with(|p| *p.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(PARTS.with(|p| p.borrow_mut().replace(source)));
+    save()
+}
+
+fn parts_source() -> Option<std::rc::Rc<dyn PartsSource>> {
+    PARTS.with(|p| p.borrow().clone())
+}
+
+/// A parameter to write under `name` (`transposed`: a linear weight, `[out, in]` on disk): its
+/// whole shape now, its whole values when the writer reads them (gathered from the ranks
+/// when they hold it in parts, see [`PartsSource`]), and the id of the whole parameter.
+pub fn pending_param<const D: usize>(
+    name: String,
+    param: &Param<Tensor<D>>,
+    transposed: bool,
+) -> (PendingTensor<'static>, u64) {
+    let tensor = param.val();
+    let id = param.id.val();
+    let dims = tensor.dims().to_vec();
+    let source = parts_source();
+    let whole = source.as_ref().and_then(|s| s.whole_of(id, &dims));
+    let whole_id = whole.as_ref().map_or(id, |(_, whole_id)| *whole_id);
+    let whole_dims = whole.map(|(dims, _)| dims);
+    let mut shape = whole_dims.clone().unwrap_or_else(|| dims.clone());
+    if transposed {
+        shape.reverse();
+    }
+    let pending = PendingTensor::new(name, shape, move || {
+        let own = tensor
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .expect("model tensors are floats");
+        let (values, shape) = match (&source, &whole_dims) {
+            (Some(source), Some(whole)) => (source.gather(id, &dims, &own), whole.as_slice()),
+            _ => (own, dims.as_slice()),
+        };
+        match transposed {
+            true => transpose(&values, shape[0], shape[1]),
+            false => values,
+        }
+    });
+    (pending, whole_id)
+}
+
+/// The `cols × rows` transpose of a row-major `rows × cols` matrix.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for (r, row) in values.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v;
+        }
+    }
+    out
+}
+
 /// The tensors of `slots` under HF names and layout, each read when it is written.
 pub fn pending_slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<PendingTensor<'static>> {
-    fn pending<const D: usize>(name: String, tensor: Tensor<D>) -> PendingTensor<'static> {
-        let shape = tensor.dims().to_vec();
-        PendingTensor::new(name, shape, move || {
-            tensor
-                .clone()
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .expect("model tensors are floats")
-        })
-    }
     let mut out = Vec::new();
     for (prefix, slot) in slots {
         let weight = format!("{prefix}.weight");
         match slot {
             Slot::Linear(linear) => {
-                out.push(pending(weight, linear.weight.val().transpose()));
+                out.push(pending_param(weight, &linear.weight, true).0);
                 if let Some(bias) = &linear.bias {
-                    out.push(pending(format!("{prefix}.bias"), bias.val()));
+                    out.push(pending_param(format!("{prefix}.bias"), bias, false).0);
                 }
             }
-            Slot::Norm(norm) => out.push(pending(weight, norm.gamma.val())),
-            Slot::Embedding(embedding) => out.push(pending(weight, embedding.weight.val())),
+            Slot::Norm(norm) => out.push(pending_param(weight, &norm.gamma, false).0),
+            Slot::Embedding(embedding) => out.push(pending_param(weight, &embedding.weight, false).0),
         }
     }
     out
@@ -698,5 +771,114 @@ fn default_architecture(model_type: &str) -> &'static str {
         "mixtral" => "MixtralForCausalLM",
         "qwen3_moe" => "Qwen3MoeForCausalLM",
         _ => "LlamaForCausalLM",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// Pretends every parameter is the first half of a whole one of twice its rows (the other
+    /// half equal to it), counting the gathers.
+    struct Doubled {
+        gathers: Cell<usize>,
+    }
+
+    impl PartsSource for Doubled {
+        fn whole_of(&self, id: u64, dims: &[usize]) -> Option<(Vec<usize>, u64)> {
+            let mut whole = dims.to_vec();
+            whole[0] *= 2;
+            Some((whole, id ^ 1))
+        }
+
+        fn gather(&self, _: u64, _: &[usize], own: &[f32]) -> Vec<f32> {
+            self.gathers.set(self.gathers.get() + 1);
+            [own, own].concat()
+        }
+    }
+
+    fn read(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+        let bytes = std::fs::read(path).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        file.tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let values = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                (name, (view.shape().to_vec(), values))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_save_reads_the_parameters_held_in_parts_whole_one_at_a_time() {
+        let device = Device::flex();
+        let config = LlamaConfig::llama(32, 8, 1, 2, 1, 12);
+        let model = CausalLm::new(&config, &device);
+        let own = hf_tensors(&model);
+        let dir = tempfile::tempdir().unwrap();
+        let source = std::rc::Rc::new(Doubled {
+            gathers: Cell::new(0),
+        });
+        with_parts_source(source.clone(), || {
+            save_causal_lm(&model, &config, dir.path(), None).unwrap();
+            crate::train::master::save_master_weights(&model, &dir.path().join("master.safetensors"))
+                .unwrap();
+        });
+        let saved = read(&dir.path().join("model.safetensors"));
+        assert_eq!(saved.len(), own.len());
+        for (name, shape, values) in &own {
+            let (whole_shape, whole) = &saved[name];
+            // Burn's first axis doubled: a linear weight's second axis on disk ([out, in]).
+            let linear = name.ends_with("proj.weight") || name == "lm_head.weight";
+            let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
+            match linear {
+                true => {
+                    assert_eq!(whole_shape, &vec![rows, 2 * cols], "{name}");
+                    for r in 0..rows {
+                        let row = &whole[r * 2 * cols..(r + 1) * 2 * cols];
+                        let expected = &values[r * cols..(r + 1) * cols];
+                        assert_eq!(&row[..cols], expected, "{name}");
+                        assert_eq!(&row[cols..], expected, "{name}");
+                    }
+                }
+                false => {
+                    let mut doubled = shape.clone();
+                    doubled[0] *= 2;
+                    assert_eq!(whole_shape, &doubled, "{name}");
+                    assert_eq!(whole, &[values.as_slice(), values.as_slice()].concat(), "{name}");
+                }
+            }
+        }
+        // The master weights carry the whole parameters' ids and shapes.
+        let masters = read(&dir.path().join("master.safetensors"));
+        struct Ids(Vec<(u64, Vec<usize>)>);
+        impl burn::module::ModuleVisitor for Ids {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0.push((param.id.val(), param.val().dims().to_vec()));
+            }
+        }
+        let mut ids = Ids(Vec::new());
+        burn::module::Module::visit(&model, &mut ids);
+        for (id, mut dims) in ids.0 {
+            dims[0] *= 2;
+            let name = burn::module::ParamId::from(id ^ 1).to_string();
+            assert_eq!(masters[&name].0, dims, "{name}");
+        }
+        // One gather per tensor of each file, none left over after the saves.
+        assert_eq!(source.gathers.get(), own.len() + masters.len());
+        assert!(parts_source().is_none());
+    }
+
+    #[test]
+    fn a_transpose_swaps_rows_and_columns() {
+        assert_eq!(
+            transpose(&[1., 2., 3., 4., 5., 6.], 2, 3),
+            vec![1., 4., 2., 5., 3., 6.]
+        );
     }
 }

@@ -22,6 +22,13 @@ pub trait ModelStore<M> {
     fn precision(&self) -> Precision {
         Precision::F32
     }
+    /// Whether [`ModelStore::save`] reads the model's parameters one at a time as it writes
+    /// them, so that a model the ranks hold in parts is saved without being gathered whole
+    /// first (see [`crate::checkpoint::PartsSource`]); a store that computes new weights from
+    /// the model before writing (LoRA's merged weights) does not.
+    fn reads_parameters(&self) -> bool {
+        false
+    }
 }
 
 /// Saves and loads causal LMs as HF folders, copying the tokenizer of the base folder.
@@ -41,6 +48,10 @@ impl ModelStore<CausalLm> for CausalLmStore {
 
     fn precision(&self) -> Precision {
         self.config.precision
+    }
+
+    fn reads_parameters(&self) -> bool {
+        true
     }
 }
 
@@ -63,5 +74,9 @@ impl ModelStore<RewardModel> for RewardModelStore {
 
     fn precision(&self) -> Precision {
         self.config.precision
+    }
+
+    fn reads_parameters(&self) -> bool {
+        true
     }
 }

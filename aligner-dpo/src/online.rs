@@ -297,15 +297,7 @@ pub fn train(
         ..LoopSettings::from_train(&config.train, step.steps)
     };
     let train_device = config.train.autodiff_device(device);
-    let (_, summary) = run_loop(
-        &mut step,
-        model,
-        store.as_ref(),
-        &settings,
-        run,
-        &train_device,
-        device,
-    )?;
+    let (_, summary) = run_loop(&mut step, model, store.as_ref(), &settings, run, &train_device)?;
     Ok(OnlineDpoSummary {
         steps: summary.steps,
         final_dir: summary.final_dir,

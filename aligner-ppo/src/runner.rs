@@ -211,15 +211,7 @@ impl PpoRunner<'_> {
                 flat_steps: 0,
                 last_eval: None,
             };
-            let (_, summary) = run_loop(
-                &mut step,
-                actor,
-                self.store,
-                &settings,
-                self.run,
-                &train_device,
-                &self.device,
-            )?;
+            let (_, summary) = run_loop(&mut step, actor, self.store, &settings, self.run, &train_device)?;
             // Samples still being drawn when the run stopped early are waited for, and unused.
             if let Some(drawing) = step.ahead.take() {
                 let _unused = drawing.land(&mut step.pool)?;

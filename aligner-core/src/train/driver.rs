@@ -22,6 +22,7 @@ use aligner_parallel::overlap::{Overlap, OverlapStats};
 use aligner_parallel::{Communicator, ReduceOp};
 
 use super::config::Sharding;
+use super::stream::SaveParts;
 use super::{
     BestMode, MetricsLog, TrainSection, adamw, grads, load_optimizer, master, metrics, plot_metrics,
     save_optimizer,
@@ -84,6 +85,9 @@ pub struct LoopSettings {
     pub layout: CheckpointLayout,
     /// The progress bar's label ("step", "ppo step", ...).
     pub label: &'static str,
+    /// Whether [`run_loop`] hands the trained model back when the ranks hold it in parts
+    /// (gathered whole on every rank); a caller that needs only `final/` leaves it off.
+    pub returns_model: bool,
 }
 
 impl LoopSettings {
@@ -107,6 +111,7 @@ impl LoopSettings {
             keep_best_mode: config.keep_best_mode,
             layout: CheckpointLayout::TRAINER,
             label: "step",
+            returns_model: false,
         }
     }
 }
@@ -576,10 +581,11 @@ pub trait Method<M: Module> {
         false
     }
 
-    /// Whether [`Method::evaluate`] can run on the model as the ranks hold it when it is split
-    /// over a tensor group (each group's ranks evaluating the same examples together), instead
-    /// of on the model gathered whole.
-    fn evaluates_split(&self) -> bool {
+    /// Whether [`Method::evaluate`] can run on the model as the ranks hold it when they hold it
+    /// in parts: split over a tensor group (each group's ranks evaluating the same examples
+    /// together) or fully sharded (every rank running the same forward passes), instead of on
+    /// the model gathered whole on every rank.
+    fn evaluates_in_parts(&self) -> bool {
         false
     }
 
@@ -660,8 +666,8 @@ pub struct FinalStep {
 
 /// Trains `model` with `method` for `settings.steps` steps in `run` (or, when the run is
 /// resumed, continues from its newest intact checkpoint) on `train_device`; the trained model
-/// and the summary out. `final/` holds the trained model (the best one with `keep_best`),
-/// saved through `store`, which also loads `best/` on `device`.
+/// (see [`LoopSettings::returns_model`]) and the summary out. `final/` holds the trained model (the best one with `keep_best`),
+/// saved through `store`.
 pub fn run_loop<M: Module + 'static, T: Method<M>>(
     method: &mut T,
     model: M,
@@ -669,8 +675,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     settings: &LoopSettings,
     run: &RunDir,
     train_device: &Device,
-    device: &Device,
-) -> Result<(M, RunSummary), T::Error> {
+) -> Result<(Option<M>, RunSummary), T::Error> {
     let total = settings.steps;
     let layout = &settings.layout;
     let comm = run.comm();
@@ -741,23 +746,35 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         }
     }
     let split = tensor.is_some();
+    // How a save reaches the writer: the parameters held in parts (fully sharded rows, a
+    // tensor group's blocks) are gathered to it one at a time as its files reach them.
+    let parts = SaveParts::of(run, full, split);
+    let reads_parameters = store.reads_parameters();
     // What evaluations see: the model as the ranks hold it where the method can evaluate it
-    // split (no whole copy), else the model gathered whole; `best/` is saved from it, so whole
-    // with `keep_best`.
-    let evaluates_split = split && method.evaluates_split() && settings.keep_best.is_none();
+    // in parts (no whole copy), else the model gathered whole on every rank.
+    let in_parts = (split || full) && method.evaluates_in_parts();
+    fn seen_by_evaluation<M: Module>(
+        model: &M,
+        in_parts: bool,
+        full: bool,
+        split: bool,
+    ) -> (std::borrow::Cow<'_, M>, bool) {
+        match in_parts {
+            true => (std::borrow::Cow::Borrowed(model), true),
+            false => (whole_of(model, full, split), false),
+        }
+    }
     let log =
         MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;
     let initial_eval = if start == 0 && method.validates() {
-        let whole_model = match evaluates_split {
-            true => std::borrow::Cow::Borrowed(&model),
-            false => whole_of(&model, full, split),
-        };
-        let eval = method.evaluate(&whole_model)?;
+        let (seen, held_in_parts) = seen_by_evaluation(&model, in_parts, full, split);
+        let eval = method.evaluate(&seen)?;
         let mut row = Map::new();
         row.insert("step".into(), 0.into());
         row.extend(eval.clone());
         log.write(&row)?;
-        keep_if_best(settings, run, store, &whole_model, 0, &eval)?;
+        let seen_as = if held_in_parts { &parts } else { &SaveParts::Whole };
+        keep_if_best(settings, run, store, (&seen, seen_as), 0, &eval)?;
         // As metrics.jsonl holds it: text summaries go to TensorBoard only.
         Some(
             eval.into_iter()
@@ -781,9 +798,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     for step in start..total {
         if run.stops_at(step) {
             bar.abandon();
-            let model = whole_of(&model, full, split).into_owned();
-            aligner_parallel::shard::clear();
-            aligner_parallel::tensor::clear();
+            let model = returned_model(model, settings, full, split);
             return Ok((model, summary(run, step, initial_eval, Map::new())));
         }
         let stepped = match method.step(step, model, &mut optim) {
@@ -811,12 +826,10 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let mut row = stepped.row;
             row.insert("step".into(), done.into());
             if eval_now {
-                let whole_model = match evaluates_split {
-                    true => std::borrow::Cow::Borrowed(&model),
-                    false => whole_of(&model, full, split),
-                };
-                let eval = method.evaluate(&whole_model)?;
-                keep_if_best(settings, run, store, &whole_model, done, &eval)?;
+                let (seen, held_in_parts) = seen_by_evaluation(&model, in_parts, full, split);
+                let eval = method.evaluate(&seen)?;
+                let seen_as = if held_in_parts { &parts } else { &SaveParts::Whole };
+                keep_if_best(settings, run, store, (&seen, seen_as), done, &eval)?;
                 row.extend(eval);
             }
             log.write(&row)?;
@@ -829,22 +842,22 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
                 optimizer_shards: optim.shards(),
                 optimizer_rows: full,
             };
-            // The model first: in tensor groups the optimizer's blocks go to the writer while
-            // it writes the file, after the model.
-            let whole_model = whole_on_writer(&model, full, split, run);
+            // The model first, then the optimizer: in tensor groups its blocks go to the
+            // writer while it writes the file, after the model's.
             let checkpoints = run.checkpoints();
-            optim.stage(&checkpoints)?;
+            if !parts.writes(run) {
+                parts.help_save(&model, reads_parameters)?;
+                optim.stage(&checkpoints)?;
+            }
             run.save_checkpoint(done, |tmp| {
                 method.checkpoint(tmp, &mut || {
-                    let Some(whole_model) = whole_model.as_deref() else {
-                        return Err(CoreError::Invalid(
-                            "a checkpoint's writer was given no whole model to save".into(),
-                        ));
-                    };
                     // A half-precision model folder rounds the weights; training resumes from
                     // the master weights saved beside them.
                     let dir = tmp.join(layout.model);
-                    master::save_with_masters(store, &whole_model.valid(), &dir)?;
+                    parts.save_on_writer(&model, reads_parameters, |whole: &M| {
+                        master::save_with_masters(store, &whole.valid(), &dir)
+                    })?;
+                    optim.stage(&checkpoints)?;
                     optim.save(tmp, layout, &checkpoints)
                 })?;
                 Ok::<_, T::Error>(crate::checkpoint::write_json(&tmp.join(layout.state), &state)?)
@@ -862,29 +875,31 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             o.comm_seconds
         );
     }
-    // AdamW's moments are twice the weights: freed before the final gather, which makes the
-    // whole model on every rank of a split or fully sharded run, so the save adds to less.
+    // AdamW's moments are twice the weights: freed before the final save.
     drop(optim);
-    let model = whole_of(&model, full, split).into_owned();
-    aligner_parallel::shard::clear();
-    aligner_parallel::tensor::clear();
     let keys = method.plot_keys();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut final_eval = Map::new();
+    // `final/` is the best evaluation's model with `keep_best` (copied from `best/`), else the
+    // trained model, saved from the ranks' parts as a checkpoint's is.
+    let kept = decide(run, || best(settings, run))?;
+    if kept.is_none() && !parts.writes(run) {
+        parts.help_save(&model, reads_parameters)?;
+    }
     run.write_shared(|| {
         let rows = log.rows()?;
         final_eval = eval_of(rows.iter().rev().find(|r| r.keys().any(|k| k.starts_with("eval_"))));
-        match best(settings, run)? {
+        match &kept {
             Some(best) => {
-                // `final/` is the best evaluation's model, and says so.
-                let kept = store.load(&run.join(BEST_DIR), device)?;
-                store.save(&kept, &run.final_dir())?;
-                crate::checkpoint::write_json(&run.join(FINAL_STEP), &best)?;
+                copy_folder(&run.join(BEST_DIR), &run.final_dir())?;
+                crate::checkpoint::write_json(&run.join(FINAL_STEP), best)?;
                 tracing::info!(step = best.step, metric = %best.metric, value = best.value, "final/ is the best validation's model");
                 final_eval = eval_of(rows.iter().find(|r| step_of(r) == Some(best.step)));
             }
             None => {
-                store.save(&model.valid(), &run.final_dir())?;
+                parts.save_on_writer(&model, reads_parameters, |whole: &M| {
+                    store.save(&whole.valid(), &run.final_dir())
+                })?;
                 crate::checkpoint::write_json(&run.join(FINAL_STEP), &serde_json::json!({ "step": total }))?;
             }
         }
@@ -892,12 +907,66 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         Ok::<_, T::Error>(plot_metrics(&rows, &key_refs, &run.join("metrics.svg"))?)
     })?;
     let final_eval = run.agree(&final_eval)?;
+    let model = returned_model(model, settings, full, split);
     Ok((model, summary(run, total, initial_eval, final_eval)))
 }
 
-/// What evaluation, checkpoints and the final save see: the whole model, gathered from the
-/// ranks when its parameters are `full`y sharded or `split` over a tensor group (a
-/// collective).
+/// What a run hands back: the trained model where the ranks hold it whole, or where the
+/// caller asked for it (`settings.returns_model`: gathered whole on every rank, a collective);
+/// `None` for a model held in parts that the caller does not need (it is in `final/`). The
+/// ranks' parts are forgotten either way.
+fn returned_model<M: Module>(model: M, settings: &LoopSettings, full: bool, split: bool) -> Option<M> {
+    let returned = match (full || split, settings.returns_model) {
+        (false, _) => Some(model),
+        (true, true) => Some(whole_of(&model, full, split).into_owned()),
+        (true, false) => None,
+    };
+    aligner_parallel::shard::clear();
+    aligner_parallel::tensor::clear();
+    returned
+}
+
+/// `f`'s outcome on the writer, shared by every rank (a decision that rests on the writer's
+/// files); an error there is an error on every rank.
+fn decide<T: Serialize + serde::de::DeserializeOwned>(
+    run: &RunDir,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let outcome = match run.is_writer() {
+        true => f(),
+        false => Err(CoreError::Invalid("decided on the writer".into())),
+    };
+    let (shared, own_error) = match outcome {
+        Ok(value) => (Ok(value), None),
+        Err(e) => (Err(e.to_string()), Some(e).filter(|_| run.is_writer())),
+    };
+    match run.agree(&shared)? {
+        Ok(value) => Ok(value),
+        Err(why) => Err(own_error.unwrap_or(CoreError::Invalid(why))),
+    }
+}
+
+/// Copies the files of folder `from` (and its subfolders) into `to`, each through a temporary
+/// name and a rename.
+fn copy_folder(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to).map_err(|e| CoreError::cannot_write(to, e))?;
+    let entries = std::fs::read_dir(from).map_err(|e| CoreError::io(from, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| CoreError::io(from, e))?;
+        let (source, target) = (entry.path(), to.join(entry.file_name()));
+        if source.is_dir() {
+            copy_folder(&source, &target)?;
+            continue;
+        }
+        let tmp = to.join(format!(".tmp-{}", entry.file_name().to_string_lossy()));
+        std::fs::copy(&source, &tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
+        std::fs::rename(&tmp, &target).map_err(|e| CoreError::cannot_write(&target, e))?;
+    }
+    Ok(())
+}
+
+/// What an evaluation that cannot run on the parts sees: the whole model, gathered on every
+/// rank when its parameters are `full`y sharded or `split` over a tensor group (a collective).
 fn whole_of<M: Module>(model: &M, full: bool, split: bool) -> std::borrow::Cow<'_, M> {
     if full {
         return std::borrow::Cow::Owned(super::full::gather_parameters(model));
@@ -906,29 +975,6 @@ fn whole_of<M: Module>(model: &M, full: bool, split: bool) -> std::borrow::Cow<'
         true => std::borrow::Cow::Owned(super::tensor::gather_parameters(model)),
         false => std::borrow::Cow::Borrowed(model),
     }
-}
-
-/// What a checkpoint saves: the whole model on the run's writer alone (`None` on the other
-/// ranks). Fully sharded, every rank sends its rows and keeps nothing of the others'; in
-/// tensor groups, the ranks of the writer's group send it their blocks and the other groups
-/// take no part, so a checkpoint adds no whole copy of the model on any rank but the writer.
-fn whole_on_writer<'m, M: Module>(
-    model: &'m M,
-    full: bool,
-    split: bool,
-    run: &RunDir,
-) -> Option<std::borrow::Cow<'m, M>> {
-    if full {
-        return super::full::gather_parameters_to_root(model).map(std::borrow::Cow::Owned);
-    }
-    if split {
-        // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
-        return match run.comm().rank() == 0 {
-            true => super::tensor::gather_parameters_to_root(model).map(std::borrow::Cow::Owned),
-            false => None,
-        };
-    }
-    run.is_writer().then_some(std::borrow::Cow::Borrowed(model))
 }
 
 fn summary(
@@ -973,20 +1019,23 @@ fn best(settings: &LoopSettings, run: &RunDir) -> Result<Option<FinalStep>> {
     }
 }
 
-/// Saves `model` as `best/` when its evaluation `eval` improves on the kept one by
-/// `keep_best` (written to a temporary folder, then renamed over the old one).
+/// Saves the evaluated model as `best/` when its evaluation `eval` improves on the kept one by
+/// `keep_best` (written to a temporary folder, then renamed over the old one). `seen` is the
+/// model as the evaluation saw it and how its ranks hold it: in parts, it is saved from them
+/// as a checkpoint is. The writer decides, from its `best/` and its evaluation (the frontier
+/// is measured there).
 fn keep_if_best<M: Module>(
     settings: &LoopSettings,
     run: &RunDir,
     store: &dyn ModelStore<M>,
-    model: &M,
+    (model, parts): (&M, &SaveParts),
     step: usize,
     eval: &Map<String, Value>,
 ) -> Result<()> {
     let Some(key) = &settings.keep_best else {
         return Ok(());
     };
-    run.write_shared(|| {
+    let improved = decide(run, || {
         let value = eval.get(key).and_then(Value::as_f64).ok_or_else(|| {
             let known: Vec<&str> = eval.keys().map(String::as_str).collect();
             CoreError::Invalid(format!(
@@ -994,19 +1043,26 @@ fn keep_if_best<M: Module>(
                 known.join(", ")
             ))
         })?;
-        if !value.is_finite() {
-            return Ok(());
-        }
-        if let Some(best) = best(settings, run)?
-            && !settings.keep_best_mode.improves(value, best.value)
-        {
-            return Ok(());
-        }
+        let kept = best(settings, run)?;
+        let better =
+            value.is_finite() && kept.is_none_or(|best| settings.keep_best_mode.improves(value, best.value));
+        Ok(better.then_some(value))
+    })?;
+    let Some(value) = improved else {
+        return Ok(());
+    };
+    let reads_parameters = store.reads_parameters();
+    if !parts.writes(run) {
+        parts.help_save(model, reads_parameters)?;
+    }
+    run.write_shared(|| {
         let dir = run.join(BEST_DIR);
         let tmp = run.join(".tmp-best");
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| CoreError::cannot_write(&tmp, e))?;
-        store.save(&model.valid(), &tmp)?;
+        parts.save_on_writer(model, reads_parameters, |whole: &M| {
+            store.save(&whole.valid(), &tmp)
+        })?;
         let best = FinalStep {
             step,
             metric: key.clone(),

@@ -6,19 +6,17 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::{Tensor, TensorData};
 use safetensors::SafeTensors;
 
-use crate::checkpoint::write_safetensors;
+use crate::checkpoint::{PendingTensor, pending_param, write_pending_safetensors};
 use crate::config::Precision;
 use crate::error::{CoreError, Result};
 use crate::store::ModelStore;
 
 /// The file of a checkpoint folder holding the f32 master weights.
 pub const MASTER_WEIGHTS: &str = "master.safetensors";
-
-type Named = (String, Vec<usize>, Vec<f32>);
 
 /// Saves `model` through `store` into `dir` and, when the store rounds the weights to half
 /// precision, its f32 master weights beside them ([`MASTER_WEIGHTS`]).
@@ -46,25 +44,21 @@ pub fn load_with_masters<M: Module>(
     }
 }
 
-/// Writes every float parameter of `model` in f32 to `path`, named by parameter id.
+/// Writes every float parameter of `model` in f32 to `path`, named by parameter id, each
+/// read as the file reaches it (gathered whole when the ranks hold it in parts, see
+/// [`crate::checkpoint::PartsSource`]).
 pub fn save_master_weights<M: Module>(model: &M, path: &Path) -> Result<()> {
-    struct Collect(Vec<Named>);
+    struct Collect(Vec<PendingTensor<'static>>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            let shape = value.dims().to_vec();
-            let values = value
-                .cast(FloatDType::F32)
-                .into_data()
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .unwrap_or_default();
-            self.0.push((param.id.to_string(), shape, values));
+            let (mut pending, whole_id) = pending_param(String::new(), param, false);
+            pending.name = ParamId::from(whole_id).to_string();
+            self.0.push(pending);
         }
     }
     let mut collect = Collect(Vec::new());
     model.visit(&mut collect);
-    write_safetensors(path, &collect.0)
+    write_pending_safetensors(path, collect.0, Precision::F32)
 }
 
 /// `model` with every float parameter replaced by its f32 value saved in `path` by

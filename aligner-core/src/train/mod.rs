@@ -20,6 +20,7 @@ pub mod master;
 pub mod metrics;
 pub mod order;
 pub mod schedule;
+mod stream;
 pub mod tensor;
 pub mod tensorboard;
 
@@ -189,7 +190,7 @@ pub fn fit_evaluated<M: Module + 'static, O: Objective<M>>(
         device: device.clone(),
         model_eval,
     };
-    Ok(trainer.run(model)?.1)
+    trainer.train(model)
 }
 
 /// The element-wise sum of every rank's sums.
@@ -230,7 +231,20 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
 
     /// Trains `model` (or, when the run is resumed, continues from its newest checkpoint),
     /// writing the run folder, and returns the summary. The trained model is saved in `final/`.
+    pub fn train(&self, model: M) -> Result<RunSummary> {
+        Ok(self.run_loop(model, false)?.1)
+    }
+
+    /// [`Trainer::train`], and the trained model back (gathered whole on every rank when the
+    /// ranks hold it in parts: fully sharded or split over tensor groups).
     pub fn run(&self, model: M) -> Result<(M, RunSummary)> {
+        let (model, summary) = self.run_loop(model, true)?;
+        let model =
+            model.ok_or_else(|| CoreError::Invalid("the training loop handed back no model".into()))?;
+        Ok((model, summary))
+    }
+
+    fn run_loop(&self, model: M, returns_model: bool) -> Result<(Option<M>, RunSummary)> {
         self.config.check()?;
         let total = self.total_steps();
         let train_device = self.config.autodiff_device(&self.device);
@@ -243,16 +257,11 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             &train_device,
         )
         .validated_on(self.validation, self.model_eval);
-        let settings = LoopSettings::from_train(self.config, total);
-        run_loop(
-            &mut step,
-            model,
-            self.store,
-            &settings,
-            self.run,
-            &train_device,
-            &self.device,
-        )
+        let settings = LoopSettings {
+            returns_model,
+            ..LoopSettings::from_train(self.config, total)
+        };
+        run_loop(&mut step, model, self.store, &settings, self.run, &train_device)
     }
 }
 
@@ -431,9 +440,10 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         true
     }
 
-    /// The objective's sums run on the split model; the frontier's samples need it whole.
-    fn evaluates_split(&self) -> bool {
-        self.model_eval.is_none()
+    /// The objective's sums run on the model in parts; the frontier's samples on the whole
+    /// model gathered to the writer alone.
+    fn evaluates_in_parts(&self) -> bool {
+        true
     }
 
     fn validates(&self) -> bool {
@@ -452,11 +462,19 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let mut totals: Vec<(String, f64, f64)> = Vec::new();
         let refs: Vec<&O::Example> = self.validation[..limit].iter().collect();
-        // Batches go to the ranks in turn; the sums are added up across ranks.
-        for (k, batch) in refs.chunks(self.config.batch_size.max(1)).enumerate() {
-            if k % world != rank {
+        // Batches go to the ranks in turn; the sums are added up across ranks. Fully sharded,
+        // each pass is a collective: a rank short of a batch in the last round evaluates the
+        // first one again and discards its sums, so every rank runs as many passes.
+        let batches: Vec<&[&O::Example]> = refs.chunks(self.config.batch_size.max(1)).collect();
+        let full = world > 1 && self.config.sharding == config::Sharding::Full;
+        let split = self.run.tensor_group().is_some();
+        for round in 0..batches.len().div_ceil(world) {
+            let Some(batch) = batches.get(round * world + rank) else {
+                if full {
+                    self.objective.evaluate(&model, batches[0])?;
+                }
                 continue;
-            }
+            };
             for s in self.objective.evaluate(&model, batch)? {
                 match totals.iter_mut().find(|t| t.0 == s.name) {
                     Some(t) => {
@@ -474,9 +492,13 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             .into_iter()
             .map(|(name, sum, weight)| (format!("eval_{name}"), Value::from(sum / weight.max(1e-12))))
             .collect();
-        // Rank 0 of the world (not of each tensor index's data-parallel ranks) measures them.
-        if let Some(extra) = self.model_eval.filter(|_| self.run.is_writer()) {
-            out.extend(extra.evaluate(&model)?);
+        // Rank 0 of the world (not of each tensor index's data-parallel ranks) measures them,
+        // on the whole model: gathered to it alone when the ranks hold it in parts.
+        if let Some(extra) = self.model_eval {
+            let whole = stream::SaveParts::of(self.run, full, split).whole_on_writer(&model, self.run);
+            if let Some(whole) = whole {
+                out.extend(extra.evaluate(&whole)?);
+            }
         }
         Ok(out)
     }
