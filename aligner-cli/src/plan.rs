@@ -258,18 +258,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
             .and_then(|p| {
                 let i = match runs_today {
                     true => p.picked?,
-                    false => p
-                        .candidates
-                        .iter()
-                        .position(|c| c.estimate.trains_in(args.gpu_memory))?,
+                    false => p.candidates.iter().position(|c| c.fits)?,
                 };
                 let c = &p.candidates[i];
-                let (what, bytes) = match runs_today {
-                    true => ("peak", c.estimate.peak),
-                    false => ("training", c.estimate.training),
-                };
                 Some(format!(
-                    "{} devices ({} × {}, sharding {}{}, {what} {} GB)",
+                    "{} devices ({} × {}, sharding {}{}, peak {} GB)",
                     c.layout.devices(),
                     c.layout.data,
                     c.layout.tensor,
@@ -279,7 +272,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
                     } else {
                         ""
                     },
-                    gb(bytes)
+                    gb(c.estimate.peak)
                 ))
             })
             .unwrap_or_else(|| "none up to 4096 devices".into())
@@ -287,7 +280,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     bail!(
         "nothing aligner runs fits on {devices} devices of {} GB each. The smallest cluster that \
          would: {}. With what aligner does not do yet (tensor groups with ZeRO, full \
-         recomputation, and saving without the whole model gathered on every rank): {}",
+         recomputation): {}",
         gb(args.gpu_memory),
         describe(&today, true),
         describe(&predicted, false),

@@ -1049,12 +1049,12 @@ fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
     assert!(!ok);
     assert!(
         stderr.contains("nothing aligner runs fits on 2 devices of 4.00 GB each")
-            // Fully sharded, eight ranks hold what two cannot, saving included (the final save
-            // gathers the whole model, 1.98 GB, on every rank); four would train.
-            && stderr.contains("The smallest cluster that would: 8 devices (8 × 1, sharding full, peak 3.98 GB)")
+            // Fully sharded, four ranks hold what two cannot, saving included (saving streams
+            // to the writer a parameter at a time: no rank gathers the whole model).
+            && stderr.contains("The smallest cluster that would: 4 devices (4 × 1, sharding full, peak 3.88 GB)")
             && stderr.contains(
-                "and saving without the whole model gathered on every rank): 4 devices (4 × 1, \
-                 sharding full, training 3.83 GB)"
+                "With what aligner does not do yet (tensor groups with ZeRO, full recomputation): \
+                 4 devices (4 × 1, sharding full, peak 3.88 GB)"
             ),
         "{stderr}"
     );

@@ -8,7 +8,9 @@ use burn::tensor::{Device, Tensor, TensorData};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{load_causal_lm, save_causal_lm, write_json, write_safetensors};
+use crate::checkpoint::{
+    load_causal_lm, save_causal_lm, save_causal_lm_merged, write_json, write_safetensors,
+};
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
 use crate::model::named_param;
@@ -77,21 +79,16 @@ pub fn adapter_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> 
 pub fn trunk_adapter_tensors(trunk: &LlamaModel) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut trunk = trunk.clone();
     let mut out = Vec::new();
-    let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().expect("f32");
+    // Whole factors, gathered from the ranks where they hold them in parts.
+    let whole = |name: String, factor: &burn::module::Param<Tensor<2>>| {
+        let pending = crate::checkpoint::pending_param(name, factor, true).0;
+        let values = pending.values();
+        (pending.name, pending.shape, values)
+    };
     for (name, layer) in projections(&mut trunk) {
         if let Some(lora) = &layer.lora {
-            let a = lora.a.val().transpose();
-            let b = lora.b.val().transpose();
-            out.push((
-                format!("{PREFIX}{name}.lora_A.weight"),
-                a.dims().to_vec(),
-                values(a),
-            ));
-            out.push((
-                format!("{PREFIX}{name}.lora_B.weight"),
-                b.dims().to_vec(),
-                values(b),
-            ));
+            out.push(whole(format!("{PREFIX}{name}.lora_A.weight"), &lora.a));
+            out.push(whole(format!("{PREFIX}{name}.lora_B.weight"), &lora.b));
         }
     }
     out
@@ -230,8 +227,13 @@ pub struct LoraStore {
 
 impl ModelStore<CausalLm> for LoraStore {
     fn save(&self, model: &CausalLm, dir: &Path) -> Result<()> {
-        save_causal_lm(&model.merged(), &self.config, dir, Some(&self.base_dir))?;
+        save_causal_lm_merged(model, &self.config, dir, Some(&self.base_dir))?;
         save_adapter(model, &self.spec, Some(&self.base_dir), &dir.join(ADAPTER_DIR))
+    }
+
+    /// The adapters are folded into each weight as the file reaches it.
+    fn reads_parameters(&self) -> bool {
+        true
     }
 
     fn load(&self, dir: &Path, device: &Device) -> Result<CausalLm> {

@@ -514,6 +514,46 @@ fn parts_source() -> Option<std::rc::Rc<dyn PartsSource>> {
     PARTS.with(|p| p.borrow().clone())
 }
 
+/// A parameter as a save sees it: its whole shape, the whole parameter's id, and a reader of
+/// its whole values (row-major f32), gathered from the ranks when they hold it in parts (see
+/// [`PartsSource`]) each time it is called.
+struct WholeParam {
+    dims: Vec<usize>,
+    id: u64,
+    read: Box<dyn Fn() -> Vec<f32>>,
+}
+
+fn whole_param<const D: usize>(param: &Param<Tensor<D>>) -> WholeParam {
+    let tensor = param.val();
+    let id = param.id.val();
+    let dims = tensor.dims().to_vec();
+    let source = parts_source();
+    let whole = source.as_ref().and_then(|s| s.whole_of(id, &dims));
+    let whole_id = whole.as_ref().map_or(id, |(_, whole_id)| *whole_id);
+    let whole_dims = whole.map(|(dims, _)| dims);
+    let read = Box::new({
+        let dims = dims.clone();
+        let gathered = whole_dims.is_some();
+        move || {
+            let own = tensor
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .expect("model tensors are floats");
+            match (&source, gathered) {
+                (Some(source), true) => source.gather(id, &dims, &own),
+                _ => own,
+            }
+        }
+    });
+    WholeParam {
+        dims: whole_dims.unwrap_or(dims),
+        id: whole_id,
+        read,
+    }
+}
+
 /// A parameter to write under `name` (`transposed`: a linear weight, `[out, in]` on disk): its
 /// whole shape now, its whole values when the writer reads them (gathered from the ranks
 /// when they hold it in parts, see [`PartsSource`]), and the id of the whole parameter.
@@ -522,34 +562,47 @@ pub fn pending_param<const D: usize>(
     param: &Param<Tensor<D>>,
     transposed: bool,
 ) -> (PendingTensor<'static>, u64) {
-    let tensor = param.val();
-    let id = param.id.val();
-    let dims = tensor.dims().to_vec();
-    let source = parts_source();
-    let whole = source.as_ref().and_then(|s| s.whole_of(id, &dims));
-    let whole_id = whole.as_ref().map_or(id, |(_, whole_id)| *whole_id);
-    let whole_dims = whole.map(|(dims, _)| dims);
-    let mut shape = whole_dims.clone().unwrap_or_else(|| dims.clone());
+    let WholeParam { dims, id, read } = whole_param(param);
+    let mut shape = dims.clone();
     if transposed {
         shape.reverse();
     }
-    let pending = PendingTensor::new(name, shape, move || {
-        let own = tensor
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .expect("model tensors are floats");
-        let (values, shape) = match (&source, &whole_dims) {
-            (Some(source), Some(whole)) => (source.gather(id, &dims, &own), whole.as_slice()),
-            _ => (own, dims.as_slice()),
-        };
-        match transposed {
-            true => transpose(&values, shape[0], shape[1]),
-            false => values,
-        }
+    let pending = PendingTensor::new(name, shape, move || match transposed {
+        true => transpose(&read(), dims[0], dims[1]),
+        false => read(),
     });
-    (pending, whole_id)
+    (pending, id)
+}
+
+/// A LoRA adapter to fold into the linear weight it adapts as the weight is written.
+pub struct Fold {
+    pub a: Param<Tensor<2>>,
+    pub b: Param<Tensor<2>>,
+    /// `alpha / rank`.
+    pub scale: f64,
+}
+
+/// The linear weight `weight` (`[in, out]`) with `fold`'s update `scale · A·B` added, to write
+/// under `name` in HF's layout: each factor read whole when the writer reaches it, the sum
+/// made on the host, so a model held in parts is merged a layer at a time.
+fn pending_merged(name: String, weight: &Param<Tensor<2>>, fold: &Fold) -> PendingTensor<'static> {
+    let (weight, a, b) = (whole_param(weight), whole_param(&fold.a), whole_param(&fold.b));
+    let scale = fold.scale;
+    let shape = vec![weight.dims[1], weight.dims[0]];
+    PendingTensor::new(name, shape, move || {
+        let device = Device::flex();
+        let factor = |p: &WholeParam| {
+            let dims: [usize; 2] = [p.dims[0], p.dims[1]];
+            Tensor::<2>::from_data(TensorData::new((p.read)(), dims), &device)
+        };
+        let delta = factor(&a).matmul(factor(&b)).mul_scalar(scale);
+        let mut merged = (weight.read)();
+        let delta = delta.into_data().try_to_vec::<f32>().expect("f32");
+        for (w, d) in merged.iter_mut().zip(delta) {
+            *w += d;
+        }
+        transpose(&merged, weight.dims[0], weight.dims[1])
+    })
 }
 
 /// The `cols × rows` transpose of a row-major `rows × cols` matrix.
@@ -565,12 +618,24 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// The tensors of `slots` under HF names and layout, each read when it is written.
 pub fn pending_slot_tensors(slots: Vec<(String, Slot<'_>)>) -> Vec<PendingTensor<'static>> {
+    pending_slot_tensors_folding(slots, &HashMap::new())
+}
+
+/// [`pending_slot_tensors`] with the adapters of `folds` (by the linear layer's HF prefix)
+/// folded into the weights they adapt.
+pub fn pending_slot_tensors_folding(
+    slots: Vec<(String, Slot<'_>)>,
+    folds: &HashMap<String, Fold>,
+) -> Vec<PendingTensor<'static>> {
     let mut out = Vec::new();
     for (prefix, slot) in slots {
         let weight = format!("{prefix}.weight");
         match slot {
             Slot::Linear(linear) => {
-                out.push(pending_param(weight, &linear.weight, true).0);
+                out.push(match folds.get(&prefix) {
+                    Some(fold) => pending_merged(weight, &linear.weight, fold),
+                    None => pending_param(weight, &linear.weight, true).0,
+                });
                 if let Some(bias) = &linear.bias {
                     out.push(pending_param(format!("{prefix}.bias"), bias, false).0);
                 }
@@ -721,6 +786,16 @@ pub fn save_causal_lm(
     dir: &Path,
     tokenizer_from: Option<&Path>,
 ) -> Result<()> {
+    save_causal_lm_with(model, config, dir, tokenizer_from, &HashMap::new())
+}
+
+fn save_causal_lm_with(
+    model: &CausalLm,
+    config: &LlamaConfig,
+    dir: &Path,
+    tokenizer_from: Option<&Path>,
+    folds: &HashMap<String, Fold>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
     let mut config = config.clone();
     if config.architectures.is_none() {
@@ -734,7 +809,7 @@ pub fn save_causal_lm(
     let mut model = model.clone();
     write_pending_safetensors(
         &dir.join("model.safetensors"),
-        pending_slot_tensors(slots(&mut model)),
+        pending_slot_tensors_folding(slots(&mut model), folds),
         precision,
     )?;
     write_atomic(&dir.join("config.json"), config.to_json_string().as_bytes())?;
@@ -742,6 +817,34 @@ pub fn save_causal_lm(
         copy_tokenizer_files(src, dir)?;
     }
     Ok(())
+}
+
+/// [`save_causal_lm`] of `model` with its enabled LoRA adapters folded into the weights (as
+/// `model.merged()` would save), each layer merged as the file reaches it: a model the ranks
+/// hold in parts is saved without being gathered whole first.
+pub fn save_causal_lm_merged(
+    model: &CausalLm,
+    config: &LlamaConfig,
+    dir: &Path,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
+    let mut model = model.clone();
+    let folds = crate::model::projections(&mut model.model)
+        .into_iter()
+        .filter(|(_, layer)| layer.adapter_enabled)
+        .filter_map(|(name, layer)| {
+            let lora = layer.lora.as_ref()?;
+            Some((
+                name,
+                Fold {
+                    a: lora.a.clone(),
+                    b: lora.b.clone(),
+                    scale: lora.scale,
+                },
+            ))
+        })
+        .collect();
+    save_causal_lm_with(&model, config, dir, tokenizer_from, &folds)
 }
 
 /// Copies the tokenizer and generation files that exist in `src` to `dst`.
