@@ -343,6 +343,70 @@ fn keep_best_on_the_ranks_parts_matches_one_process() {
     }
 }
 
+/// DPO's frontier where the ranks hold the model in parts (two fully sharded ranks, a 1×2
+/// tensor group): rank 0 alone holds the start model for it, the policy is gathered to rank 0
+/// alone at each validation (the other rank sending its part), and every validation row
+/// carries the frontier's figures, near one process's (the samples differ by float noise).
+#[test]
+fn dpo_frontier_on_the_ranks_parts_is_measured_on_rank_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, np: usize, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = vec!["dpo", "--out", out.to_str().unwrap()];
+        for set in [
+            "train.max_steps=2",
+            "train.eval_every=1",
+            "train.eval_examples=8",
+            "frontier.max_prompts=8",
+            "frontier.max_new_tokens=12",
+        ] {
+            args.extend(["--set", set]);
+        }
+        args.extend(extra);
+        let out_status = match np {
+            1 => Command::new(aligner_exe())
+                .args(&args)
+                .current_dir(repo())
+                .output(),
+            _ => mpirun(np, &aligner_exe()).args(&args).output(),
+        }
+        .unwrap();
+        assert!(
+            out_status.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out_status.stderr)
+        );
+        metrics(&out)
+            .into_iter()
+            .filter(|row| row.get("eval_loss").is_some())
+            .map(|row| row["eval_frontier/kl"].as_f64().unwrap_or(f64::NAN))
+            .collect::<Vec<f64>>()
+    };
+    let one = run("one", 1, &["--set", "train.batch_size=4"]);
+    assert_eq!(one.len(), 3, "validations at steps 0, 1 and 2");
+    for (name, extra) in [
+        (
+            "full",
+            ["--set", "train.batch_size=2", "--set", "train.sharding=full"],
+        ),
+        (
+            "tensor",
+            ["--set", "train.batch_size=4", "--set", "parallel.tensor=2"],
+        ),
+    ] {
+        let kl = run(name, 2, &extra);
+        assert_eq!(kl.len(), one.len(), "{name}");
+        // Step 0: the start model against itself.
+        assert!(kl[0].abs() < 1e-3, "{name}: {kl:?}");
+        for (k, o) in kl.iter().zip(&one) {
+            assert!(
+                k.is_finite() && (k - o).abs() < 0.05 + 0.5 * o.abs(),
+                "{name}: {kl:?} against {one:?}"
+            );
+        }
+    }
+}
+
 /// The reward model and DPO on 2 and 3 data-parallel ranks with ZeRO stages, and in tensor
 /// groups of 1×2 (and DPO 2×2), train to the weights and metrics of one process.
 #[test]

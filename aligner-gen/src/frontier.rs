@@ -115,7 +115,9 @@ impl FrontierSection {
 
     /// [`FrontierSection::for_start_model`] for a run whose start model `lm` was read from
     /// `[model]` (`section`) and may be split over the tensor group of `run`: the frontier
-    /// samples from and scores against the whole start model, loaded whole for it then.
+    /// samples from and scores against the whole start model, loaded whole for it then. Rank
+    /// 0 alone measures the frontier, so only it holds the start model for it (`None` on the
+    /// other ranks: a fully sharded or split run keeps no whole copy there).
     pub fn for_split_start_model(
         &self,
         lm: &aligner_core::LoadedModel,
@@ -123,6 +125,9 @@ impl FrontierSection {
         run: &aligner_core::run::RunDir,
         device: &Device,
     ) -> crate::Result<Option<Frontier>> {
+        if !run.is_writer() {
+            return Ok(None);
+        }
         match run.tensor_group() {
             Some(_) if self.enabled() => {
                 self.for_start_model(&aligner_core::start::load_model(section, device)?, device)

@@ -256,7 +256,8 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
             total,
             &train_device,
         )
-        .validated_on(self.validation, self.model_eval);
+        .validated_on(self.validation, self.model_eval)
+        .model_eval_anywhere(self.run.agree(&self.model_eval.is_some())?);
         let settings = LoopSettings {
             returns_model,
             ..LoopSettings::from_train(self.config, total)
@@ -275,6 +276,8 @@ pub struct ObjectiveStep<'a, M: Module, O: Objective<M>> {
     train: &'a [O::Example],
     validation: &'a [O::Example],
     model_eval: Option<&'a dyn ModelEval<M>>,
+    /// Whether some rank measures a `model_eval` (see [`ObjectiveStep::model_eval_anywhere`]).
+    model_eval_anywhere: bool,
     run: &'a RunDir,
     /// The autodiff device the model trains on.
     device: Device,
@@ -302,6 +305,7 @@ impl<'a, M: Module, O: Objective<M>> ObjectiveStep<'a, M, O> {
             train,
             validation: &[],
             model_eval: None,
+            model_eval_anywhere: false,
             run,
             device: device.clone(),
             order: EpochOrder::new(train.len(), config.shuffle, config.seed),
@@ -319,6 +323,14 @@ impl<'a, M: Module, O: Objective<M>> ObjectiveStep<'a, M, O> {
     ) -> Self {
         self.validation = validation;
         self.model_eval = model_eval;
+        self.model_eval_anywhere = model_eval.is_some();
+        self
+    }
+
+    /// Whether some rank measures `model_eval` (rank 0, where the others were given none):
+    /// every rank then validates and takes part in gathering the model to it.
+    pub fn model_eval_anywhere(mut self, anywhere: bool) -> Self {
+        self.model_eval_anywhere = anywhere;
         self
     }
 }
@@ -447,7 +459,7 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
     }
 
     fn validates(&self) -> bool {
-        !self.validation.is_empty() || self.model_eval.is_some()
+        !self.validation.is_empty() || self.model_eval_anywhere
     }
 
     /// The objective's validation sums over the validation examples (sharded over the
@@ -494,9 +506,9 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             .collect();
         // Rank 0 of the world (not of each tensor index's data-parallel ranks) measures them,
         // on the whole model: gathered to it alone when the ranks hold it in parts.
-        if let Some(extra) = self.model_eval {
+        if self.model_eval_anywhere {
             let whole = stream::SaveParts::of(self.run, full, split).whole_on_writer(&model, self.run);
-            if let Some(whole) = whole {
+            if let (Some(whole), Some(extra)) = (whole, self.model_eval) {
                 out.extend(extra.evaluate(&whole)?);
             }
         }
