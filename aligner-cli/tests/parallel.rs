@@ -346,7 +346,7 @@ fn keep_best_on_the_ranks_parts_matches_one_process() {
 /// DPO's frontier where the ranks hold the model in parts (two fully sharded ranks, a 1×2
 /// tensor group): rank 0 alone holds the start model for it, the policy is gathered to rank 0
 /// alone at each validation (the other rank sending its part), and every validation row
-/// carries the frontier's figures, near one process's (the samples differ by float noise).
+/// carries the frontier's figures, one process's within float noise.
 #[test]
 fn dpo_frontier_on_the_ranks_parts_is_measured_on_rank_0() {
     let dir = tempfile::tempdir().unwrap();
@@ -398,9 +398,10 @@ fn dpo_frontier_on_the_ranks_parts_is_measured_on_rank_0() {
         assert_eq!(kl.len(), one.len(), "{name}");
         // Step 0: the start model against itself.
         assert!(kl[0].abs() < 1e-3, "{name}: {kl:?}");
+        // The same samples here (KL 0.0206 and 0.0841 after steps 1 and 2, equal to 1e-5).
         for (k, o) in kl.iter().zip(&one) {
             assert!(
-                k.is_finite() && (k - o).abs() < 0.05 + 0.5 * o.abs(),
+                k.is_finite() && (k - o).abs() <= 1e-3 + 0.02 * o.abs(),
                 "{name}: {kl:?} against {one:?}"
             );
         }
