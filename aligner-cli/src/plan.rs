@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use aligner_core::LlamaConfig;
 use aligner_core::config::Precision;
 use aligner_core::plan::{
-    Candidate, Cluster, DeviceKind, Layout, Plan, PlanMethod, Stage, Workload, plan, smallest_cluster,
+    Candidate, Cluster, DeviceKind, Layout, Plan, PlanMethod, Stage, Workload, frontier_extra, plan,
+    smallest_cluster,
 };
 use anyhow::{Context, Result, bail};
 
@@ -246,10 +247,29 @@ pub fn run(args: PlanArgs) -> Result<()> {
             gb(c.estimate.peak),
             gb(args.gpu_memory)
         );
-        println!(
-            "launch: {}",
-            launch_command(&args, &c.layout, cluster.devices_per_node)
-        );
+        let mut launch = launch_command(&args, &c.layout, cluster.devices_per_node);
+        if work.method.measures_frontier() {
+            let extra = frontier_extra(&config, &work, &c.layout);
+            let with_frontier = c.estimate.peak + extra;
+            match with_frontier <= args.gpu_memory {
+                true => println!(
+                    "frontier: rank 0 holds {} GB more for the reward–KL frontier (peak {} GB)",
+                    gb(extra),
+                    gb(with_frontier)
+                ),
+                false => {
+                    println!(
+                        "frontier: rank 0 would hold {} GB more for the reward–KL frontier (the start \
+                         model, and the policy gathered for its samples; peak {} GB): off in the launch \
+                         command",
+                        gb(extra),
+                        gb(with_frontier)
+                    );
+                    launch.push_str(" --set frontier.prompts=''");
+                }
+            }
+        }
+        println!("launch: {launch}");
         return Ok(());
     }
     let (today, predicted) = smallest_cluster(&config, &work, &cluster);

@@ -1045,6 +1045,22 @@ fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
         ),
         "{stdout}"
     );
+    // DPO measures the frontier by default: rank 0 holds the start model for it (and the
+    // policy gathered for its samples when sharded). Where that does not fit, the launch
+    // command turns it off and says why.
+    let (ok, stdout, stderr) = plan(&["--method", "dpo", "--gpus", "2", "--gpu-memory", "10GB"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("frontier: rank 0 would hold"), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("launch: ") && l.ends_with(" --set frontier.prompts=''")),
+        "{stdout}"
+    );
+    let (ok, stdout, stderr) = plan(&["--method", "dpo", "--gpus", "2", "--gpu-memory", "40GB"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("frontier: rank 0 holds"), "{stdout}");
+    assert!(!stdout.contains("frontier.prompts"), "{stdout}");
     let (ok, _, stderr) = plan(&["--gpus", "2", "--gpu-memory", "4GB"]);
     assert!(!ok);
     assert!(

@@ -411,6 +411,32 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
     b
 }
 
+/// What rank 0 holds beyond [`estimate`] when the run measures the reward–KL frontier (DPO,
+/// PPO and GRPO do by default, `[frontier]`): the start model its samples are scored against
+/// (in the compute type; none extra for LoRA on a whole model, whose base is the start model),
+/// and where the ranks hold the policy in parts (tensor groups, `full`), the policy gathered
+/// to it in f32 for the samples. Rank 0 alone holds either.
+pub fn frontier_extra(config: &LlamaConfig, work: &Workload, layout: &Layout) -> f64 {
+    let p = parameters(config).total as f64;
+    let w = match work.precision {
+        Precision::F32 => 4.0,
+        _ => 2.0,
+    };
+    let in_parts = layout.tensor > 1 || layout.sharding == Stage::Full;
+    let start_model = match (work.lora_rank, in_parts) {
+        (Some(_), false) => 0.0,
+        _ => w * p,
+    };
+    start_model + if in_parts { 4.0 * p } else { 0.0 }
+}
+
+impl PlanMethod {
+    /// Whether the method's default configuration measures the reward–KL frontier.
+    pub fn measures_frontier(self) -> bool {
+        !matches!(self, PlanMethod::Sft)
+    }
+}
+
 /// A cluster to plan for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cluster {
@@ -606,6 +632,47 @@ mod tests {
             at(2, Stage::Full).peak < one.peak,
             "full sharding's peak falls, saving included"
         );
+    }
+
+    #[test]
+    fn the_frontier_adds_the_start_model_and_a_gathered_policy_on_rank_0() {
+        let config = qwen_05b();
+        let p = parameters(&config).total as f64;
+        let work = Workload {
+            method: PlanMethod::Dpo,
+            batch: 1,
+            seq: 128,
+            lora_rank: None,
+            precision: Precision::Bf16,
+        };
+        let layout = |data, tensor, sharding| Layout {
+            data,
+            tensor,
+            sharding,
+            offload_frozen: false,
+            recompute: false,
+        };
+        // Whole on every rank: the start model in bf16 beside the trained one.
+        assert_eq!(
+            frontier_extra(&config, &work, &layout(2, 1, Stage::None)),
+            2.0 * p
+        );
+        // In parts: the start model whole, and the policy gathered in f32 for the samples.
+        assert_eq!(
+            frontier_extra(&config, &work, &layout(2, 1, Stage::Full)),
+            6.0 * p
+        );
+        assert_eq!(
+            frontier_extra(&config, &work, &layout(1, 2, Stage::None)),
+            6.0 * p
+        );
+        // LoRA on a whole model: the start model is the base, already held.
+        let lora = Workload {
+            lora_rank: Some(16),
+            ..work
+        };
+        assert_eq!(frontier_extra(&config, &lora, &layout(2, 1, Stage::None)), 0.0);
+        assert!(PlanMethod::Dpo.measures_frontier() && !PlanMethod::Sft.measures_frontier());
     }
 
     #[test]
