@@ -165,6 +165,9 @@ fn keep_best_makes_final_the_best_validations_model() {
         weights("final") == weights("best"),
         "final/ holds best/'s weights"
     );
+    // Copied from best/ but for best/'s own record (the run folder's final_step.json says it).
+    assert!(run.join("best/best.json").exists() && !run.join("final/best.json").exists());
+    assert!(run.join("final/config.json").exists() && run.join("final/tokenizer.json").exists());
     // The last step's model is not the best one here (lr 0.01 overshoots), so the choice shows.
     assert_ne!(kept["step"], 24, "{evals:?}");
     // --quiet leaves warnings only on stderr; the one-line summary on stdout names the step

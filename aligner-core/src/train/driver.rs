@@ -891,7 +891,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         final_eval = eval_of(rows.iter().rev().find(|r| r.keys().any(|k| k.starts_with("eval_"))));
         match &kept {
             Some(best) => {
-                copy_folder(&run.join(BEST_DIR), &run.final_dir())?;
+                copy_folder(&run.join(BEST_DIR), &run.final_dir(), &[BEST_FILE])?;
                 crate::checkpoint::write_json(&run.join(FINAL_STEP), best)?;
                 tracing::info!(step = best.step, metric = %best.metric, value = best.value, "final/ is the best validation's model");
                 final_eval = eval_of(rows.iter().find(|r| step_of(r) == Some(best.step)));
@@ -946,16 +946,19 @@ fn decide<T: Serialize + serde::de::DeserializeOwned>(
     }
 }
 
-/// Copies the files of folder `from` (and its subfolders) into `to`, each through a temporary
-/// name and a rename.
-fn copy_folder(from: &Path, to: &Path) -> Result<()> {
+/// Copies the files of folder `from` (and its subfolders) into `to` but those named in
+/// `leave`, each through a temporary name and a rename.
+fn copy_folder(from: &Path, to: &Path, leave: &[&str]) -> Result<()> {
     std::fs::create_dir_all(to).map_err(|e| CoreError::cannot_write(to, e))?;
     let entries = std::fs::read_dir(from).map_err(|e| CoreError::io(from, e))?;
     for entry in entries {
         let entry = entry.map_err(|e| CoreError::io(from, e))?;
         let (source, target) = (entry.path(), to.join(entry.file_name()));
+        if leave.iter().any(|name| entry.file_name() == *name) {
+            continue;
+        }
         if source.is_dir() {
-            copy_folder(&source, &target)?;
+            copy_folder(&source, &target, leave)?;
             continue;
         }
         let tmp = to.join(format!(".tmp-{}", entry.file_name().to_string_lossy()));
