@@ -888,7 +888,7 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
     let teacher = LoadedModel::from_dir(&teacher_dir, device)?;
     let student = load_model(&config.model, device)?;
     check_same_tokenizer(&teacher, &student)?;
-    let frontier = config.frontier.for_start_model(&student, device)?;
+    let frontier = config.frontier.for_start_model_on_rank_0(&student, run, device)?;
     let max_len = config.data.max_len(&student.config)?;
     let (train, validation) =
         data_files(&config.data)?.load(|path, _| load_sft_examples(path, &student.tokenizer, max_len))?;

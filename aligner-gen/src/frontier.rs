@@ -113,6 +113,22 @@ impl FrontierSection {
         self.build(reference, device)
     }
 
+    /// [`FrontierSection::for_start_model`] on rank 0 of `run`, which alone measures the
+    /// frontier (`None` on the other ranks, which then hold no start model for it): for a
+    /// trainer that validates through `aligner_core::train::Trainer`, whose ranks agree on
+    /// whether rank 0 measures it.
+    pub fn for_start_model_on_rank_0(
+        &self,
+        lm: &aligner_core::LoadedModel,
+        run: &aligner_core::run::RunDir,
+        device: &Device,
+    ) -> crate::Result<Option<Frontier>> {
+        match run.is_writer() {
+            true => self.for_start_model(lm, device),
+            false => Ok(None),
+        }
+    }
+
     /// [`FrontierSection::for_start_model`] for a run whose start model `lm` was read from
     /// `[model]` (`section`) and may be split over the tensor group of `run`: the frontier
     /// samples from and scores against the whole start model, loaded whole for it then. Rank
@@ -125,14 +141,11 @@ impl FrontierSection {
         run: &aligner_core::run::RunDir,
         device: &Device,
     ) -> crate::Result<Option<Frontier>> {
-        if !run.is_writer() {
-            return Ok(None);
-        }
         match run.tensor_group() {
-            Some(_) if self.enabled() => {
+            Some(_) if self.enabled() && run.is_writer() => {
                 self.for_start_model(&aligner_core::start::load_model(section, device)?, device)
             }
-            _ => self.for_start_model(lm, device),
+            _ => self.for_start_model_on_rank_0(lm, run, device),
         }
     }
 

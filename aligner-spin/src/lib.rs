@@ -181,7 +181,7 @@ pub fn train(
     // Checked before the first iteration's answers are generated.
     config.data.max_len(&lm.config)?;
     aligner_core::train::check_new_tokens(&[("spin.max_new_tokens", spin.max_new_tokens)], &lm.config)?;
-    let frontier = config.frontier.for_start_model(&lm, device)?;
+    let frontier = config.frontier.for_start_model_on_rank_0(&lm, run, device)?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
     let run = &config.parallel.grid(run, &config.model, &lm.config)?;
