@@ -753,27 +753,27 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     // What evaluations see: the model as the ranks hold it where the method can evaluate it
     // in parts (no whole copy), else the model gathered whole on every rank.
     let in_parts = (split || full) && method.evaluates_in_parts();
-    fn seen_by_evaluation<M: Module>(
-        model: &M,
+    // With how its ranks hold it, which is how `best/` is saved from it.
+    fn seen_by_evaluation<'m, M: Module>(
+        model: &'m M,
+        parts: &'m SaveParts,
         in_parts: bool,
-        full: bool,
-        split: bool,
-    ) -> (std::borrow::Cow<'_, M>, bool) {
+        (full, split): (bool, bool),
+    ) -> (std::borrow::Cow<'m, M>, &'m SaveParts) {
         match in_parts {
-            true => (std::borrow::Cow::Borrowed(model), true),
-            false => (whole_of(model, full, split), false),
+            true => (std::borrow::Cow::Borrowed(model), parts),
+            false => (whole_of(model, full, split), &SaveParts::Whole),
         }
     }
     let log =
         MetricsLog::for_run_with_tensorboard(run, run.is_resumed().then_some(start), settings.tensorboard)?;
     let initial_eval = if start == 0 && method.validates() {
-        let (seen, held_in_parts) = seen_by_evaluation(&model, in_parts, full, split);
+        let (seen, seen_as) = seen_by_evaluation(&model, &parts, in_parts, (full, split));
         let eval = method.evaluate(&seen)?;
         let mut row = Map::new();
         row.insert("step".into(), 0.into());
         row.extend(eval.clone());
         log.write(&row)?;
-        let seen_as = if held_in_parts { &parts } else { &SaveParts::Whole };
         keep_if_best(settings, run, store, (&seen, seen_as), 0, &eval)?;
         // As metrics.jsonl holds it: text summaries go to TensorBoard only.
         Some(
@@ -826,9 +826,8 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             let mut row = stepped.row;
             row.insert("step".into(), done.into());
             if eval_now {
-                let (seen, held_in_parts) = seen_by_evaluation(&model, in_parts, full, split);
+                let (seen, seen_as) = seen_by_evaluation(&model, &parts, in_parts, (full, split));
                 let eval = method.evaluate(&seen)?;
-                let seen_as = if held_in_parts { &parts } else { &SaveParts::Whole };
                 keep_if_best(settings, run, store, (&seen, seen_as), done, &eval)?;
                 row.extend(eval);
             }

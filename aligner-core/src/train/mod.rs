@@ -232,19 +232,20 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
     /// Trains `model` (or, when the run is resumed, continues from its newest checkpoint),
     /// writing the run folder, and returns the summary. The trained model is saved in `final/`.
     pub fn train(&self, model: M) -> Result<RunSummary> {
-        Ok(self.run_loop(model, false)?.1)
+        Ok(self.train_keeping(model, false)?.1)
     }
 
     /// [`Trainer::train`], and the trained model back (gathered whole on every rank when the
     /// ranks hold it in parts: fully sharded or split over tensor groups).
     pub fn run(&self, model: M) -> Result<(M, RunSummary)> {
-        let (model, summary) = self.run_loop(model, true)?;
+        let (model, summary) = self.train_keeping(model, true)?;
         let model =
             model.ok_or_else(|| CoreError::Invalid("the training loop handed back no model".into()))?;
         Ok((model, summary))
     }
 
-    fn run_loop(&self, model: M, returns_model: bool) -> Result<(Option<M>, RunSummary)> {
+    /// The shared loop on this trainer's step; the model back as `returns_model` asks.
+    fn train_keeping(&self, model: M, returns_model: bool) -> Result<(Option<M>, RunSummary)> {
         self.config.check()?;
         let total = self.total_steps();
         let train_device = self.config.autodiff_device(&self.device);

@@ -118,7 +118,7 @@ impl SaveParts {
     /// them; the ranks serving it answer meanwhile ([`SaveParts::serve`]), so every rank of
     /// the save must call this or `serve`. The save ends (the serving ranks are released)
     /// whether `save` succeeds or not.
-    pub(crate) fn write<R>(&self, save: impl FnOnce() -> R) -> Result<R> {
+    fn write<R>(&self, save: impl FnOnce() -> R) -> Result<R> {
         let SaveParts::Writer { comm, parts } = self else {
             return Ok(save());
         };
@@ -134,7 +134,7 @@ impl SaveParts {
 
     /// On a rank holding parts of `model` for the writer: sends it the part of each parameter
     /// it asks for, until the save ends. Nothing on the other ranks.
-    pub(crate) fn serve<M: Module>(&self, model: &M) -> Result<()> {
+    fn serve<M: Module>(&self, model: &M) -> Result<()> {
         let SaveParts::Server { comm, parts } = self else {
             return Ok(());
         };
