@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use aligner_core::config::Precision;
-use aligner_core::train::{Sharding, TrainSection};
+use aligner_core::train::{Checkpointing, Sharding, TrainSection};
 use aligner_core::{CausalLm, Device, LlamaConfig, LoadedModel, model::parameter_count};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams, WorkerPool};
 use anyhow::Result;
@@ -56,9 +56,12 @@ pub enum BenchCommand {
         /// Timed steps after one warm-up step.
         #[arg(long, default_value_t = 5)]
         steps: usize,
-        /// Recompute activations in the backward (`train.activation_checkpointing`).
-        #[arg(long)]
-        activation_checkpointing: bool,
+        /// Recompute activations in the backward (`train.activation_checkpointing`): `layers`
+        /// (the flag alone) reruns each decoder layer from its input, `balanced` is Burn's
+        /// strategy.
+        #[arg(long, default_value = "off", num_args = 0..=1, default_missing_value = "layers",
+              value_parser = Checkpointing::parse)]
+        activation_checkpointing: Checkpointing,
         /// What each rank keeps only its share of under `mpirun` (`train.sharding`: none,
         /// optimizer, gradients, full).
         #[arg(long, default_value = "none", value_parser = parse_sharding)]
@@ -602,11 +605,7 @@ fn train(
         if comm.is_root() {
             println!(
                 "| {name} | {params} | {ranks} × {threads} | {batch} × {seq} | {} | {} | {:.1} | {:.2} | {:.0} | {mfu} | {reduce_ms:.1} | {overlapped} | {buckets} | {reduce_mb:.1} | {rss} |",
-                if train_config.activation_checkpointing {
-                    "on"
-                } else {
-                    "off"
-                },
+                train_config.activation_checkpointing.name(),
                 match (train_config.keep_gathered, tensor) {
                     (true, _) => format!("{} (kept)", train_config.sharding.name()),
                     (false, 1) => train_config.sharding.name().to_string(),

@@ -112,6 +112,9 @@ fn launch_command(args: &PlanArgs, layout: &Layout, per_node: usize) -> String {
     if layout.tensor > 1 {
         command.push_str(&format!(" --set parallel.tensor={}", layout.tensor));
     }
+    if layout.recompute {
+        command.push_str(" --set train.activation_checkpointing=true");
+    }
     if layout.offload_frozen {
         command.push_str(" --set ppo.offload_reference=true");
         if args.method == "ppo" {
@@ -299,8 +302,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     bail!(
         "nothing aligner runs fits on {devices} devices of {} GB each. The smallest cluster that \
-         would: {}. With what aligner does not do yet (tensor groups with ZeRO, full \
-         recomputation): {}",
+         would: {}. With what aligner does not do yet (tensor groups with ZeRO): {}",
         gb(args.gpu_memory),
         describe(&today, true),
         describe(&predicted, false),

@@ -35,8 +35,9 @@ fn mpirun(np: usize, program: &Path) -> Command {
 /// Gradient buckets small enough that stories260K's gradients fill dozens.
 const SMALL_BUCKETS: &str = "train.bucket_mb=0.01";
 
-/// Runs `aligner args` on `np` ranks (one process without mpirun for `np == 1`).
-fn ranks(np: usize, args: &[&str]) {
+/// Runs `aligner args` on `np` ranks (one process without mpirun for `np == 1`); returns what
+/// it printed to stderr.
+fn ranks(np: usize, args: &[&str]) -> String {
     // The frontier's samples differ between rank counts by float noise (a token drawn at a
     // boundary flips), and only rank 0 measures them: these runs compare training alone.
     let mut args = args.to_vec();
@@ -59,6 +60,7 @@ fn ranks(np: usize, args: &[&str]) {
         "{np} ranks: aligner {args:?}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// The two runs logged the same rows (same steps, same keys) with values within `tol`.
@@ -107,16 +109,18 @@ fn trains_as_one_process_sharded(
 
 /// [`trains_as_one_process`] for each `(ranks, train.sharding, parallel.tensor)` of
 /// `layouts`: `ranks / tensor` data-parallel replicas of batch `global / replicas` each.
+/// Returns what each layout's run printed to stderr.
 fn trains_as_one_process_in(
     command: &[&str],
     global: usize,
     sets: &[String],
     tmp: &Path,
     layouts: &[(usize, &str, usize)],
-) {
+) -> Vec<String> {
     let run_of = |np: usize, sharding: &str, tensor: usize| {
         tmp.join(format!("{}-np{np}-{sharding}-t{tensor}", command.join("-")))
     };
+    let mut logs = Vec::new();
     for &(np, sharding, tensor) in [(1, "none", 1)].iter().chain(layouts) {
         let out = run_of(np, sharding, tensor);
         let batch = format!("train.batch_size={}", global * tensor / np);
@@ -142,7 +146,7 @@ fn trains_as_one_process_in(
         for s in sets {
             args.extend(["--set", s]);
         }
-        ranks(np, &args);
+        logs.push(ranks(np, &args));
     }
     let one = run_of(1, "none", 1);
     for &(np, sharding, tensor) in layouts {
@@ -154,6 +158,7 @@ fn trains_as_one_process_in(
         );
         same_metrics(&one, &run, 1e-5);
     }
+    logs.split_off(1)
 }
 
 #[test]
@@ -441,6 +446,50 @@ fn rm_and_dpo_on_sharded_ranks_and_in_tensor_groups_train_as_one_process() {
     let (a, b) = (parse(&single), parse(&three));
     assert_eq!(a.len(), b.len());
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4));
+}
+
+/// `train.activation_checkpointing = true` keeps each decoder layer's input alone and reruns
+/// the layer in the backward pass. On ranks the reruns gather fully sharded weights and
+/// reduce-scatter their gradients, sum a tensor group's partial outputs, and hand overlapped
+/// buckets their gradients as an ordinary pass does: DPO, and SFT with two micro-batches a
+/// step, on 2 ranks of each kind train as one process does, and one process with it as one
+/// without it.
+#[test]
+fn layer_recomputation_on_ranks_and_in_tensor_groups_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = head("train.sft.jsonl", 26, &dir.path().join("train.jsonl"));
+    let mut sets = vec![
+        "train.max_steps=4".to_string(),
+        // See the tensor-group SFT test: rounding noise in a near-zero first gradient.
+        "train.lr=1e-4".into(),
+        "train.eval_examples=20".into(),
+        "train.eval_every=2".into(),
+    ];
+    let plain = dir.path().join("sft-without");
+    let batch = "train.batch_size=8".to_string();
+    let data = format!("data.train={}", train.display());
+    let grad_accum = "train.grad_accum=2".to_string();
+    let mut args = vec!["sft", "--out", plain.to_str().unwrap()];
+    for s in sets.iter().chain([&batch, &data, &grad_accum]) {
+        args.extend(["--set", s.as_str()]);
+    }
+    ranks(1, &args);
+    sets.push("train.activation_checkpointing=true".into());
+    let layouts = [(2, "optimizer", 1), (2, "full", 1), (2, "none", 2)];
+    let mut logs = trains_as_one_process_in(&["dpo"], 8, &sets, dir.path(), &layouts);
+    sets.extend([data, grad_accum]);
+    logs.extend(trains_as_one_process_in(&["sft"], 8, &sets, dir.path(), &layouts));
+    // The ranks did rerun their layers (the trainer reports how many).
+    for log in &logs {
+        assert!(
+            log.contains("decoder-layer passes rerun in the backward"),
+            "{log}"
+        );
+    }
+    let with = dir.path().join("sft-np1-none-t1");
+    let diff = weights_diff(&plain.join("final"), &with.join("final"));
+    assert!(diff <= 1e-5, "recomputing the layers moved the weights by {diff}");
+    same_metrics(&plain, &with, 1e-5);
 }
 
 #[test]

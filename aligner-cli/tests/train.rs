@@ -821,7 +821,7 @@ fn default_dpo_makes_the_policys_own_samples_more_positive() {
 #[test]
 fn activation_checkpointing_trains_to_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |name: &str, checkpointing: bool| {
+    let run = |name: &str, checkpointing: &str| {
         let out = dir.path().join(name);
         let (ok, err) = aligner(&[
             "sft",
@@ -835,16 +835,35 @@ fn activation_checkpointing_trains_to_the_same_weights() {
             &format!("train.activation_checkpointing={checkpointing}"),
         ]);
         assert!(ok, "{err}");
+        // The layers are rerun in the backward, and only under `true`.
+        let reruns = err.contains("decoder-layer passes rerun in the backward");
+        assert_eq!(reruns, checkpointing == "true", "{checkpointing}: {err}");
         out.join("final")
     };
-    let (plain, recomputed) = (run("plain", false), run("recomputed", true));
-    let diff = common::weights_diff(&plain, &recomputed);
-    assert!(
-        diff <= 1e-6,
-        "recomputing activations moved the weights by {diff}"
-    );
+    let plain = run("plain", "false");
+    for (name, checkpointing) in [("recomputed", "true"), ("balanced", "balanced")] {
+        let diff = common::weights_diff(&plain, &run(name, checkpointing));
+        assert!(
+            diff <= 1e-6,
+            "activation_checkpointing = {checkpointing} moved the weights by {diff}"
+        );
+    }
     let config = std::fs::read_to_string(dir.path().join("recomputed/config.toml")).unwrap();
     assert!(config.contains("activation_checkpointing = true"), "{config}");
+    let config = std::fs::read_to_string(dir.path().join("balanced/config.toml")).unwrap();
+    assert!(
+        config.contains("activation_checkpointing = \"balanced\""),
+        "{config}"
+    );
+    // Anything else is refused naming the key.
+    let (ok, err) = aligner(&[
+        "sft",
+        "--out",
+        dir.path().join("bad").to_str().unwrap(),
+        "--set",
+        "train.activation_checkpointing=sometimes",
+    ]);
+    assert!(!ok && err.contains("train.activation_checkpointing"), "{err}");
 }
 
 /// TRL's conversational preference rows — an explicit prompt of messages, an implicit prompt

@@ -1,24 +1,27 @@
-//! `train.activation_checkpointing` runs the model on Burn's gradient-checkpointing autodiff
-//! (memory-bound ops recomputed in the backward pass, compute-bound ones kept). On the shipped
-//! model one SFT step's gradients come out the same, and what only the option produces shows:
-//! autodiff keeps different tensors from the forward pass for the backward. This test binary's
-//! global allocator counts the live heap bytes (the CPU backend keeps its tensors on the heap).
+//! `train.activation_checkpointing` on the shipped model: one SFT step's gradients are the
+//! same whatever it says, and what only the option produces shows in what the forward pass
+//! leaves alive for the backward. This test binary's global allocator counts the live heap
+//! bytes (the CPU backend keeps its tensors on the heap).
 //!
-//! Until the parameters carried the device's strategy (`to_train_device`), the option changed
-//! nothing: the two runs' memory matched to the byte. Measured here, Burn 0.22.1's balanced
-//! strategy keeps *more* on this model (66.5 MB live after the forward pass without it, 92.1 MB
-//! with it, for 32 rows of 256 tokens): the option is applied, but it does not save memory on
-//! aligner's models (see the README).
+//! - `true` (`"layers"`): each decoder layer's input alone is kept, and the layers are rerun in
+//!   the backward (`aligner_core::model::recompute`). It must keep much less.
+//! - `"balanced"`: Burn's gradient-checkpointing autodiff (memory-bound ops recomputed,
+//!   compute-bound ones kept). Until the parameters carried the device's strategy
+//!   (`to_train_device`), the option changed nothing: the two runs' memory matched to the
+//!   byte. Measured here, Burn 0.22.1's balanced strategy keeps *more* on this model (66.5 MB
+//!   live after the forward pass without it, 92.1 MB with it, for 32 rows of 256 tokens).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
+use aligner_core::model::recompute::{self, LayerRecompute};
 use aligner_core::sft::{SftExample, SftObjective, load_sft_examples};
-use aligner_core::train::grads::global_grad_norm;
-use aligner_core::train::{Objective, TrainSection};
+use aligner_core::train::{Checkpointing, Objective, TrainSection};
 use aligner_core::{Device, LoadedModel};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
 
 /// The system allocator, counting the bytes it has handed out and not taken back.
 struct Counting;
@@ -70,18 +73,61 @@ fn repo() -> PathBuf {
 }
 
 /// One SFT step's forward and backward pass on `batch`: the peak of live heap bytes above
-/// where it started, and the gradients' global norm.
-fn step(lm: &LoadedModel, batch: &[&SftExample], checkpointing: bool) -> (usize, f64) {
+/// where it started, and every trainable parameter's gradient (by id, in the model's order).
+fn step(
+    lm: &LoadedModel,
+    batch: &[&SftExample],
+    checkpointing: Checkpointing,
+) -> (usize, Vec<(ParamId, Vec<f32>)>) {
     let config = TrainSection {
         activation_checkpointing: checkpointing,
         ..TrainSection::default()
     };
     let model = config.train_model(lm.model.clone(), &Device::flex());
+    let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
     let base = LIVE.load(Relaxed);
     let out = SftObjective.step(&model, batch).unwrap();
     let kept = LIVE.load(Relaxed) - base;
-    let grads = GradientsParams::from_grads(out.loss.backward(), &model);
-    (kept, global_grad_norm(&model, &grads))
+    let grads = recompute::gradients(out.loss, &model);
+    (kept, gradients(&model, &grads))
+}
+
+/// Each trainable parameter's gradient in `grads`, in the model's order.
+fn gradients<M: Module>(model: &M, grads: &GradientsParams) -> Vec<(ParamId, Vec<f32>)> {
+    struct Collect<'a>(&'a GradientsParams, Vec<(ParamId, Vec<f32>)>);
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.val().is_require_grad() {
+                return;
+            }
+            let grad = self
+                .0
+                .get::<D>(param.id)
+                .expect("every trainable parameter has a gradient");
+            self.1.push((
+                param.id,
+                grad.into_data().convert::<f32>().try_to_vec::<f32>().unwrap(),
+            ));
+        }
+    }
+    let mut collect = Collect(grads, Vec::new());
+    model.visit(&mut collect);
+    collect.1
+}
+
+/// The largest difference between two sets of gradients, relative to the largest gradient.
+fn largest_difference(a: &[(ParamId, Vec<f32>)], b: &[(ParamId, Vec<f32>)]) -> f64 {
+    assert_eq!(a.len(), b.len(), "the same parameters have gradients");
+    let scale = a.iter().flat_map(|(_, g)| g).fold(0f32, |m, x| m.max(x.abs())) as f64;
+    let diff = a
+        .iter()
+        .zip(b)
+        .flat_map(|((ia, ga), (ib, gb))| {
+            assert_eq!(ia, ib);
+            ga.iter().zip(gb).map(|(x, y)| (x - y).abs())
+        })
+        .fold(0f32, f32::max) as f64;
+    diff / scale
 }
 
 #[test]
@@ -91,25 +137,81 @@ fn activation_checkpointing_keeps_the_gradients_and_changes_what_autodiff_keeps(
     let examples = load_sft_examples(&data, &lm.tokenizer, 256).unwrap();
     let batch: Vec<&SftExample> = examples.iter().take(32).collect();
     // Warm-up: one-time allocations (kernels, thread pools) are not counted against either.
-    step(&lm, &batch[..2], false);
-    let (kept, norm) = step(&lm, &batch, false);
-    let (kept_checkpointing, norm_checkpointing) = step(&lm, &batch, true);
-    assert!(
-        (norm - norm_checkpointing).abs() <= 1e-5 * norm,
-        "gradient norm {norm} without checkpointing, {norm_checkpointing} with it"
-    );
+    step(&lm, &batch[..2], Checkpointing::Off);
+    step(&lm, &batch[..2], Checkpointing::Layers);
+    let (kept, grads) = step(&lm, &batch, Checkpointing::Off);
+    let (kept_layers, grads_layers) = step(&lm, &batch, Checkpointing::Layers);
+    let (kept_balanced, grads_balanced) = step(&lm, &batch, Checkpointing::Balanced);
     let mb = |b: usize| b as f64 / 1e6;
     eprintln!(
-        "live heap after the forward pass: {:.1} MB without checkpointing, {:.1} MB with it",
+        "live heap after the forward pass: {:.1} MB without checkpointing, {:.1} MB recomputing \
+         layers, {:.1} MB with Burn's balanced strategy",
         mb(kept),
-        mb(kept_checkpointing)
+        mb(kept_layers),
+        mb(kept_balanced)
     );
-    let change = (kept_checkpointing as f64 - kept as f64).abs() / kept as f64;
+    for (name, other) in [("layers", &grads_layers), ("balanced", &grads_balanced)] {
+        let diff = largest_difference(&grads, other);
+        eprintln!("{name}: gradients differ by {diff:.2e} of the largest");
+        assert!(
+            diff <= 1e-5,
+            "{name}: the gradients differ by {diff} of the largest"
+        );
+    }
+    // The layers' activations are gone: what stays is each layer's input and the head's.
+    assert!(
+        (kept_layers as f64) < 0.5 * kept as f64,
+        "recomputing layers kept {:.1} MB after the forward pass, against {:.1} MB without it",
+        mb(kept_layers),
+        mb(kept)
+    );
+    let change = (kept_balanced as f64 - kept as f64).abs() / kept as f64;
     assert!(
         change > 0.1,
-        "activation checkpointing left autodiff's kept tensors as they were ({:.1} MB and {:.1} MB): \
+        "balanced checkpointing left autodiff's kept tensors as they were ({:.1} MB and {:.1} MB): \
          the option is not applied",
         mb(kept),
-        mb(kept_checkpointing)
+        mb(kept_balanced)
     );
+}
+
+/// LoRA: the base layers are frozen and the embedding too; the adapters' gradients come from
+/// the reruns alone.
+#[test]
+fn layer_recomputation_gives_lora_adapters_the_same_gradients() {
+    let device = Device::flex();
+    let mut lm = LoadedModel::from_dir(&repo().join("assets/stories260K"), &device).unwrap();
+    let spec = aligner_core::model::LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: ["q_proj", "v_proj", "down_proj"].map(String::from).to_vec(),
+    };
+    assert!(lm.model.attach_lora(&spec, &device) > 0);
+    // Non-zero B factors, so that every adapter's A factor has a gradient.
+    lm.model = lm.model.map(&mut Nudge);
+    let data = repo().join("assets/tinystories_sentiment/train.sft.jsonl");
+    let examples = load_sft_examples(&data, &lm.tokenizer, 128).unwrap();
+    let batch: Vec<&SftExample> = examples.iter().take(4).collect();
+    let (_, plain) = step(&lm, &batch, Checkpointing::Off);
+    let (_, layers) = step(&lm, &batch, Checkpointing::Layers);
+    assert!(!plain.is_empty());
+    let diff = largest_difference(&plain, &layers);
+    assert!(
+        diff <= 1e-5,
+        "the adapters' gradients differ by {diff} of the largest"
+    );
+}
+
+/// Adds a small constant to every trainable parameter (LoRA's B factors start at zero).
+struct Nudge;
+
+impl ModuleMapper for Nudge {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if param.val().is_require_grad() {
+            param.map(|t| t.add_scalar(0.01))
+        } else {
+            param
+        }
+    }
 }

@@ -412,6 +412,9 @@ impl Method<CausalLm> for OnlineStep<'_> {
             optim.begin_pass(&policy, true)?;
             let mut grads = GradientsParams::new();
             let mut sums = (0.0, Vec::new());
+            let _recompute = aligner_core::model::recompute::LayerRecompute::arm(
+                train.activation_checkpointing == aligner_core::train::Checkpointing::Layers,
+            );
             if !examples.is_empty() {
                 if self.objective.loss.uses_reference() {
                     let seqs: Vec<ScoredSequence> = examples
@@ -434,7 +437,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
                     1 => out.loss,
                     _ => out.loss.mul_scalar(share),
                 };
-                grads = GradientsParams::from_grads(loss.backward(), &policy);
+                grads = aligner_core::model::recompute::gradients(loss, &policy);
             }
             // The loss and metrics of the whole batch, on every rank (so all stop together on a
             // non-finite loss).

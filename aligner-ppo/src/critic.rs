@@ -19,7 +19,7 @@ use aligner_core::train::grads::clip_grad_norm;
 use aligner_core::train::master::{load_with_masters, save_with_masters};
 use aligner_core::train::{load_optimizer, mini_batches, save_optimizer};
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
@@ -128,7 +128,7 @@ impl CriticWorker {
             let loss = clipped_value_loss(values, old, returns, &layout.response_mask, settings.clip_eps);
             loss_sum += loss.clone().into_scalar::<f32>() as f64;
             batches += 1;
-            let mut grads = GradientsParams::from_grads(loss.backward(), &self.value);
+            let mut grads = aligner_core::model::recompute::gradients(loss, &self.value);
             clip_grad_norm(&self.value, &mut grads, settings.max_grad_norm);
             self.value = self.optim.step(settings.lr, self.value.clone(), grads);
         }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use aligner_core::data::EncodedPrompt;
+use aligner_core::model::recompute::{self, LayerRecompute};
 use aligner_core::parallel::map_sharded;
 use aligner_core::run::RunDir;
 use aligner_core::train::{
@@ -473,6 +474,9 @@ impl PpoRunner<'_> {
         let (mut clip, mut kl, mut loss_sum, mut batches) = (0.0, 0.0, 0.0, 0usize);
         let mut mismatch = None;
         let mut entropy_sum = 0.0;
+        let _recompute = LayerRecompute::arm(
+            self.config.train.activation_checkpointing == aligner_core::train::Checkpointing::Layers,
+        );
         for range in mini_batches(n, cfg.mini_batch, cfg.epochs) {
             let shard = shard_range(range.len(), rank, world);
             let mine = range.start + shard.start..range.start + shard.end;
@@ -516,7 +520,7 @@ impl PpoRunner<'_> {
                     (true, false) => loss.mul_scalar(share),
                     (false, false) => loss,
                 };
-                grads = GradientsParams::from_grads(loss.backward(), &actor);
+                grads = recompute::gradients(loss, &actor);
             }
             if world > 1 {
                 stats.iter_mut().for_each(|s| *s *= share);

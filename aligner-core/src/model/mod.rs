@@ -11,6 +11,7 @@ mod layer;
 mod lora;
 mod moe;
 mod norm;
+pub mod recompute;
 mod rope;
 
 use burn::module::{Module, Param, ParamId};
@@ -83,7 +84,26 @@ impl LlamaModel {
         mask: Option<&Tensor<4, Bool>>,
         mut cache: Option<&mut KvCache>,
     ) -> Tensor<3> {
-        let mut x = if let Some(split) = tensor_split(&self.embed_tokens.weight) {
+        let angles = self.rope.angles(positions);
+        let local = self.local_rope.as_ref().map(|r| r.angles(positions));
+        if recompute::applies(self, cache.is_some()) {
+            return recompute::forward(self, tokens, angles, local, mask);
+        }
+        let mut x = self.embed(tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let angles = match &local {
+                Some(local) if self.rotates_locally(layer) => local,
+                _ => &angles,
+            };
+            x = layer.forward(x, angles, mask, layer_cache);
+        }
+        layer::norm(&self.norm, x)
+    }
+
+    /// The token embeddings of `tokens` (Gemma's scaled), in the compute type.
+    pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let x = if let Some(split) = tensor_split(&self.embed_tokens.weight) {
             vocab_parallel_embedding(self.embed_tokens.weight.val(), tokens, &split)
         } else {
             match shard_spec(&self.embed_tokens.weight) {
@@ -94,21 +114,11 @@ impl LlamaModel {
                 None => burn::tensor::module::embedding(whole_value(&self.embed_tokens.weight), tokens),
             }
         };
-        if let Some(scale) = self.embedding_scale {
-            x = x.mul_scalar(scale as f32);
-        }
-        let mut x = x.cast(self.precision.float_dtype());
-        let angles = self.rope.angles(positions);
-        let local = self.local_rope.as_ref().map(|r| r.angles(positions));
-        for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let angles = match &local {
-                Some(local) if self.rotates_locally(layer) => local,
-                _ => &angles,
-            };
-            x = layer.forward(x, angles, mask, layer_cache);
-        }
-        layer::norm(&self.norm, x)
+        let x = match self.embedding_scale {
+            Some(scale) => x.mul_scalar(scale as f32),
+            None => x,
+        };
+        x.cast(self.precision.float_dtype())
     }
 }
 

@@ -164,10 +164,10 @@ pub struct TrainSection {
     pub sync_check_every: usize,
     /// Data parallel: what each rank keeps only its share of (ZeRO's stages; see [`Sharding`]).
     pub sharding: Sharding,
-    /// Recompute activations in the backward pass instead of keeping them (Burn's balanced
-    /// gradient checkpointing: memory-bound ops are recomputed, compute-bound ones such as the
-    /// matmuls and aligner's fused ops keep their outputs). Less memory, more time per step.
-    pub activation_checkpointing: bool,
+    /// Recompute activations in the backward pass instead of keeping them: `true` (or
+    /// `"layers"`) keeps each decoder layer's input alone and reruns the layer in the backward
+    /// (HF's gradient checkpointing); `"balanced"` is Burn's strategy. See [`Checkpointing`].
+    pub activation_checkpointing: Checkpointing,
     /// With `sharding = "full"`: keep each linear layer's gathered weight from its forward to
     /// its backward instead of gathering it again there (one all-gather a step instead of two;
     /// the whole weights stay in memory through the step, as without sharding).
@@ -225,6 +225,76 @@ impl Sharding {
     }
 }
 
+/// `train.activation_checkpointing`: what the backward pass recomputes instead of keeping
+/// from the forward pass. Written `false` / `true` (the same as `"off"` / `"layers"`) or
+/// `"balanced"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Checkpointing {
+    /// Autodiff keeps what each op's backward needs.
+    #[default]
+    Off,
+    /// Full recomputation a decoder layer at a time (HF's `gradient_checkpointing`): the
+    /// forward keeps only each layer's input; the backward reruns one layer at a time from it
+    /// and takes that layer's gradients before the next (`crate::model::recompute`). Memory
+    /// for activations falls from every layer's to one layer's plus the inputs; a step costs
+    /// about one more forward pass.
+    Layers,
+    /// Burn's balanced gradient checkpointing: memory-bound ops are recomputed, compute-bound
+    /// ones such as the matmuls and aligner's fused ops keep their outputs. On aligner's
+    /// models it keeps more than it frees (see the README).
+    Balanced,
+}
+
+impl Checkpointing {
+    /// The value as written in a config (`config.toml` keeps `false` / `true` for the first
+    /// two, as before the third existed).
+    pub fn name(self) -> &'static str {
+        match self {
+            Checkpointing::Off => "off",
+            Checkpointing::Layers => "layers",
+            Checkpointing::Balanced => "balanced",
+        }
+    }
+
+    /// `off`, `layers` or `balanced` (and `false` / `true`).
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "off" | "false" => Ok(Checkpointing::Off),
+            "layers" | "true" => Ok(Checkpointing::Layers),
+            "balanced" => Ok(Checkpointing::Balanced),
+            other => Err(format!(
+                "train.activation_checkpointing = {other:?}: expected true, false, \"layers\" or \"balanced\""
+            )),
+        }
+    }
+}
+
+impl Serialize for Checkpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Checkpointing::Off => s.serialize_bool(false),
+            Checkpointing::Layers => s.serialize_bool(true),
+            Checkpointing::Balanced => s.serialize_str("balanced"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Checkpointing {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Flag(bool),
+            Name(String),
+        }
+        match Written::deserialize(d)? {
+            Written::Flag(false) => Ok(Checkpointing::Off),
+            Written::Flag(true) => Ok(Checkpointing::Layers),
+            Written::Name(name) => Checkpointing::parse(&name).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 /// Which end of a metric is best.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -264,7 +334,7 @@ impl Default for TrainSection {
             eval_examples: 0,
             sync_check_every: 50,
             sharding: Sharding::None,
-            activation_checkpointing: false,
+            activation_checkpointing: Checkpointing::Off,
             keep_gathered: false,
             bucket_mb: DEFAULT_BUCKET_MB,
             keep_best: None,
@@ -418,7 +488,7 @@ impl TrainSection {
     /// checkpointing when `activation_checkpointing` is set.
     pub fn autodiff_device(&self, device: &burn::tensor::Device) -> burn::tensor::Device {
         let train = device.clone().autodiff();
-        if self.activation_checkpointing {
+        if self.activation_checkpointing == Checkpointing::Balanced {
             train.gradient_checkpointing()
         } else {
             train

@@ -874,6 +874,13 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             o.comm_seconds
         );
     }
+    let reruns = crate::model::recompute::reruns();
+    if reruns > 0 {
+        tracing::info!(
+            "train.activation_checkpointing: {reruns} decoder-layer passes rerun in the backward \
+             from their kept inputs"
+        );
+    }
     // AdamW's moments are twice the weights: freed before the final save.
     drop(optim);
     let keys = method.plot_keys();

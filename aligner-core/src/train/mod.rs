@@ -28,13 +28,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamWConfig, GradientsAccumulator, ModuleOptimizer};
 use burn::tensor::{Bytes, Device, Tensor};
 use serde_json::{Map, Value};
 
 pub use config::{
-    BestMode, ConfigChange, DataSection, ModelSection, MovedKey, ParallelSection, Range, Sharding,
-    TrainSection, check_counts, check_new_tokens, check_template, check_tensor_heads, check_value,
+    BestMode, Checkpointing, ConfigChange, DataSection, ModelSection, MovedKey, ParallelSection, Range,
+    Sharding, TrainSection, check_counts, check_new_tokens, check_template, check_tensor_heads, check_value,
     check_values, config_changes, load_config, load_config_moved, to_toml,
 };
 pub use driver::{
@@ -48,6 +48,7 @@ pub use schedule::{Schedule, learning_rate};
 pub use crate::store::ModelStore;
 
 use crate::error::{CoreError, Result};
+use crate::model::recompute::{self, LayerRecompute};
 use crate::run::RunDir;
 use aligner_parallel::shard_range;
 
@@ -351,6 +352,7 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
         let mut loss_sum = 0.0;
         let mut tokens = 0usize;
         let mut metric_sums: Vec<(String, f64)> = Vec::new();
+        let _recompute = LayerRecompute::arm(cfg.activation_checkpointing == Checkpointing::Layers);
         for micro in 0..accum {
             optim.begin_pass(&model, micro + 1 == accum)?;
             let indices = self.order.batch(step * accum + micro, global_batch);
@@ -412,7 +414,7 @@ impl<M: Module, O: Objective<M>> Method<M> for ObjectiveStep<'_, M, O> {
             if world > 1 {
                 loss = loss.mul_scalar(share);
             }
-            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+            accumulator.accumulate(&model, recompute::gradients(loss, &model));
         }
         let grads = accumulator.grads();
         if world > 1 {

@@ -1,0 +1,270 @@
+//! Full activation recomputation, a decoder layer at a time (`train.activation_checkpointing =
+//! true`; HF's gradient checkpointing).
+//!
+//! While a [`LayerRecompute`] is armed, a training forward pass of [`LlamaModel`] runs its
+//! embedding and decoder layers on a frozen copy of the parameters (no graph), keeping only
+//! each layer's input, and hands
+//! the head a fresh leaf in place of the last layer's output: autodiff records the final norm,
+//! the head and the loss alone. [`gradients`] then runs the loss's backward pass down to that
+//! leaf, and walks the layers from the top: it reruns one layer with autodiff from its kept
+//! input, backpropagates the gradient of its output through it (`Σ out · g`), takes the
+//! layer's parameter gradients and the gradient of its input, and drops the layer's graph
+//! before the next. The embedding's gradient comes last the same way. At most one layer's
+//! activations exist at a time, beside the kept inputs.
+//!
+//! The collectives of a split model (a fully sharded weight's gather and reduce-scatter, a
+//! tensor group's reductions) run inside the reruns as they do in an ordinary pass, in the
+//! same order on every rank. Gradients equal the ordinary pass's (the kept inputs are the
+//! values the layers saw; the reruns compute them the same way).
+//!
+//! Not recomputed: a forward with a KV cache (generation), a model with no trainable
+//! parameter in its layers (a frozen reference), mixtures of experts (the router's
+//! load-balancing loss is built from the whole forward pass's routing) and LoRA with dropout
+//! (a rerun would draw other masks): these run as an ordinary autodiff pass, with a warning for
+//! the last two.
+
+use std::cell::{Cell, RefCell};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Bool, Int, Tensor};
+
+use super::rope::RotaryAngles;
+use super::{FeedForward, LlamaModel, layer};
+
+/// Decoder-layer passes rerun by [`gradients`] in this process.
+static RERUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many decoder-layer passes [`gradients`] has rerun in this process (the run's log
+/// reports it, which shows the option at work).
+pub fn reruns() -> usize {
+    RERUNS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+thread_local! {
+    static ARMED: Cell<usize> = const { Cell::new(0) };
+    static TAPE: RefCell<Vec<Record>> = const { RefCell::new(Vec::new()) };
+}
+
+/// While alive, training forward passes on this thread keep only their layers' inputs, and
+/// [`gradients`] recomputes the layers (see the module's docs). Dropping it discards what
+/// no backward pass took.
+#[must_use = "recomputation is armed only while the guard lives"]
+pub struct LayerRecompute {
+    _thread_bound: std::marker::PhantomData<*const ()>,
+}
+
+impl LayerRecompute {
+    /// Arms recomputation when `on` (`train.activation_checkpointing = true`); `None` leaves
+    /// every pass ordinary.
+    pub fn arm(on: bool) -> Option<Self> {
+        on.then(|| {
+            ARMED.with(|a| a.set(a.get() + 1));
+            Self {
+                _thread_bound: std::marker::PhantomData,
+            }
+        })
+    }
+}
+
+impl Drop for LayerRecompute {
+    fn drop(&mut self) {
+        let left = ARMED.with(|a| {
+            a.set(a.get().saturating_sub(1));
+            a.get()
+        });
+        if left == 0 {
+            TAPE.with(|t| t.borrow_mut().clear());
+        }
+    }
+}
+
+/// Whether a [`LayerRecompute`] is armed on this thread.
+pub fn armed() -> bool {
+    ARMED.with(|a| a.get() > 0)
+}
+
+/// One recomputed forward pass: what its backward needs to rerun the layers.
+struct Record {
+    /// The model as trained (autodiff parameters).
+    model: LlamaModel,
+    tokens: Tensor<2, Int>,
+    angles: RotaryAngles,
+    local: Option<RotaryAngles>,
+    mask: Option<Tensor<4, Bool>>,
+    /// Each layer's input, tracked by no graph.
+    inputs: Vec<Tensor<3>>,
+    /// The leaf standing for the last layer's output.
+    leaf: Tensor<3>,
+}
+
+/// Why `model` cannot be recomputed a layer at a time, if it cannot.
+fn unsupported(model: &LlamaModel) -> Option<&'static str> {
+    if model
+        .layers
+        .iter()
+        .any(|l| matches!(l.mlp, FeedForward::Sparse(_)))
+    {
+        return Some("a mixture of experts (the router's load-balancing loss needs the whole pass's graph)");
+    }
+    let uses_dropout = model.layers.iter().any(|l| {
+        let FeedForward::Dense(mlp) = &l.mlp else {
+            return false;
+        };
+        l.self_attn
+            .qkv
+            .iter()
+            .chain([&l.self_attn.o_proj])
+            .chain(&mlp.gate_up)
+            .chain([&mlp.down_proj])
+            .any(|p| p.lora.as_ref().is_some_and(|a| a.dropout.prob > 0.0))
+    });
+    uses_dropout.then_some("LoRA with dropout (a rerun would draw other masks)")
+}
+
+/// Whether any parameter of `model`'s layers takes part in a backward pass.
+fn layers_train(model: &LlamaModel) -> bool {
+    struct Trainable(bool);
+    impl ModuleVisitor for Trainable {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 |= param.val().is_require_grad();
+        }
+    }
+    let mut found = Trainable(false);
+    for layer in &model.layers {
+        layer.visit(&mut found);
+        if found.0 {
+            return true;
+        }
+    }
+    false
+}
+
+/// Whether this forward pass of `model` is to be recomputed: armed, without a cache, on a
+/// model whose layers train and that supports it (warning once when it does not).
+pub(super) fn applies(model: &LlamaModel, cached: bool) -> bool {
+    if cached || !armed() || !layers_train(model) {
+        return false;
+    }
+    match unsupported(model) {
+        None => true,
+        Some(why) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "train.activation_checkpointing = true recomputes no layer of {why}: its \
+                     activations are kept as without it"
+                );
+            });
+            false
+        }
+    }
+}
+
+/// The forward pass of [`LlamaModel::forward`] for [`applies`]: the layers without autodiff,
+/// their inputs kept for [`gradients`]; the final norm on a fresh leaf.
+pub(super) fn forward(
+    model: &LlamaModel,
+    tokens: Tensor<2, Int>,
+    angles: RotaryAngles,
+    local: Option<RotaryAngles>,
+    mask: Option<&Tensor<4, Bool>>,
+) -> Tensor<3> {
+    // The same parameters, on the same device, tracked by no graph: the pass computes with the
+    // kernels the reruns use (the same values), and autodiff keeps nothing of it.
+    let frozen = model.clone().freeze();
+    let mut x = frozen.embed(tokens.clone());
+    let mut inputs = Vec::with_capacity(frozen.layers.len());
+    for layer in &frozen.layers {
+        inputs.push(x.clone());
+        let angles = match &local {
+            Some(local) if frozen.rotates_locally(layer) => local,
+            _ => &angles,
+        };
+        x = layer.forward(x, angles, mask, None);
+    }
+    let leaf = x.detach().require_grad();
+    TAPE.with(|t| {
+        t.borrow_mut().push(Record {
+            model: model.clone(),
+            tokens,
+            angles,
+            local,
+            mask: mask.cloned(),
+            inputs,
+            leaf: leaf.clone(),
+        })
+    });
+    layer::norm(&model.norm, leaf)
+}
+
+/// The gradients of `loss` for `module`'s parameters: its backward pass, then, for every
+/// forward pass that was recomputed since the last call, the reruns of its layers (see the
+/// module's docs). Without recomputed passes, `GradientsParams::from_grads(loss.backward(),
+/// module)`.
+pub fn gradients<M: Module>(loss: Tensor<1>, module: &M) -> GradientsParams {
+    let mut grads = loss.backward();
+    let records = TAPE.with(|t| std::mem::take(&mut *t.borrow_mut()));
+    let outputs: Vec<Option<Tensor<3>>> = records.iter().map(|r| r.leaf.grad_remove(&mut grads)).collect();
+    let mut params = GradientsParams::from_grads(grads, module);
+    // Later passes first, as an ordinary backward would meet them; the same order on every
+    // rank, so the collectives inside the reruns match.
+    for (record, output) in records.into_iter().zip(outputs).rev() {
+        // A pass whose output the loss did not use (e.g. sums taken for the loss's
+        // normalisation) has nothing to give back.
+        if let Some(output) = output {
+            record.backward(output, &mut params);
+        }
+    }
+    params
+}
+
+impl Record {
+    /// Reruns the layers from the top with autodiff, adding each one's parameter gradients
+    /// to `params`; `grad` is the gradient of the last layer's output.
+    fn backward(self, mut grad: Tensor<3>, params: &mut GradientsParams) {
+        let model = &self.model;
+        for (layer, input) in model.layers.iter().zip(self.inputs).rev() {
+            let x = input.detach().require_grad();
+            let angles = match &self.local {
+                Some(local) if model.rotates_locally(layer) => local,
+                _ => &self.angles,
+            };
+            let out = layer.forward(x.clone(), angles, self.mask.as_ref(), None);
+            let mut grads = (out * grad).sum().backward();
+            RERUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            grad = x
+                .grad_remove(&mut grads)
+                .expect("a decoder layer's output depends on its input");
+            add_gradients(params, GradientsParams::from_grads(grads, layer), layer);
+        }
+        let embedded = model.embed(self.tokens);
+        // A frozen embedding (LoRA) records nothing to go back through.
+        if embedded.is_tracked() {
+            let grads = (embedded * grad).sum().backward();
+            let embedding = &model.embed_tokens;
+            add_gradients(params, GradientsParams::from_grads(grads, embedding), embedding);
+        }
+    }
+}
+
+/// Adds `from`'s gradients of `module`'s parameters to those `into` holds.
+fn add_gradients<M: Module>(into: &mut GradientsParams, from: GradientsParams, module: &M) {
+    struct Add<'a> {
+        into: &'a mut GradientsParams,
+        from: GradientsParams,
+    }
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.from.remove::<D>(param.id) else {
+                return;
+            };
+            let sum = match self.into.remove::<D>(param.id) {
+                Some(earlier) => earlier + grad,
+                None => grad,
+            };
+            self.into.register(param.id, sum);
+        }
+    }
+    module.visit(&mut Add { into, from });
+}
