@@ -13,7 +13,11 @@ Needs torch, transformers and trl (`pip install trl`); not run in CI.
       process per measurement, alternating between them: seconds per step and peak resident
       memory (`/usr/bin/time`'s maximum RSS) of SFT and of DPO at batch 4 x 256 tokens, and
       generation tokens/s at batch 32 (8-token prompts, 64 new tokens) against transformers'
-      `generate`. Prints a Markdown table.
+      `generate`. TRL 1.x trains with gradient checkpointing by default (`SFTConfig` and
+      `DPOConfig` set `gradient_checkpointing=True`: each decoder layer rerun in the backward);
+      aligner is measured the same way (`--activation-checkpointing`, its
+      `train.activation_checkpointing = true`) and, in a column of its own, without it.
+      Prints a Markdown table.
   python3 tools/real_size.py trl-sft OUT | trl-dpo OUT | hf-generate OUT
       One of TRL's / transformers' measurements alone (what `table` runs); prints one JSON line.
 """
@@ -165,11 +169,12 @@ def table(out, aligner="target/release/aligner"):
     bench = [aligner, "bench", "--model", out]
     me = [sys.executable, __file__]
     results = {}
+    train = bench + ["train", "--batch", str(BATCH), "--seq", str(SEQ), "--steps", str(STEPS)]
+    dpo = bench + ["dpo", "--pairs", str(BATCH), "--seq", str(SEQ), "--steps", str(STEPS)]
+    recompute = ["--activation-checkpointing", "layers"]
     for what, ours, theirs in [
-        ("SFT", bench + ["train", "--batch", str(BATCH), "--seq", str(SEQ), "--steps", str(STEPS)],
-         me + ["trl-sft", out]),
-        ("DPO", bench + ["dpo", "--pairs", str(BATCH), "--seq", str(SEQ), "--steps", str(STEPS)],
-         me + ["trl-dpo", out]),
+        ("SFT", train + recompute, me + ["trl-sft", out]),
+        ("DPO", dpo + recompute, me + ["trl-dpo", out]),
         ("generate", bench + ["generate", "--prompts", str(GEN_BATCH), "--new-tokens", str(GEN_NEW),
                               "--batch-sizes", str(GEN_BATCH)],
          me + ["hf-generate", out]),
@@ -184,16 +189,25 @@ def table(out, aligner="target/release/aligner"):
         results[what] = (mine, rss, data.get("seconds_per_step", data.get("tokens_per_s")), theirs_rss)
         print(f"{what}: aligner {mine:.2f} ({rss:.1f} GB), reference {results[what][2]:.2f} "
               f"({theirs_rss:.1f} GB)", file=sys.stderr, flush=True)
+    # aligner without recomputation (TRL's `gradient_checkpointing=False` is not measured).
+    kept = {}
+    for what, ours in [("SFT", train), ("DPO", dpo)]:
+        stdout, rss = measured(ours)
+        kept[what] = (table_cell(stdout, "ms / step") / 1e3, rss)
+        print(f"{what}: aligner without recomputation {kept[what][0]:.2f} ({rss:.1f} GB)",
+              file=sys.stderr, flush=True)
     threads = os.cpu_count()
-    print(f"| {os.path.basename(out.rstrip('/'))}, {threads} cores | aligner | TRL / transformers |")
-    print("|---|---:|---:|")
+    print(f"| {os.path.basename(out.rstrip('/'))}, {threads} cores | aligner | TRL / transformers "
+          f"| aligner without activation checkpointing |")
+    print("|---|---:|---:|---:|")
     for what, unit in [("SFT", "s / step"), ("DPO", "s / step")]:
         mine, rss, theirs, theirs_rss = results[what]
-        print(f"| {what}, batch {BATCH} x {SEQ} tokens: {unit} | {mine:.1f} | {theirs:.1f} |")
-        print(f"| {what}: peak resident memory, GB | {rss:.1f} | {theirs_rss:.1f} |")
+        plain, plain_rss = kept[what]
+        print(f"| {what}, batch {BATCH} x {SEQ} tokens: {unit} | {mine:.1f} | {theirs:.1f} | {plain:.1f} |")
+        print(f"| {what}: peak resident memory, GB | {rss:.1f} | {theirs_rss:.1f} | {plain_rss:.1f} |")
     mine, rss, theirs, theirs_rss = results["generate"]
-    print(f"| generation, batch {GEN_BATCH}, {GEN_NEW} new tokens: tokens/s | {mine:.0f} | {theirs:.0f} |")
-    print(f"| generation: peak resident memory, GB | {rss:.1f} | {theirs_rss:.1f} |")
+    print(f"| generation, batch {GEN_BATCH}, {GEN_NEW} new tokens: tokens/s | {mine:.0f} | {theirs:.0f} | |")
+    print(f"| generation: peak resident memory, GB | {rss:.1f} | {theirs_rss:.1f} | |")
 
 
 if __name__ == "__main__":

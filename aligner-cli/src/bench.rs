@@ -94,6 +94,10 @@ pub enum BenchCommand {
         seq: usize,
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// As `train --activation-checkpointing`.
+        #[arg(long, default_value = "off", num_args = 0..=1, default_missing_value = "layers",
+              value_parser = Checkpointing::parse)]
+        activation_checkpointing: Checkpointing,
     },
     /// An RL update's step time over a rollout whose responses differ in length (single-turn
     /// answers that stop early, multi-turn episodes), padded (prompts and responses each to the
@@ -283,7 +287,12 @@ pub fn run(args: BenchArgs, device: &Device) -> Result<()> {
             tensor,
             peak_tflops,
         ),
-        BenchCommand::Dpo { pairs, seq, steps } => dpo(device, only, pairs, seq, steps),
+        BenchCommand::Dpo {
+            pairs,
+            seq,
+            steps,
+            activation_checkpointing,
+        } => dpo(device, only, (pairs, seq, steps), activation_checkpointing),
         BenchCommand::Rollout {
             sequences,
             prompt,
@@ -423,11 +432,15 @@ fn seconds_per_step<O: aligner_core::train::Objective<CausalLm>>(
     objective: &O,
     batch: &[O::Example],
     steps: usize,
+    activation_checkpointing: Checkpointing,
 ) -> Result<f64> {
-    let train = TrainSection::default();
+    let train = TrainSection {
+        activation_checkpointing,
+        ..TrainSection::default()
+    };
     seconds_per_step_on(
         model,
-        &device.clone().autodiff(),
+        &train.autodiff_device(device),
         &train,
         1,
         objective,
@@ -714,6 +727,7 @@ fn rollout(
                 &RolloutObjective { packed: pack },
                 &seqs,
                 steps,
+                Checkpointing::Off,
             )?;
             let slots = (real as f64 / (1.0 - padding)).round();
             println!(
@@ -726,13 +740,20 @@ fn rollout(
     Ok(())
 }
 
-fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize) -> Result<()> {
+fn dpo(
+    device: &Device,
+    only: &Selection,
+    (pairs, seq, steps): (usize, usize, usize),
+    activation_checkpointing: Checkpointing,
+) -> Result<()> {
     use aligner_core::score::ScoredSequence;
     use aligner_dpo::LossSpec;
     use aligner_dpo::objective::{DpoExample, DpoObjective};
 
-    println!("| model | params | pairs × seq | ms / step | pairs/s | peak RSS MB |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| model | params | pairs × seq | activation checkpointing | ms / step | pairs/s | peak RSS MB |"
+    );
+    println!("|---|---:|---:|---|---:|---:|---:|");
     for (name, config, model) in models(device, only)? {
         let seq_of = |salt: usize| ScoredSequence {
             ids: synthetic_ids(salt, seq, config.vocab_size),
@@ -752,12 +773,20 @@ fn dpo(device: &Device, only: &Selection, pairs: usize, seq: usize, steps: usize
             sft_weight: 0.0,
         };
         let params = parameter_count(&model);
-        let per = seconds_per_step(model, device, &objective, &examples, steps)?;
+        let per = seconds_per_step(
+            model,
+            device,
+            &objective,
+            &examples,
+            steps,
+            activation_checkpointing,
+        )?;
         let rss = peak_rss_mb()
             .map(|mb| format!("{mb:.0}"))
             .unwrap_or_else(|| "–".into());
         println!(
-            "| {name} | {params} | {pairs} × {seq} | {:.1} | {:.1} | {rss} |",
+            "| {name} | {params} | {pairs} × {seq} | {} | {:.1} | {:.1} | {rss} |",
+            activation_checkpointing.name(),
             per * 1e3,
             pairs as f64 / per
         );

@@ -159,8 +159,9 @@ fn ppo_on_wgpu_with(out: &Path, reward: &str, extra: &[&str], env: &[(&str, &str
     (ok, stderr)
 }
 
-/// Trains `command` for 10 steps on `device` into `run`, evaluating at the start and the end.
-fn train(command: &str, device: &str, run: &Path) {
+/// Trains `command` for 10 steps on `device` into `run` (with `extra` settings), evaluating at
+/// the start and the end; returns what it printed to stderr.
+fn train(command: &str, device: &str, run: &Path, extra: &[&str]) -> String {
     let mut args = vec![
         "--device".to_string(),
         device.into(),
@@ -188,18 +189,27 @@ fn train(command: &str, device: &str, run: &Path) {
     };
     let held_out = common::head(held_out_file, 32, &run.with_extension("held-out.jsonl"));
     set(format!("data.validation={}", held_out.display()));
+    for key in extra {
+        set(key.to_string());
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, err) = aligner(&args);
     assert!(ok, "{command} on {device}: {err}");
+    err
 }
 
 /// Every step's training loss on wgpu equals the CPU's within 1e-3, and the held-out metrics
 /// at the start and the end too.
 fn matches_cpu(command: &str, keys: &[&str]) {
+    matches_cpu_with(command, keys, &[]);
+}
+
+/// [`matches_cpu`] with `extra` settings on wgpu alone; returns the wgpu run's stderr.
+fn matches_cpu_with(command: &str, keys: &[&str], extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let (gpu, cpu) = (dir.path().join("wgpu"), dir.path().join("cpu"));
-    train(command, "wgpu", &gpu);
-    train(command, "cpu", &cpu);
+    let log = train(command, "wgpu", &gpu, extra);
+    train(command, "cpu", &cpu, &[]);
     let (gpu_rows, cpu_rows) = (metrics(&gpu), metrics(&cpu));
     assert_eq!(gpu_rows.len(), cpu_rows.len(), "{command}: metrics rows");
     let (mut compared, mut worst) = (0, 0.0f64);
@@ -219,11 +229,28 @@ fn matches_cpu(command: &str, keys: &[&str]) {
     }
     assert!(compared >= 10, "{command}: only {compared} values compared");
     eprintln!("{command}: worst |wgpu - cpu| {worst:.2e} over {compared} values");
+    log
 }
 
 #[test]
 fn ten_sft_steps_on_wgpu_match_the_cpu() {
     matches_cpu("sft", &["loss", "eval_nll"]);
+}
+
+/// `train.activation_checkpointing = true` on wgpu: each layer is rerun in the backward
+/// through aligner's CubeCL kernels (flash attention, fused norms) from its kept input, and
+/// SFT's losses and held-out NLL match the CPU's without it.
+#[test]
+fn sft_recomputing_layers_on_wgpu_matches_the_cpu_without() {
+    let log = matches_cpu_with(
+        "sft",
+        &["loss", "eval_nll"],
+        &["train.activation_checkpointing=true"],
+    );
+    assert!(
+        log.contains("decoder-layer passes rerun in the backward"),
+        "{log}"
+    );
 }
 
 #[test]

@@ -258,7 +258,8 @@ fn feed_forward_blocks(config: &LlamaConfig) -> Vec<(usize, Vec<usize>)> {
 const KEPT_PER_HIDDEN: f64 = 4.0;
 const KEPT_PER_PROJECTION: f64 = 2.0;
 const KEPT_PER_FFN: f64 = 3.0;
-/// Attention scores per head and key position (the CPU's attention; none with flash attention).
+/// Attention scores per head and key position (soft-capped attention; none with flash
+/// attention).
 const KEPT_PER_SCORE: f64 = 2.0;
 /// Logit rows per token: the chunked log-prob op keeps the logits once, in f32.
 const KEPT_PER_LOGIT: f64 = 1.0;
@@ -345,10 +346,13 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         Some(spec) => (spec.top_k * spec.expert_width).max(config.intermediate_size) as f64,
         None => config.intermediate_size as f64,
     };
-    // A GPU's flash-attention kernels keep no score matrix; the CPU's attention does.
-    let scores = match kind {
-        DeviceKind::Cpu => config.num_attention_heads as f64 * work.seq as f64,
-        DeviceKind::Gpu => 0.0,
+    // Flash attention keeps no score matrix: a GPU's kernels, and the CPU's fused attention
+    // (which keeps each row's logsumexp). Only soft-capped attention (Gemma 2) takes Burn's
+    // composed ops, which keep the scores.
+    let capped = config.attention_softcap().ok().flatten().is_some();
+    let scores = match capped {
+        true => config.num_attention_heads as f64 * work.seq as f64,
+        false => 0.0,
     };
     let per_token_layer =
         KEPT_PER_HIDDEN * h + (KEPT_PER_PROJECTION * proj + KEPT_PER_FFN * ffn + KEPT_PER_SCORE * scores) / t;
