@@ -298,8 +298,8 @@ fn lora_actor_group_baselines_and_entropy_bonus_run() {
 }
 
 /// A short PPO run (2 steps, no evaluation) against `reward` into `dir/name` with extra
-/// `--set`s: its metrics and final model.
-fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Value>, PathBuf) {
+/// `--set`s: its metrics, final model and what it printed to stderr.
+fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Value>, PathBuf, String) {
     let out = dir.join(name);
     let reward = format!("reward_model.path={}", reward.display());
     let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap(), "--set", &reward];
@@ -309,18 +309,21 @@ fn short_ppo(dir: &Path, reward: &Path, name: &str, sets: &[String]) -> (Vec<Val
     }
     let (ok, err) = aligner(&args);
     assert!(ok, "{err}");
-    (metrics(&out), out.join("final"))
+    (metrics(&out), out.join("final"), err)
 }
 
-/// `train.activation_checkpointing` recomputes the actor's activations in its backward pass:
-/// the same rollouts and updates, so the same weights.
+/// `train.activation_checkpointing` recomputes the actor's activations in its backward pass
+/// (each layer rerun from its kept input): the same rollouts and updates, so the same weights.
 #[test]
 fn ppo_activation_checkpointing_trains_to_the_same_weights() {
     let dir = tempfile::tempdir().unwrap();
     let reward = quick_reward_model();
     let run = |name: &str, checkpointing: bool| {
         let set = format!("train.activation_checkpointing={checkpointing}");
-        short_ppo(dir.path(), &reward, name, &[set]).1
+        let (_, final_dir, log) = short_ppo(dir.path(), &reward, name, &[set]);
+        let reruns = log.contains("decoder-layer passes rerun in the backward");
+        assert_eq!(reruns, checkpointing, "{log}");
+        final_dir
     };
     let (plain, recomputed) = (run("plain", false), run("recomputed", true));
     let diff = common::weights_diff(&plain, &recomputed);
@@ -342,7 +345,7 @@ fn an_offloaded_reference_scores_like_the_one_in_place() {
             "model.lora_rank=4".to_string(),
             format!("ppo.offload_reference={offload}"),
         ];
-        let (metrics, final_dir) = short_ppo(dir.path(), &reward, name, &sets);
+        let (metrics, final_dir, _) = short_ppo(dir.path(), &reward, name, &sets);
         (final_dir, values(&metrics, "kl"))
     };
     let ((in_place, kl_in_place), (offloaded, kl_offloaded)) =
