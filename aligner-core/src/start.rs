@@ -57,8 +57,10 @@ pub fn load_for_run(dir: &Path, run: &crate::run::RunDir, device: &Device) -> Re
 }
 
 /// `[model]`'s folder, and `run` in the tensor groups of `parallel` (a collective; refused,
-/// naming the key, where the model cannot be split).
-fn folder_and_grid(
+/// naming the key, where the model cannot be split). [`load_model_split`] is this and
+/// [`load_for_run`]; a run that reads another split model first (a distillation teacher,
+/// [`crate::train::tensor::with_own_ids`]) calls the two itself.
+pub fn folder_and_grid(
     section: &ModelSection,
     parallel: &crate::train::ParallelSection,
     run: &crate::run::RunDir,

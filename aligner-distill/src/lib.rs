@@ -46,7 +46,7 @@ use std::path::PathBuf;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::pad_right;
 use aligner_core::sft::{SftExample, load_sft_examples, trained_mask};
-use aligner_core::start::{load_model, policy_store};
+use aligner_core::start::{folder_and_grid, load_for_run, policy_store};
 use aligner_core::train::{
     DataSection, EvalSum, ModelSection, Objective, RunSummary, StepOutput, TrainSection,
 };
@@ -196,6 +196,9 @@ pub struct DistillConfig {
     /// The reward–KL figures of the student's own samples (KL to the start model) at every
     /// validation.
     pub frontier: aligner_gen::FrontierSection,
+    /// Tensor groups (`parallel.tensor`): the student, the teacher (and the start model of a
+    /// mixture target) split over each group, whose ranks compute the same rows together.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 impl Default for DistillConfig {
@@ -213,6 +216,7 @@ impl Default for DistillConfig {
             },
             distill: DistillSection::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
+            parallel: Default::default(),
         }
     }
 }
@@ -885,10 +889,30 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
             .map(drop)
         })?,
     };
-    let teacher = LoadedModel::from_dir(&teacher_dir, device)?;
-    let student = load_model(&config.model, device)?;
+    // In tensor groups (formed here, once a default teacher is trained) each rank reads only
+    // its blocks of the student and of the teacher, whose heads the groups must divide too.
+    // The teacher's weights carry the student's names: it takes ids of its own, read first.
+    let (student_dir, grid) = folder_and_grid(&config.model, &config.parallel, run)?;
+    let run = &grid;
+    let teacher_config = aligner_core::LlamaConfig::from_file(&teacher_dir.join("config.json"))?;
+    aligner_core::train::config::check_tensor_heads(
+        &teacher_config,
+        config.parallel.tensor,
+        &format!(
+            "parallel.tensor = {} (the teacher {})",
+            config.parallel.tensor,
+            teacher_dir.display()
+        ),
+    )?;
+    let mut teacher = load_for_run(&teacher_dir, run, device)?;
+    if run.tensor_group().is_some() {
+        teacher.model = aligner_core::train::tensor::with_own_ids(teacher.model, 0x7eac_4e55_0000_0001);
+    }
+    let student = load_for_run(&student_dir, run, device)?.in_precision(config.model.dtype, device)?;
     check_same_tokenizer(&teacher, &student)?;
-    let frontier = config.frontier.for_start_model_on_rank_0(&student, run, device)?;
+    let frontier = config
+        .frontier
+        .for_split_start_model(&student, &config.model, run, device)?;
     let max_len = config.data.max_len(&student.config)?;
     let (train, validation) =
         data_files(&config.data)?.load(|path, _| load_sft_examples(path, &student.tokenizer, max_len))?;
@@ -935,12 +959,17 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
         let key = key
             .value(&train.iter().map(|e| e.ids.as_slice()).collect::<Vec<_>>())
             .finish();
-        let comm = run.comm();
+        let file = run.join(top_k::TOP_K_FILE);
+        let fresh = run.agree(&aligner_core::cache::is_fresh(&file, &key))?;
+        let world = run.world();
+        // Data rank 0 computes it: rank 0, or in tensor groups the writer's group together.
         let cache = TeacherTopK::load_or_compute(
-            &run.join(top_k::TOP_K_FILE),
+            &file,
+            fresh,
+            run.comm().rank() == 0,
+            run.is_writer(),
             &key,
-            comm.is_root(),
-            || Ok(comm.barrier().map_err(CoreError::from)?),
+            || Ok(world.barrier().map_err(CoreError::from)?),
             || {
                 let device = objective.teacher.model.embed_tokens.weight.device();
                 TeacherTopK::compute(

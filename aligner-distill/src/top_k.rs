@@ -180,24 +180,30 @@ impl TeacherTopK {
         })
     }
 
-    /// The cache of `run_file` when its key is `key`, else computed by `compute` and written
-    /// (rank 0's job: the other ranks wait for it at `barrier` and read it).
+    /// The cache of `run_file` when its key is `key` (`fresh`, which the ranks agreed on),
+    /// else computed by `compute` on the ranks that `compute_here` (rank 0, or in tensor
+    /// groups the writer's whole group, whose ranks compute the teacher together) and written
+    /// by the one that `writes`: the other ranks wait for it at `barrier` and read it.
     pub fn load_or_compute(
         run_file: &Path,
+        fresh: bool,
+        compute_here: bool,
+        writes: bool,
         key: &CacheKey,
-        is_root: bool,
         barrier: impl Fn() -> Result<()>,
         compute: impl FnOnce() -> Self,
     ) -> Result<Self> {
-        // Rank 0 keeps what it computed; only a rank that did not compute it reads the file.
-        let computed = match is_root && !cache::is_fresh(run_file, key) {
+        // A rank that computed it keeps it; only a rank that did not reads the file.
+        let computed = match compute_here && !fresh {
             true => {
                 let top = compute();
-                let bytes = top.to_bytes()?;
-                cache::write_with(run_file, key, |path| {
-                    aligner_core::checkpoint::write_atomic(path, &bytes).map_err(DistillError::from)
-                })?;
-                tracing::info!(cache = %run_file.display(), k = top.k, "cached the teacher's top-k log-probs");
+                if writes {
+                    let bytes = top.to_bytes()?;
+                    cache::write_with(run_file, key, |path| {
+                        aligner_core::checkpoint::write_atomic(path, &bytes).map_err(DistillError::from)
+                    })?;
+                    tracing::info!(cache = %run_file.display(), k = top.k, "cached the teacher's top-k log-probs");
+                }
                 Some(top)
             }
             false => None,

@@ -13,7 +13,7 @@ use aligner_core::data::EncodedPrompt;
 use aligner_core::rm::RmConfig;
 use aligner_core::run::{RunDir, data_files};
 use aligner_core::score::{ScoredSequence, response_logprobs};
-use aligner_core::start::{LoadedRewardModel, load_model, policy_store};
+use aligner_core::start::{LoadedRewardModel, load_model_split, policy_store};
 use aligner_core::train::{
     CheckpointLayout, DataSection, EpochOrder, LoopSettings, Method, ModelEval, ModelSection, MovedKey,
     Objective, Optimizer, Stepped, TrainSection, learning_rate, non_finite, run_loop, sum_metrics_by_name,
@@ -24,7 +24,7 @@ use aligner_gen::reward::ModelReward;
 use aligner_gen::{
     Engine, EngineOptions, GenerationRequest, RewardInput, RewardSpecs, Rewards, SamplingParams,
 };
-use aligner_parallel::{Communicator, shard_range};
+use aligner_parallel::shard_range;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use serde::{Deserialize, Serialize};
@@ -142,6 +142,10 @@ pub struct OnlineDpoConfig {
     /// the pair's observations are masked from the DPO log-probs.
     #[serde(skip_serializing_if = "environment_is_off")]
     pub environment: aligner_gen::env::EnvironmentSection,
+    /// Tensor groups (`parallel.tensor`): the policy and the reference split over each group,
+    /// whose ranks sample the same answers together (the engine split the same way) and train
+    /// on them as one process would.
+    pub parallel: aligner_core::train::ParallelSection,
 }
 
 fn environment_is_off(section: &aligner_gen::env::EnvironmentSection) -> bool {
@@ -160,6 +164,7 @@ impl Default for OnlineDpoConfig {
             reward: RewardSpecs::default(),
             frontier: aligner_gen::FrontierSection::shipped(),
             environment: aligner_gen::env::EnvironmentSection::default(),
+            parallel: Default::default(),
         }
     }
 }
@@ -211,11 +216,13 @@ pub fn train(
         aligner_core::train::Range::NonNegative,
     )?;
     check_train(&config.train, "train")?;
-    if run.tensor_group().is_some() {
+    if config.parallel.tensor > 1 && config.environment.enabled() {
         // Refused before a reward model is trained for it.
         return Err(DpoError::Invalid(
-            "parallel.tensor is not available for online DPO yet (its engine samples from the \
-             whole policy): use parallel.tensor = 1; data-parallel ranks under mpirun are"
+            "[environment] with parallel.tensor > 1: online DPO's episodes run on each rank of a \
+             tensor group, which must then decode in lock step with environments that may answer \
+             differently; use parallel.tensor = 1 (data-parallel ranks run episodes), or GRPO \
+             (aligner ppo), whose episodes in tensor groups are answered on rank 0 alone"
                 .into(),
         ));
     }
@@ -240,12 +247,20 @@ pub fn train(
     } else {
         config.reward.build(device)?
     };
-    let mut lm = load_model(&config.model, device)?;
+    // In tensor groups (formed here, once the reward model is ready) each rank reads only its
+    // blocks of the policy; the reference is a copy of those blocks.
+    let (mut lm, grid) = load_model_split(&config.model, &config.parallel, run, device)?;
+    let run = &grid;
     if let Some(tools) = config.environment.tools_json() {
         lm.tokenizer = lm.tokenizer.with_tools(tools);
     }
     aligner_core::train::check_new_tokens(&[("online.max_new_tokens", on.max_new_tokens)], &lm.config)?;
-    let frontier = config.frontier.for_start_model(&lm, device)?;
+    // Rank 0 alone measures the frontier; the other ranks learn whether it does, to send it
+    // their blocks of the policy.
+    let frontier = config
+        .frontier
+        .for_split_start_model(&lm, &config.model, run, device)?;
+    let frontier_anywhere = run.agree(&frontier.is_some())?;
     let context = lm.config.max_position_embeddings;
     let (train_prompts, eval_prompts) = data_files(&config.data)?
         .load(|path, _| aligner_core::data::load_prompts(path, &lm.tokenizer, context))?;
@@ -282,6 +297,7 @@ pub fn train(
         train_prompts: &train_prompts,
         eval_set: eval_prompts[..eval_limit].iter().collect(),
         frontier: frontier.as_ref(),
+        frontier_anywhere,
         run,
         engine: None,
         last: None,
@@ -323,7 +339,10 @@ struct OnlineStep<'a> {
     reference: CausalLm,
     train_prompts: &'a [EncodedPrompt],
     eval_set: Vec<&'a EncodedPrompt>,
+    /// Measured on rank 0 alone ([`OnlineStep::frontier_anywhere`] on every rank).
     frontier: Option<&'a aligner_gen::Frontier>,
+    /// Whether rank 0 measures the frontier: in a tensor group its ranks send it their blocks.
+    frontier_anywhere: bool,
     run: &'a RunDir,
     /// The generation engine (made from the trained weights once they are in place).
     engine: Option<Engine>,
@@ -331,17 +350,12 @@ struct OnlineStep<'a> {
     last: Option<f64>,
 }
 
-/// The engine, once [`Method::begin`] has made it.
-fn made(engine: &mut Option<Engine>) -> Result<&mut Engine, DpoError> {
-    engine
-        .as_mut()
-        .ok_or_else(|| DpoError::Invalid("the generation engine was not made".into()))
-}
-
-impl Method<CausalLm> for OnlineStep<'_> {
-    type Error = DpoError;
-
-    fn begin(&mut self, policy: &CausalLm, _resumed: Option<&std::path::Path>) -> Result<(), DpoError> {
+impl OnlineStep<'_> {
+    /// Makes the generation engine on `policy`'s weights, unless it is made.
+    fn make_engine(&mut self, policy: &CausalLm) {
+        if self.engine.is_some() {
+            return;
+        }
         self.engine = Some(Engine::new(
             policy.valid(),
             self.llama.clone(),
@@ -351,6 +365,33 @@ impl Method<CausalLm> for OnlineStep<'_> {
                 ..EngineOptions::default()
             },
         ));
+    }
+}
+
+/// The engine, once [`OnlineStep::make_engine`] has made it.
+fn made(engine: &mut Option<Engine>) -> Result<&mut Engine, DpoError> {
+    engine
+        .as_mut()
+        .ok_or_else(|| DpoError::Invalid("the generation engine was not made".into()))
+}
+
+impl Method<CausalLm> for OnlineStep<'_> {
+    type Error = DpoError;
+
+    fn splits_tensors(&self) -> bool {
+        true
+    }
+
+    fn evaluates_in_parts(&self) -> bool {
+        true
+    }
+
+    fn begin(&mut self, policy: &CausalLm, _resumed: Option<&std::path::Path>) -> Result<(), DpoError> {
+        // In a tensor group the engine holds this rank's blocks (the group decodes together),
+        // made at its first use: the loop splits LoRA's factors after `begin`.
+        if self.run.tensor_group().is_none() {
+            self.make_engine(policy);
+        }
         Ok(())
     }
 
@@ -361,6 +402,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
         optim: &mut Optimizer<'_>,
     ) -> Result<Stepped<CausalLm>, DpoError> {
         let on = self.sampler.config;
+        self.make_engine(&policy);
         made(&mut self.engine)?.refit(&policy)?;
         let train = self.train;
         let prompts: Vec<&EncodedPrompt> =
@@ -379,7 +421,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
             sequences: sampled,
             scores,
             episodes: stats,
-        } = self.sampler.sample(engine, &prompts, 2, seed, self.run.comm())?;
+        } = self.sampler.sample(engine, &prompts, 2, seed, self.run)?;
         let mut examples = Vec::new();
         for (pair, s) in sampled.chunks(2).zip(scores.chunks(2)) {
             if let Some(p) = prefer(s[0], s[1]) {
@@ -474,18 +516,23 @@ impl Method<CausalLm> for OnlineStep<'_> {
     fn evaluate(&mut self, policy: &CausalLm) -> Result<Map<String, Value>, DpoError> {
         let mut out = Map::new();
         if !self.eval_set.is_empty() {
+            self.make_engine(policy);
             let engine = made(&mut self.engine)?;
             engine.refit(policy)?;
             let scores = self
                 .sampler
-                .sample(engine, &self.eval_set, 1, 0xe7a1, self.run.comm())?
+                .sample(engine, &self.eval_set, 1, 0xe7a1, self.run)?
                 .scores;
             out.insert("eval_reward".into(), mean(&scores).into());
             self.last = Some(mean(&scores));
         }
-        // Rank 0 measures the frontier (it writes the log); the other ranks' would be the same.
-        if let Some(frontier) = self.frontier.filter(|_| self.run.is_writer()) {
-            out.extend(ModelEval::evaluate(frontier, &policy.valid())?);
+        // Rank 0 measures the frontier (it writes the log) on the whole policy, which a tensor
+        // group gathers to it alone.
+        if self.frontier_anywhere {
+            let whole = aligner_core::train::tensor::whole_on_writer(policy, self.run);
+            if let (Some(whole), Some(frontier)) = (whole, self.frontier) {
+                out.extend(ModelEval::evaluate(frontier, &whole.valid())?);
+            }
         }
         Ok(out)
     }
@@ -511,14 +558,17 @@ impl Sampler<'_> {
     /// observations marked), their rewards, and the episodes' statistics. Over data-parallel
     /// ranks each draws and scores its share of the prompts, and every rank gets them all:
     /// each answer's seed is its place in the whole batch, so the answers are one process's.
+    /// A tensor group's ranks draw their share together (the engine split over the group) and
+    /// train on its rank 0's answers and scores, to the bit.
     fn sample(
         &self,
         engine: &mut Engine,
         prompts: &[&EncodedPrompt],
         n: usize,
         seed: u64,
-        comm: &dyn Communicator,
+        run: &RunDir,
     ) -> Result<Drawn, DpoError> {
+        let comm = run.comm();
         let params = SamplingParams {
             temperature: self.config.temperature,
             seed,
@@ -574,10 +624,16 @@ impl Sampler<'_> {
                 *score += self.environment.reward_of(e);
             }
         }
+        let drawn = match run.tensor_group() {
+            Some(group) => {
+                aligner_core::parallel::broadcast_from_root(group.as_ref(), &(outputs, scores, episodes))?
+            }
+            None => (outputs, scores, episodes),
+        };
         let (outputs, scores, episodes) = match comm.world_size() {
-            1 => (outputs, scores, episodes),
+            1 => drawn,
             _ => {
-                let parts = aligner_core::parallel::gather(comm, &(outputs, scores, episodes))?;
+                let parts = aligner_core::parallel::gather(comm, &drawn)?;
                 let mut all = (Vec::new(), Vec::new(), None::<Vec<Episode>>);
                 for (outputs, scores, episodes) in parts {
                     all.0.extend(outputs);

@@ -168,6 +168,38 @@ pub fn gather_parameters_to_root<M: Module>(model: &M) -> Option<M> {
     received.then_some(model)
 }
 
+/// `model`, read split over a tensor group, with parameter ids of its own (each derived from
+/// its id and `salt`), its splits registered under them. Parameters are named by their HF
+/// names, and a split is registered by id: a second split model whose weights carry the
+/// trained model's names (a distillation teacher) must take ids of its own, before the model
+/// with the names is read (whose registrations would otherwise be overwritten by its own).
+pub fn with_own_ids<M: Module>(model: M, salt: u64) -> M {
+    struct OwnIds(u64);
+    impl ModuleMapper for OwnIds {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let old = param.id.val();
+            let new = old.rotate_left(29) ^ self.0;
+            let (_, value, mapper) = param.consume();
+            if let Some(split) = split_of(old, &value.dims()) {
+                register(new, split);
+            }
+            Param::from_mapped_value(burn::module::ParamId::from(new), value, mapper)
+        }
+    }
+    model.map(&mut OwnIds(salt))
+}
+
+/// `model` whole on the writer of `run` (world rank 0) alone, `None` on the other ranks: in
+/// tensor groups the writer's group sends it their blocks of each parameter in turn (a
+/// collective for that group; the other groups take no part), otherwise `model` itself. What
+/// the writer alone computes on (the frontier's samples) without a whole copy on every rank.
+pub fn whole_on_writer<'m, M: Module>(
+    model: &'m M,
+    run: &crate::run::RunDir,
+) -> Option<std::borrow::Cow<'m, M>> {
+    super::stream::SaveParts::of(run, false, run.tensor_group().is_some()).whole_on_writer(model, run)
+}
+
 /// `model` with its split parameters gathered whole on every rank (`root` None) or on `root`
 /// alone, and whether this rank received them (the others keep their blocks).
 fn gather<M: Module>(model: &M, root: Option<usize>) -> (M, bool) {

@@ -126,7 +126,7 @@ pub struct CaiConfig {
     /// function also scores the RL pairs, to check the AI labels against it.
     pub frontier: FrontierSection,
     /// Tensor groups (`parallel.tensor`) for the fine-tuning stages (SFT, DPO, the reward
-    /// model): each rank trains its blocks of the model.
+    /// model, online DPO): each rank trains its blocks of the model.
     pub parallel: aligner_core::train::ParallelSection,
 }
 
@@ -243,13 +243,6 @@ pub fn train(
         )));
     }
     let constitution = Constitution::load(given(&section.constitution).map(PathBuf::as_path))?;
-    if section.rl == RlMethod::RewardModel && config.parallel.tensor > 1 {
-        return Err(SelfRewardError::Invalid(
-            "cai.rl = \"reward_model\" ends in online DPO, which does not run in tensor groups: \
-             use cai.rl = \"dpo\" with parallel.tensor, or parallel.tensor = 1"
-                .into(),
-        ));
-    }
     if section.rl == RlMethod::RewardModel {
         aligner_dpo::online::check_train(&config.online_train, "online_train")?;
     }
@@ -448,6 +441,7 @@ pub fn train(
                     reward: Default::default(),
                     frontier: FrontierSection::default(),
                     environment: Default::default(),
+                    parallel: config.parallel.clone(),
                 };
                 aligner_dpo::online::train(&online, registry, &final_run, device)?;
             }
