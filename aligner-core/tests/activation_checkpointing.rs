@@ -84,6 +84,8 @@ fn step(
         ..TrainSection::default()
     };
     let model = config.train_model(lm.model.clone(), &Device::flex());
+    // The same dropout masks (LoRA) in every run of a step.
+    model.model.embed_tokens.weight.device().seed(7);
     let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
     let base = LIVE.load(Relaxed);
     let out = SftObjective.step(&model, batch).unwrap();
@@ -176,30 +178,41 @@ fn activation_checkpointing_keeps_the_gradients_and_changes_what_autodiff_keeps(
 }
 
 /// LoRA: the base layers are frozen and the embedding too; the adapters' gradients come from
-/// the reruns alone.
+/// the reruns alone. With LoRA dropout the reruns draw the masks the pass drew (each layer's
+/// from its own seed): the same gradients as without recomputation, which differ from the
+/// gradients without dropout (the masks are applied).
 #[test]
 fn layer_recomputation_gives_lora_adapters_the_same_gradients() {
     let device = Device::flex();
-    let mut lm = LoadedModel::from_dir(&repo().join("assets/stories260K"), &device).unwrap();
-    let spec = aligner_core::model::LoraSpec {
-        rank: 4,
-        alpha: 8.0,
-        dropout: 0.0,
-        targets: ["q_proj", "v_proj", "down_proj"].map(String::from).to_vec(),
-    };
-    assert!(lm.model.attach_lora(&spec, &device) > 0);
-    // Non-zero B factors, so that every adapter's A factor has a gradient.
-    lm.model = lm.model.map(&mut Nudge);
     let data = repo().join("assets/tinystories_sentiment/train.sft.jsonl");
-    let examples = load_sft_examples(&data, &lm.tokenizer, 128).unwrap();
-    let batch: Vec<&SftExample> = examples.iter().take(4).collect();
-    let (_, plain) = step(&lm, &batch, Checkpointing::Off);
-    let (_, layers) = step(&lm, &batch, Checkpointing::Layers);
-    assert!(!plain.is_empty());
-    let diff = largest_difference(&plain, &layers);
+    let with_dropout = |dropout: f64| {
+        let mut lm = LoadedModel::from_dir(&repo().join("assets/stories260K"), &device).unwrap();
+        let spec = aligner_core::model::LoraSpec {
+            rank: 4,
+            alpha: 8.0,
+            dropout,
+            targets: ["q_proj", "v_proj", "down_proj"].map(String::from).to_vec(),
+        };
+        assert!(lm.model.attach_lora(&spec, &device) > 0);
+        // Non-zero B factors, so that every adapter's A factor has a gradient.
+        lm.model = lm.model.map(&mut Nudge);
+        let examples = load_sft_examples(&data, &lm.tokenizer, 128).unwrap();
+        let batch: Vec<&SftExample> = examples.iter().take(4).collect();
+        let (_, plain) = step(&lm, &batch, Checkpointing::Off);
+        let (_, layers) = step(&lm, &batch, Checkpointing::Layers);
+        assert!(!plain.is_empty());
+        let diff = largest_difference(&plain, &layers);
+        assert!(
+            diff <= 1e-5,
+            "dropout {dropout}: the adapters' gradients differ by {diff} of the largest"
+        );
+        plain
+    };
+    let (none, some) = (with_dropout(0.0), with_dropout(0.2));
+    let applied = largest_difference(&none, &some);
     assert!(
-        diff <= 1e-5,
-        "the adapters' gradients differ by {diff} of the largest"
+        applied > 1e-2,
+        "dropout 0.2 moved the gradients by {applied} only"
     );
 }
 

@@ -89,6 +89,12 @@ impl LlamaModel {
         if recompute::applies(self, cache.is_some()) {
             return recompute::forward(self, tokens, angles, local, mask);
         }
+        // A training pass's LoRA dropout draws each layer's masks from a seed of its own, as
+        // a recomputed pass and its reruns do (the same masks, the same gradients).
+        let seeds = match cache.is_some() {
+            true => None,
+            false => recompute::DropoutSeeds::draw(self),
+        };
         let mut x = self.embed(tokens);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
@@ -96,7 +102,13 @@ impl LlamaModel {
                 Some(local) if self.rotates_locally(layer) => local,
                 _ => &angles,
             };
+            if let Some(seeds) = &seeds {
+                seeds.before_layer(i);
+            }
             x = layer.forward(x, angles, mask, layer_cache);
+        }
+        if let Some(seeds) = &seeds {
+            seeds.after_pass();
         }
         layer::norm(&self.norm, x)
     }

@@ -17,11 +17,16 @@
 //! same order on every rank. Gradients equal the ordinary pass's (the kept inputs are the
 //! values the layers saw; the reruns compute them the same way).
 //!
+//! LoRA dropout draws the same masks in a rerun as in the pass it reruns: a training pass of a
+//! model with dropout seeds the device's generator before each layer ([`DropoutSeeds`], from
+//! one draw of the generator at the pass's start), the rerun seeds it the same way, and the
+//! generator is left where the ordinary pass leaves it. An ordinary pass seeds the same way,
+//! so its masks, and its gradients, are the recomputed pass's.
+//!
 //! Not recomputed: a forward with a KV cache (generation), a model with no trainable
-//! parameter in its layers (a frozen reference), mixtures of experts (the router's
-//! load-balancing loss is built from the whole forward pass's routing) and LoRA with dropout
-//! (a rerun would draw other masks): these run as an ordinary autodiff pass, with a warning for
-//! the last two.
+//! parameter in its layers (a frozen reference) and mixtures of experts (the router's
+//! load-balancing loss is built from the whole forward pass's routing): these run as an
+//! ordinary autodiff pass, with a warning for the last.
 
 use std::cell::{Cell, RefCell};
 
@@ -96,6 +101,8 @@ struct Record {
     inputs: Vec<Tensor<3>>,
     /// The leaf standing for the last layer's output.
     leaf: Tensor<3>,
+    /// The pass's dropout seeds, when it applied dropout.
+    seeds: Option<DropoutSeeds>,
 }
 
 /// Why `model` cannot be recomputed a layer at a time, if it cannot.
@@ -107,7 +114,12 @@ fn unsupported(model: &LlamaModel) -> Option<&'static str> {
     {
         return Some("a mixture of experts (the router's load-balancing loss needs the whole pass's graph)");
     }
-    let uses_dropout = model.layers.iter().any(|l| {
+    None
+}
+
+/// Whether any LoRA adapter of `model`'s layers has dropout.
+fn uses_dropout(model: &LlamaModel) -> bool {
+    model.layers.iter().any(|l| {
         let FeedForward::Dense(mlp) = &l.mlp else {
             return false;
         };
@@ -118,8 +130,57 @@ fn unsupported(model: &LlamaModel) -> Option<&'static str> {
             .chain(&mlp.gate_up)
             .chain([&mlp.down_proj])
             .any(|p| p.lora.as_ref().is_some_and(|a| a.dropout.prob > 0.0))
-    });
-    uses_dropout.then_some("LoRA with dropout (a rerun would draw other masks)")
+    })
+}
+
+/// The seeds of a training pass's dropout masks, one per decoder layer, derived from one draw
+/// of the device's generator: a rerun of layer `i` seeded with [`DropoutSeeds::before_layer`]
+/// draws the masks the pass drew.
+#[derive(Clone)]
+pub(super) struct DropoutSeeds {
+    device: crate::Device,
+    base: u64,
+    layers: u64,
+}
+
+impl DropoutSeeds {
+    /// The seeds of a forward pass of `model`, when it applies dropout: LoRA adapters with
+    /// dropout in layers that train, on an autodiff device (elsewhere dropout is the identity).
+    pub(super) fn draw(model: &LlamaModel) -> Option<Self> {
+        let device = model.embed_tokens.weight.device();
+        if !device.is_autodiff() || !uses_dropout(model) || !layers_train(model) {
+            return None;
+        }
+        let draw = Tensor::<1>::random([2], burn::tensor::Distribution::Uniform(0.0, 1.0), &device)
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap_or_default();
+        let bits = |i: usize| (draw.get(i).copied().unwrap_or(0.0) as f64 * (1u64 << 24) as f64) as u64;
+        Some(Self {
+            device,
+            base: (bits(0) << 24) | bits(1),
+            layers: model.layers.len() as u64,
+        })
+    }
+
+    /// Seeds the generator for layer `layer`'s masks.
+    pub(super) fn before_layer(&self, layer: usize) {
+        self.device.seed(splitmix64(self.base.wrapping_add(layer as u64)));
+    }
+
+    /// Leaves the generator where the pass leaves it: seeded past every layer's seed.
+    pub(super) fn after_pass(&self) {
+        self.device.seed(splitmix64(self.base.wrapping_add(self.layers)));
+    }
+}
+
+/// SplitMix64's output function: well-spread seeds from consecutive integers.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Whether any parameter of `model`'s layers takes part in a backward pass.
@@ -172,16 +233,24 @@ pub(super) fn forward(
 ) -> Tensor<3> {
     // The same parameters, on the same device, tracked by no graph: the pass computes with the
     // kernels the reruns use (the same values), and autodiff keeps nothing of it.
-    let frozen = model.clone().freeze();
+    // Dropout stays on in it (`freeze` would turn it off), drawing what the reruns draw.
+    let seeds = DropoutSeeds::draw(model);
+    let frozen = without_gradients(model.clone());
     let mut x = frozen.embed(tokens.clone());
     let mut inputs = Vec::with_capacity(frozen.layers.len());
-    for layer in &frozen.layers {
+    for (i, layer) in frozen.layers.iter().enumerate() {
         inputs.push(x.clone());
         let angles = match &local {
             Some(local) if frozen.rotates_locally(layer) => local,
             _ => &angles,
         };
+        if let Some(seeds) = &seeds {
+            seeds.before_layer(i);
+        }
         x = layer.forward(x, angles, mask, None);
+    }
+    if let Some(seeds) = &seeds {
+        seeds.after_pass();
     }
     let leaf = x.detach().require_grad();
     TAPE.with(|t| {
@@ -193,6 +262,7 @@ pub(super) fn forward(
             mask: mask.cloned(),
             inputs,
             leaf: leaf.clone(),
+            seeds,
         })
     });
     layer::norm(&model.norm, leaf)
@@ -207,6 +277,8 @@ pub fn gradients<M: Module>(loss: Tensor<1>, module: &M) -> GradientsParams {
     let records = TAPE.with(|t| std::mem::take(&mut *t.borrow_mut()));
     let outputs: Vec<Option<Tensor<3>>> = records.iter().map(|r| r.leaf.grad_remove(&mut grads)).collect();
     let mut params = GradientsParams::from_grads(grads, module);
+    // The generator as the last pass left it, restored once the reruns have reseeded it.
+    let last_seeds = records.iter().rev().find_map(|r| r.seeds.clone());
     // Later passes first, as an ordinary backward would meet them; the same order on every
     // rank, so the collectives inside the reruns match.
     for (record, output) in records.into_iter().zip(outputs).rev() {
@@ -216,6 +288,9 @@ pub fn gradients<M: Module>(loss: Tensor<1>, module: &M) -> GradientsParams {
             record.backward(output, &mut params);
         }
     }
+    if let Some(seeds) = last_seeds {
+        seeds.after_pass();
+    }
     params
 }
 
@@ -224,12 +299,15 @@ impl Record {
     /// to `params`; `grad` is the gradient of the last layer's output.
     fn backward(self, mut grad: Tensor<3>, params: &mut GradientsParams) {
         let model = &self.model;
-        for (layer, input) in model.layers.iter().zip(self.inputs).rev() {
+        for (i, (layer, input)) in model.layers.iter().zip(self.inputs).enumerate().rev() {
             let x = input.detach().require_grad();
             let angles = match &self.local {
                 Some(local) if model.rotates_locally(layer) => local,
                 _ => &self.angles,
             };
+            if let Some(seeds) = &self.seeds {
+                seeds.before_layer(i);
+            }
             let out = layer.forward(x.clone(), angles, self.mask.as_ref(), None);
             let mut grads = (out * grad).sum().backward();
             RERUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -246,6 +324,18 @@ impl Record {
             add_gradients(params, GradientsParams::from_grads(grads, embedding), embedding);
         }
     }
+}
+
+/// `model` with no parameter tracked by autodiff, its modules' training flags (dropout) as
+/// they were: [`Module::freeze`] would also turn dropout off.
+fn without_gradients(model: LlamaModel) -> LlamaModel {
+    struct Untracked;
+    impl burn::module::ModuleMapper for Untracked {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.set_require_grad(false)
+        }
+    }
+    model.map(&mut Untracked)
 }
 
 /// Adds `from`'s gradients of `module`'s parameters to those `into` holds.
