@@ -892,6 +892,23 @@ fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
             "{sets:?}: {stderr}"
         );
     }
+    // Online DPO's episodes would run on each rank of a group: an environment is refused there
+    // before anything is trained.
+    let output = mpirun(2, &aligner_exe())
+        .args(["online-dpo", "--out", dir.path().join("env").to_str().unwrap()])
+        .args(["--set", "parallel.tensor=2"])
+        .args([
+            "--set",
+            "environment.command=[\"python3\", \"assets/agentic/ask_env.py\"]",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("[environment] with parallel.tensor"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("env/reward_model").exists());
     // One process is one group of one rank.
     let (ok, err) = aligner(&[
         "sft",
