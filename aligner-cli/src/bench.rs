@@ -482,6 +482,7 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     let mut step = ObjectiveStep::new(&config, objective, batch, &run, total, train_device);
     let mut optim = Optimizer::new(
         config.weight_decay,
+        config.adam_epsilon,
         config.max_grad_norm,
         config.sharding,
         run.comm(),

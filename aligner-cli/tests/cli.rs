@@ -374,6 +374,7 @@ fn bad_inputs_are_refused_naming_the_culprit() {
         (flag("--workers", "0"), "--workers"),
         (set("sft", "train.lr=0".into()), "train.lr"),
         (set("sft", "train.lr=nan".into()), "train.lr"),
+        (set("sft", "train.adam_epsilon=0".into()), "train.adam_epsilon"),
         (
             set("sft", "train.max_grad_norm=nan".into()),
             "train.max_grad_norm",

@@ -1084,7 +1084,11 @@ fn ppo_on_two_ranks_and_in_a_tensor_group_raises_the_held_out_reward_like_one_pr
 
 /// GRPO (critic-free, the lexicon as its reward) trains to the same weights on one process and
 /// on two and three ranks with ZeRO-2, ZeRO-1 and ZeRO-3: the rollouts carry their own seeds, the
-/// actor's mini-batches are split over the ranks and their gradients summed.
+/// actor's mini-batches are split over the ranks and their gradients summed. AdamW's ε is 1e-6:
+/// group-normalised advantages cancel some weights' gradients to rounding noise, which at the
+/// default 1e-8 AdamW turns into steps of up to lr · |g| / (|g| + ε) whose size follows the order
+/// of the sums (measured without AVX-512: 5.0e-5 from one process on 3 ZeRO-1 ranks, in one
+/// element; 3.2e-6 at ε 1e-6, the policy moving 5.7e-3 either way).
 #[test]
 fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -1098,6 +1102,7 @@ fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
         "train.max_steps=3",
         "train.eval_every=3",
         "train.lr=5e-4",
+        "train.adam_epsilon=1e-6",
         "reward.function=tinystories_sentiment",
         "frontier.prompts=''",
     ]
@@ -1181,10 +1186,11 @@ fn same_logged_values(one: &Path, many: &Path) {
 
 /// GRPO in tensor groups of 1×2 and 2×2 with `ppo.split_engine = false`: the engines generate
 /// with the actor gathered whole, each group trains on its rank 0's samples, and the policy
-/// ends where one process's does. At lr 1e-4: group-normalised advantages cancel some
-/// weights' gradients to rounding noise (~1e-8), which AdamW's first steps turn into updates
-/// of up to lr × 0.05 that differ with the order of the sums (2.7e-5 at lr 5e-4, in one
-/// element). With the engine split over the group (the default), each group draws the same
+/// ends where one process's does. At lr 1e-4 and AdamW's ε 1e-6: group-normalised advantages
+/// cancel some weights' gradients to rounding noise (~1e-8), which AdamW's first steps turn
+/// into updates of up to lr · |g| / (|g| + ε) that differ with the order of the sums (2.7e-5
+/// at lr 5e-4 and ε 1e-8, in one element; without AVX-512 1.7e-5 at lr 1e-4, and 1.7e-6 at ε
+/// 1e-6, the policy moving 1.2e-3 either way). With the engine split over the group (the default), each group draws the same
 /// first samples as one process (the same rewards, lengths and KL; log-probs as far from the
 /// trainer's as one process's are); its behaviour log-probs differ from one process's by
 /// ~1e-6 (sums in another order), which those same AdamW steps make a different trajectory
@@ -1203,6 +1209,7 @@ fn grpo_in_tensor_groups_trains_as_one_process() {
         "train.max_steps=3",
         "train.eval_every=3",
         "train.lr=1e-4",
+        "train.adam_epsilon=1e-6",
         "reward.function=tinystories_sentiment",
         "frontier.prompts=''",
     ];

@@ -147,6 +147,10 @@ pub struct TrainSection {
     pub schedule: Schedule,
     pub warmup_steps: usize,
     pub weight_decay: f64,
+    /// AdamW's ε (HF's `adam_epsilon`): added to the root of the second moment, it bounds the
+    /// step of a weight whose gradient is near zero (rounding noise moves such a weight by up
+    /// to `lr · |g| / (|g| + ε)` a step).
+    pub adam_epsilon: f64,
     /// Global gradient-norm clip; 0 = off.
     pub max_grad_norm: f64,
     pub seed: u64,
@@ -325,6 +329,7 @@ impl Default for TrainSection {
             schedule: Schedule::Constant,
             warmup_steps: 0,
             weight_decay: 0.0,
+            adam_epsilon: 1e-8,
             max_grad_norm: 1.0,
             seed: 42,
             shuffle: true,
@@ -521,6 +526,7 @@ impl TrainSection {
         check_value("train.lr", self.lr, Range::Positive)?;
         check_value("train.max_grad_norm", self.max_grad_norm, Range::NonNegative)?;
         check_value("train.weight_decay", self.weight_decay, Range::NonNegative)?;
+        check_value("train.adam_epsilon", self.adam_epsilon, Range::Positive)?;
         check_value("train.bucket_mb", self.bucket_mb, Range::NonNegative)?;
         if self.bucket_mb != DEFAULT_BUCKET_MB
             && matches!(self.sharding, Sharding::Gradients | Sharding::Full)

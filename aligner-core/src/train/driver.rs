@@ -60,6 +60,8 @@ pub struct LoopSettings {
     /// Stored with each checkpoint (the seed a method's randomness derives from).
     pub seed: u64,
     pub weight_decay: f64,
+    /// AdamW's ε (`train.adam_epsilon`).
+    pub adam_epsilon: f64,
     /// Global gradient-norm clipping (0 = none).
     pub max_grad_norm: f64,
     /// ZeRO-1: each rank keeps the optimizer state of its share of the parameters.
@@ -98,6 +100,7 @@ impl LoopSettings {
             steps,
             seed: config.seed,
             weight_decay: config.weight_decay,
+            adam_epsilon: config.adam_epsilon,
             max_grad_norm: config.max_grad_norm,
             sharding: config.sharding,
             keep_gathered: config.keep_gathered,
@@ -142,13 +145,14 @@ impl<'a> Optimizer<'a> {
     /// A fresh optimizer; `sharding` takes effect over more than one rank.
     pub fn new(
         weight_decay: f64,
+        adam_epsilon: f64,
         max_grad_norm: f64,
         sharding: Sharding,
         comm: &'a dyn Communicator,
     ) -> Self {
         let world = comm.world_size();
         Self {
-            adam: adamw(weight_decay),
+            adam: adamw(weight_decay, adam_epsilon),
             max_grad_norm,
             sharding,
             shards: if sharding.shards_optimizer() && world > 1 {
@@ -699,6 +703,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
     }
     let mut optim = Optimizer::new(
         settings.weight_decay,
+        settings.adam_epsilon,
         settings.max_grad_norm,
         settings.sharding,
         comm,

@@ -55,11 +55,12 @@ use aligner_parallel::shard_range;
 /// The file a trainer checkpoint writes last (its presence marks the checkpoint complete).
 pub const TRAINER_STATE: &str = "trainer_state.json";
 
-/// AdamW with decoupled weight decay, as every trainer of aligner uses it.
-pub fn adamw(weight_decay: f64) -> ModuleOptimizer {
+/// AdamW with decoupled weight decay and ε `epsilon` (`train.adam_epsilon`), as every
+/// trainer of aligner uses it.
+pub fn adamw(weight_decay: f64, epsilon: f64) -> ModuleOptimizer {
     AdamWConfig::new()
         .with_weight_decay(weight_decay as f32)
-        .with_epsilon(1e-8)
+        .with_epsilon(epsilon as f32)
         .init()
 }
 
