@@ -53,7 +53,6 @@ use aligner_core::train::{
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, LoadedModel, TextTokenizer};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
 use aligner_loss::policy::{ImportanceRatio, LossAgg, PolicyLossOptions, logprob_mismatch, policy_loss};
-use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Distribution, Int, Tensor};
 use serde::{Deserialize, Serialize};
@@ -536,21 +535,12 @@ impl DistillObjective {
         let draw = Tensor::<1>::random([1], Distribution::Uniform(0.0, 1.0), &device).into_scalar::<f32>();
         let base = (draw as f64 * u32::MAX as f64) as u64;
         let mut slot = self.engine.borrow_mut();
-        let engine = match slot.as_mut() {
-            Some(engine) => {
-                engine.refit(model)?;
-                engine
-            }
-            None => slot.insert(Engine::new(
-                model.valid(),
-                self.student.clone(),
-                Some(self.tokenizer.clone()),
-                EngineOptions {
-                    slots: self.section.slots,
-                    ..EngineOptions::default()
-                },
-            )),
+        let options = EngineOptions {
+            slots: self.section.slots,
+            ..EngineOptions::default()
         };
+        let (engine, _) =
+            Engine::refit_or_build(&mut slot, model, &self.student, Some(&self.tokenizer), options)?;
         let prompts: Vec<&[u32]> = examples
             .iter()
             .map(|e| {
@@ -890,21 +880,13 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
         })?,
     };
     // In tensor groups (formed here, once a default teacher is trained) each rank reads only
-    // its blocks of the student and of the teacher, whose heads the groups must divide too.
+    // its blocks of the student and of the teacher, whose heads the groups must divide too
+    // (refused by its loader, named here).
     // The teacher's weights carry the student's names: it takes ids of its own, read first.
     let (student_dir, grid) = folder_and_grid(&config.model, &config.parallel, run)?;
     let run = &grid;
-    let teacher_config = aligner_core::LlamaConfig::from_file(&teacher_dir.join("config.json"))?;
-    aligner_core::train::config::check_tensor_heads(
-        &teacher_config,
-        config.parallel.tensor,
-        &format!(
-            "parallel.tensor = {} (the teacher {})",
-            config.parallel.tensor,
-            teacher_dir.display()
-        ),
-    )?;
-    let mut teacher = load_for_run(&teacher_dir, run, device)?;
+    let mut teacher = load_for_run(&teacher_dir, run, device)
+        .map_err(|e| DistillError::Invalid(format!("distill.teacher {}: {e}", teacher_dir.display())))?;
     if run.tensor_group().is_some() {
         teacher.model = aligner_core::train::tensor::with_own_ids(teacher.model, 0x7eac_4e55_0000_0001);
     }

@@ -344,35 +344,27 @@ struct OnlineStep<'a> {
     /// Whether rank 0 measures the frontier: in a tensor group its ranks send it their blocks.
     frontier_anywhere: bool,
     run: &'a RunDir,
-    /// The generation engine (made from the trained weights once they are in place).
+    /// The generation engine, built at its first use ([`engine_on`]).
     engine: Option<Engine>,
     /// The last evaluation's reward in this process.
     last: Option<f64>,
 }
 
-impl OnlineStep<'_> {
-    /// Makes the generation engine on `policy`'s weights, unless it is made.
-    fn make_engine(&mut self, policy: &CausalLm) {
-        if self.engine.is_some() {
-            return;
-        }
-        self.engine = Some(Engine::new(
-            policy.valid(),
-            self.llama.clone(),
-            Some(self.sampler.tokenizer.clone()),
-            EngineOptions {
-                slots: self.sampler.config.slots,
-                ..EngineOptions::default()
-            },
-        ));
-    }
-}
-
-/// The engine, once [`OnlineStep::make_engine`] has made it.
-fn made(engine: &mut Option<Engine>) -> Result<&mut Engine, DpoError> {
-    engine
-        .as_mut()
-        .ok_or_else(|| DpoError::Invalid("the generation engine was not made".into()))
+/// The generation engine in `slot`, on `policy`'s weights ([`Engine::refit_or_build`]): built
+/// at its first use, which in a tensor group comes once the loop has split every parameter
+/// (LoRA's factors after `begin`), so the engine holds this rank's blocks and the group decodes
+/// together; refit in place after.
+fn engine_on<'e>(
+    slot: &'e mut Option<Engine>,
+    policy: &CausalLm,
+    llama: &aligner_core::LlamaConfig,
+    sampler: &Sampler<'_>,
+) -> Result<&'e mut Engine, DpoError> {
+    let options = EngineOptions {
+        slots: sampler.config.slots,
+        ..EngineOptions::default()
+    };
+    Ok(Engine::refit_or_build(slot, policy, llama, Some(sampler.tokenizer), options)?.0)
 }
 
 impl Method<CausalLm> for OnlineStep<'_> {
@@ -386,15 +378,6 @@ impl Method<CausalLm> for OnlineStep<'_> {
         true
     }
 
-    fn begin(&mut self, policy: &CausalLm, _resumed: Option<&std::path::Path>) -> Result<(), DpoError> {
-        // In a tensor group the engine holds this rank's blocks (the group decodes together),
-        // made at its first use: the loop splits LoRA's factors after `begin`.
-        if self.run.tensor_group().is_none() {
-            self.make_engine(policy);
-        }
-        Ok(())
-    }
-
     fn step(
         &mut self,
         step: usize,
@@ -402,8 +385,6 @@ impl Method<CausalLm> for OnlineStep<'_> {
         optim: &mut Optimizer<'_>,
     ) -> Result<Stepped<CausalLm>, DpoError> {
         let on = self.sampler.config;
-        self.make_engine(&policy);
-        made(&mut self.engine)?.refit(&policy)?;
         let train = self.train;
         let prompts: Vec<&EncodedPrompt> =
             EpochOrder::new(self.train_prompts.len(), train.shuffle, train.seed)
@@ -416,7 +397,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
             .seed
             .wrapping_mul(1_000_003)
             .wrapping_add(step as u64 * 100_000);
-        let engine = made(&mut self.engine)?;
+        let engine = engine_on(&mut self.engine, &policy, self.llama, &self.sampler)?;
         let Drawn {
             sequences: sampled,
             scores,
@@ -516,9 +497,7 @@ impl Method<CausalLm> for OnlineStep<'_> {
     fn evaluate(&mut self, policy: &CausalLm) -> Result<Map<String, Value>, DpoError> {
         let mut out = Map::new();
         if !self.eval_set.is_empty() {
-            self.make_engine(policy);
-            let engine = made(&mut self.engine)?;
-            engine.refit(policy)?;
+            let engine = engine_on(&mut self.engine, policy, self.llama, &self.sampler)?;
             let scores = self
                 .sampler
                 .sample(engine, &self.eval_set, 1, 0xe7a1, self.run)?

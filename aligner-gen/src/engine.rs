@@ -239,15 +239,18 @@ impl Engine {
         )
     }
 
-    /// The engine kept in `slot`, holding `model`'s current weights: built on first use,
-    /// refit in place afterwards (cache and buffers kept) — how a method that generates every
-    /// round (SPIN, rejection sampling) keeps one engine. Also returns the refit time (`None`
-    /// when the engine was built).
+    /// The engine kept in `slot`, holding `model`'s current weights: built on first use (with
+    /// `options`), refit in place afterwards (cache and buffers kept) — how a method that
+    /// generates every round or step (SPIN, rejection sampling, online DPO, distillation's own
+    /// answers) keeps one engine. A model split over a tensor group builds an engine split the
+    /// same way, so the first use must come once the trainer has split every parameter (LoRA's
+    /// factors too). Also returns the refit time (`None` when the engine was built).
     pub fn refit_or_build<'a>(
         slot: &'a mut Option<Engine>,
         model: &CausalLm,
         config: &LlamaConfig,
         tokenizer: Option<&TextTokenizer>,
+        options: EngineOptions,
     ) -> Result<(&'a mut Engine, Option<Duration>)> {
         let refit = match slot {
             Some(engine) => Some(engine.refit(model)?),
@@ -256,7 +259,7 @@ impl Engine {
                     model.clone(),
                     config.clone(),
                     tokenizer.cloned(),
-                    EngineOptions::default(),
+                    options,
                 ));
                 None
             }

@@ -13,7 +13,7 @@ use aligner_core::score::{ScoredSequence, response_logprobs};
 use aligner_core::sft::{SftExample, SftObjective, SftRow};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
-use aligner_gen::{Engine, GenerationRequest, RewardInput, Rewards, SamplingParams};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, RewardInput, Rewards, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
 
@@ -270,7 +270,13 @@ impl RejectionSampling<'_> {
             ..SamplingParams::default()
         };
         let requests = GenerationRequest::repeated(prompts.iter().map(|p| p.ids.as_slice()), n, &params);
-        let (engine, refit) = Engine::refit_or_build(engine, policy, self.llama, Some(self.tokenizer))?;
+        let (engine, refit) = Engine::refit_or_build(
+            engine,
+            policy,
+            self.llama,
+            Some(self.tokenizer),
+            EngineOptions::default(),
+        )?;
         // Data parallel: the ranks' engines take the requests a batch at a time (a rank whose
         // samples come out shorter takes more), each scoring its own.
         let chunk = engine.slots().max(1);

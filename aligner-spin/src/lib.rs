@@ -18,7 +18,7 @@ use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, T
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
 use aligner_dpo::objective::{DpoExample, DpoObjective, DpoRow, attach_reference, dpo_example};
 use aligner_dpo::{LossRegistry, LossSpec};
-use aligner_gen::{Engine, GenerationRequest, SamplingParams};
+use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
 use burn::module::Module;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -245,8 +245,13 @@ impl Spin<'_> {
             }
             // The snapshot that answers the prompts and scores the pairs for this iteration.
             let reference = policy.valid();
-            let (engine, refit) =
-                Engine::refit_or_build(&mut engine, &reference, self.llama, Some(self.tokenizer))?;
+            let (engine, refit) = Engine::refit_or_build(
+                &mut engine,
+                &reference,
+                self.llama,
+                Some(self.tokenizer),
+                EngineOptions::default(),
+            )?;
             let mut rows =
                 self.self_play_rows(engine, &train_rows, &dir.join("generations.jsonl"), k, &reference)?;
             let current = rows.clone();
