@@ -435,9 +435,8 @@ fn cached_top_k_teacher_log_probs_train_as_the_teacher_does() {
 #[test]
 fn a_mixture_target_buys_most_of_the_teachers_reward_at_a_lower_kl() {
     let dir = tempfile::tempdir().unwrap();
-    let teacher = dir.path().join("teacher");
-    let (ok, err) = aligner(&["dpo", "--out", teacher.to_str().unwrap()]);
-    assert!(ok, "{err}");
+    // The default DPO run, trained once for the tests that read it.
+    let teacher = common::default_dpo_run();
     let student = dir.path().join("student");
     let teacher_set = format!("distill.teacher={}", teacher.join("final").display());
     let (ok, err) = aligner(&[

@@ -714,15 +714,8 @@ fn simpo_registered_from_its_own_crate_trains_without_a_reference_pass() {
 #[test]
 fn default_dpo_makes_the_policys_own_samples_more_positive() {
     let dir = tempfile::tempdir().unwrap();
-    let run = dir.path().join("dpo");
-    let (ok, err) = aligner(&[
-        "dpo",
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
-        "train.save_every=0",
-    ]);
-    assert!(ok, "{err}");
+    // Shared with distillation's tests, which take it as their teacher.
+    let run = common::default_dpo_run();
     let base = sample_sentiment(&repo().join("assets/stories260K"), &dir.path().join("base.jsonl"));
     let aligned = sample_sentiment(&run.join("final"), &dir.path().join("aligned.jsonl"));
     assert!(
@@ -810,8 +803,10 @@ fn default_dpo_makes_the_policys_own_samples_more_positive() {
     let (ok, _, stderr) = aligner_output(&["plot", run.to_str().unwrap(), "--keys", "nope"]);
     assert!(!ok && stderr.contains("\"nope\""), "{stderr}");
     let svg = std::fs::read_to_string(plot.join("frontier.svg")).unwrap();
+    // Each series is named by its folder.
+    let run_name = run.file_name().unwrap().to_str().unwrap();
     assert!(
-        svg.contains("\ndpo\n") && svg.contains("\neval-dpo\n"),
+        svg.contains(&format!("\n{run_name}\n")) && svg.contains("\neval-dpo\n"),
         "legend of both series"
     );
     // The run's validations and the evaluation are drawn, plus a legend mark for each series.

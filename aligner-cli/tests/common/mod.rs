@@ -198,6 +198,13 @@ pub fn quick_reward_model() -> PathBuf {
     .join("final")
 }
 
+/// The default DPO run (`aligner dpo`, no checkpoints), trained once per build and shared (see
+/// [`shared_run`]): the default-run test reads its metrics and samples it, and distillation
+/// takes it as its teacher. The run folder, not `final/`.
+pub fn default_dpo_run() -> PathBuf {
+    shared_run("default-dpo", &["dpo", "--set", "train.save_every=0"])
+}
+
 /// A run that several tests read and none changes (a reward model, an attribute model, an SFT
 /// model), trained once per build of `aligner` and shared by every test and every test binary
 /// that asks for it. The first caller trains it (`args` plus `--out`) under a file lock; the
