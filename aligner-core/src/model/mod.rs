@@ -74,6 +74,29 @@ impl LlamaModel {
         self.local_rope.is_some() && layer.self_attn.window.is_some()
     }
 
+    /// Decoder layer `i` on `x`, as every pass runs it (an ordinary pass, a recomputed one and
+    /// its reruns): with the local angles where the layer rotates locally, and its dropout
+    /// masks drawn from the pass's seed for the layer.
+    pub(in crate::model) fn layer_forward(
+        &self,
+        i: usize,
+        x: Tensor<3>,
+        (angles, local): (&RotaryAngles, Option<&RotaryAngles>),
+        mask: Option<&Tensor<4, Bool>>,
+        cache: Option<&mut LayerCache>,
+        seeds: Option<&recompute::DropoutSeeds>,
+    ) -> Tensor<3> {
+        let layer = &self.layers[i];
+        let angles = match local {
+            Some(local) if self.rotates_locally(layer) => local,
+            _ => angles,
+        };
+        if let Some(seeds) = seeds {
+            seeds.before_layer(i);
+        }
+        layer.forward(x, angles, mask, cache)
+    }
+
     /// Final hidden states `[batch, seq, hidden]` of `tokens: [batch, seq]` at `positions`.
     ///
     /// With a cache, `tokens` continue the cached sequence and their keys/values are appended.
@@ -96,16 +119,9 @@ impl LlamaModel {
             false => recompute::DropoutSeeds::draw(self),
         };
         let mut x = self.embed(tokens);
-        for (i, layer) in self.layers.iter().enumerate() {
+        for i in 0..self.layers.len() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let angles = match &local {
-                Some(local) if self.rotates_locally(layer) => local,
-                _ => &angles,
-            };
-            if let Some(seeds) = &seeds {
-                seeds.before_layer(i);
-            }
-            x = layer.forward(x, angles, mask, layer_cache);
+            x = self.layer_forward(i, x, (&angles, local.as_ref()), mask, layer_cache, seeds.as_ref());
         }
         if let Some(seeds) = &seeds {
             seeds.after_pass();

@@ -238,16 +238,9 @@ pub(super) fn forward(
     let frozen = without_gradients(model.clone());
     let mut x = frozen.embed(tokens.clone());
     let mut inputs = Vec::with_capacity(frozen.layers.len());
-    for (i, layer) in frozen.layers.iter().enumerate() {
+    for i in 0..frozen.layers.len() {
         inputs.push(x.clone());
-        let angles = match &local {
-            Some(local) if frozen.rotates_locally(layer) => local,
-            _ => &angles,
-        };
-        if let Some(seeds) = &seeds {
-            seeds.before_layer(i);
-        }
-        x = layer.forward(x, angles, mask, None);
+        x = frozen.layer_forward(i, x, (&angles, local.as_ref()), mask, None, seeds.as_ref());
     }
     if let Some(seeds) = &seeds {
         seeds.after_pass();
@@ -301,14 +294,14 @@ impl Record {
         let model = &self.model;
         for (i, (layer, input)) in model.layers.iter().zip(self.inputs).enumerate().rev() {
             let x = input.detach().require_grad();
-            let angles = match &self.local {
-                Some(local) if model.rotates_locally(layer) => local,
-                _ => &self.angles,
-            };
-            if let Some(seeds) = &self.seeds {
-                seeds.before_layer(i);
-            }
-            let out = layer.forward(x.clone(), angles, self.mask.as_ref(), None);
+            let out = model.layer_forward(
+                i,
+                x.clone(),
+                (&self.angles, self.local.as_ref()),
+                self.mask.as_ref(),
+                None,
+                self.seeds.as_ref(),
+            );
             let mut grads = (out * grad).sum().backward();
             RERUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             grad = x
