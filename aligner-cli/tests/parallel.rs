@@ -585,7 +585,8 @@ fn a_sharded_checkpoint_resumes_in_another_layout_where_one_uninterrupted_proces
 
 /// LoRA fully sharded: the frozen base is split over the ranks too (gathered in each pass, no
 /// gradient reduced), the adapters train as in one process; DPO's reference is the base with
-/// the adapters off.
+/// the adapters off. The reward model's merged classifier is saved as the ranks hold it, a
+/// weight at a time, as the causal LM's is.
 #[test]
 fn lora_fully_sharded_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -596,7 +597,7 @@ fn lora_fully_sharded_trains_as_one_process() {
         "train.eval_every=2".into(),
     ];
     // `final/model.safetensors` is the base with the adapters merged in.
-    for command in ["sft", "dpo"] {
+    for command in ["sft", "dpo", "rm"] {
         trains_as_one_process_sharded(&[command], 8, &sets, dir.path(), &[(2, "full")]);
     }
 }

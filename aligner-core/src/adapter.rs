@@ -265,19 +265,24 @@ pub struct RewardLoraStore {
 
 impl ModelStore<RewardModel> for RewardLoraStore {
     fn save(&self, model: &RewardModel, dir: &Path) -> Result<()> {
-        let merged = RewardModel {
-            model: model.model.merged(),
-            score: model.score.clone(),
-        };
-        merged.save(&self.config, &self.labels, dir, Some(&self.base_dir))?;
+        let folds = crate::checkpoint::lora_folds(&model.model);
+        model.save_folding(&self.config, &self.labels, dir, Some(&self.base_dir), &folds)?;
         let mut tensors = trunk_adapter_tensors(&model.model);
-        let score = model.score.weight.val().transpose();
-        let values = score.clone().into_data().try_to_vec::<f32>().expect("f32");
-        tensors.push((format!("{PREFIX}score.weight"), score.dims().to_vec(), values));
+        // The head whole (HF's `[outputs, hidden]`), gathered where the ranks hold it in parts.
+        let score =
+            crate::checkpoint::pending_param(format!("{PREFIX}score.weight"), &model.score.weight, true).0;
+        let values = score.values();
+        tensors.push((score.name, score.shape, values));
         let mut config = AdapterConfig::new(&self.spec, Some(&self.base_dir));
         config.task_type = "SEQ_CLS".into();
         config.modules_to_save = Some(vec!["score".into()]);
         write_adapter(tensors, config, &dir.join(ADAPTER_DIR))
+    }
+
+    /// The adapters are folded into each weight as the file reaches it, and the head and the
+    /// adapter factors are read whole one at a time.
+    fn reads_parameters(&self) -> bool {
+        true
     }
 
     fn load(&self, dir: &Path, device: &Device) -> Result<RewardModel> {

@@ -828,8 +828,15 @@ pub fn save_causal_lm_merged(
     dir: &Path,
     tokenizer_from: Option<&Path>,
 ) -> Result<()> {
-    let mut model = model.clone();
-    let folds = crate::model::projections(&mut model.model)
+    let folds = lora_folds(&model.model);
+    save_causal_lm_with(model, config, dir, tokenizer_from, &folds)
+}
+
+/// The enabled LoRA adapters of `trunk` by the HF prefix of the linear layer each adapts: what
+/// [`pending_slot_tensors_folding`] folds into the weights as the file reaches them.
+pub fn lora_folds(trunk: &crate::model::LlamaModel) -> HashMap<String, Fold> {
+    let mut trunk = trunk.clone();
+    crate::model::projections(&mut trunk)
         .into_iter()
         .filter(|(_, layer)| layer.adapter_enabled)
         .filter_map(|(name, layer)| {
@@ -843,8 +850,7 @@ pub fn save_causal_lm_merged(
                 },
             ))
         })
-        .collect();
-    save_causal_lm_with(&model, config, dir, tokenizer_from, &folds)
+        .collect()
 }
 
 /// Copies the tokenizer and generation files that exist in `src` to `dst`.

@@ -2,6 +2,7 @@
 //! head with several named outputs (SteerLM's attribute model), saved as HF
 //! `LlamaForSequenceClassification` (`score.weight`, `[num_labels, hidden]`).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use burn::module::Module;
@@ -10,7 +11,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde_json::Value;
 
 use crate::checkpoint::{
-    Slot, load_slots, pending_slot_tensors, trunk_slots, write_atomic, write_pending_safetensors,
+    Fold, Slot, load_slots, pending_slot_tensors_folding, trunk_slots, write_atomic,
+    write_pending_safetensors,
 };
 use crate::config::LlamaConfig;
 use crate::error::{CoreError, Result};
@@ -144,12 +146,27 @@ impl RewardModel {
         dir: &Path,
         tokenizer_from: Option<&Path>,
     ) -> Result<()> {
+        self.save_folding(config, labels, dir, tokenizer_from, &HashMap::new())
+    }
+
+    /// [`RewardModel::save`] with the trunk's adapters of `folds` (see
+    /// [`crate::checkpoint::lora_folds`]) folded into the weights they adapt, a layer at a time
+    /// as the file reaches it: a LoRA reward model the ranks hold in parts is saved merged
+    /// without being gathered whole first.
+    pub fn save_folding(
+        &self,
+        config: &LlamaConfig,
+        labels: &[String],
+        dir: &Path,
+        tokenizer_from: Option<&Path>,
+        folds: &HashMap<String, Fold>,
+    ) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| CoreError::cannot_write(dir, e))?;
         let mut this = self.clone();
         let precision = self.model.precision;
         write_pending_safetensors(
             &dir.join("model.safetensors"),
-            pending_slot_tensors(this.slots()),
+            pending_slot_tensors_folding(this.slots(), folds),
             precision,
         )?;
         let mut config = sequence_classification_config(config, labels);

@@ -130,3 +130,94 @@ fn adapters_switch_off_to_the_base_and_round_trip_in_peft_format() {
     let d = max_diff(&logits(&again), &logits(&trained));
     assert!(d < 1e-4, "reloaded adapter differs by {d}");
 }
+
+/// A LoRA reward model's run-folder save folds the adapters into each weight as the file
+/// reaches it (so that ranks holding it in parts need not gather it whole first): the saved
+/// classifier is the merged model's own save, and base + adapter + head read back score alike.
+#[test]
+fn a_lora_reward_model_saves_merged_weights_and_reloads_from_its_adapter() {
+    use aligner_core::adapter::RewardLoraStore;
+    use aligner_core::reward::RewardModel;
+    use aligner_core::store::ModelStore;
+    use burn::nn::LinearConfig;
+    use burn::tensor::Distribution;
+
+    let (lm, trained) = trained_lora_model();
+    let device = Device::flex();
+    let labels = vec!["reward".to_string()];
+    let mut score = LinearConfig::new(lm.config.hidden_size, 1)
+        .with_bias(false)
+        .init(&device);
+    score.weight = aligner_core::model::named_param(
+        "score.weight",
+        Tensor::random(
+            [lm.config.hidden_size, 1],
+            Distribution::Normal(0.0, 0.1),
+            &device,
+        ),
+    );
+    let rm = RewardModel {
+        model: trained.model.clone(),
+        score,
+    };
+    let store = RewardLoraStore {
+        config: lm.config.clone(),
+        labels: labels.clone(),
+        base_dir: lm.dir.clone(),
+        spec: spec(),
+    };
+    assert!(store.reads_parameters());
+    let dir = tempfile::tempdir().unwrap();
+    let (saved, merged) = (dir.path().join("lora"), dir.path().join("merged"));
+    store.save(&rm, &saved).unwrap();
+    RewardModel {
+        model: rm.model.merged(),
+        score: rm.score.clone(),
+    }
+    .save(&lm.config, &labels, &merged, Some(&lm.dir))
+    .unwrap();
+    let read = |dir: &std::path::Path| -> Vec<(String, Vec<f32>)> {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut out: Vec<(String, Vec<f32>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let values = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                (name, values)
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    };
+    let (folded, whole) = (read(&saved), read(&merged));
+    assert_eq!(
+        folded.iter().map(|t| &t.0).collect::<Vec<_>>(),
+        whole.iter().map(|t| &t.0).collect::<Vec<_>>()
+    );
+    let worst = folded
+        .iter()
+        .zip(&whole)
+        .map(|((_, a), (_, b))| max_diff(a, b))
+        .fold(0.0, f32::max);
+    assert!(worst < 1e-6, "folded save vs the merged model's: {worst}");
+    // The adapters moved the trunk, so the folded weights are not the base's.
+    let base = read(&lm.dir);
+    let q = "model.layers.2.self_attn.q_proj.weight";
+    let find = |set: &[(String, Vec<f32>)]| set.iter().find(|t| t.0 == q).unwrap().1.clone();
+    assert!(max_diff(&find(&folded), &find(&base)) > 1e-5);
+
+    let back = store.load(&saved, &device).unwrap();
+    let rows: [&[u32]; 2] = [&[1, 403, 407, 261, 378], &[1, 432, 383, 286, 261, 378, 403]];
+    let (a, b) = (
+        rm.score_rows(&rows, 2).unwrap(),
+        back.score_rows(&rows, 2).unwrap(),
+    );
+    for (x, y) in a.iter().zip(&b) {
+        assert!(max_diff(x, y) < 1e-5, "{a:?} vs {b:?}");
+    }
+}
