@@ -228,3 +228,70 @@ impl ModuleMapper for Nudge {
         }
     }
 }
+
+/// Mixtures of experts (Mixtral's, and Qwen3-MoE's beside a dense layer) with their
+/// load-balancing loss on: recomputed a layer at a time, the loss (the language model's plus
+/// the router's) and every gradient are the ordinary pass's, the routers' included.
+#[test]
+fn layer_recomputation_keeps_the_load_balancing_loss_and_its_gradients() {
+    let device = Device::flex();
+    let data = repo().join("assets/tinystories_sentiment/train.sft.jsonl");
+    for name in ["mixtral_moe", "qwen3_moe_dense_layer"] {
+        let lm =
+            LoadedModel::from_dir(&repo().join("tests/reference/hf_random").join(name), &device).unwrap();
+        let examples = load_sft_examples(&data, &lm.tokenizer, 64).unwrap();
+        let batch: Vec<&SftExample> = examples.iter().take(4).collect();
+        let run = |checkpointing: Checkpointing| {
+            let config = TrainSection {
+                activation_checkpointing: checkpointing,
+                ..TrainSection::default()
+            };
+            let model = config.train_model(lm.model.clone(), &device);
+            let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
+            let reruns = recompute::reruns();
+            let (out, router) =
+                aligner_core::model::with_router_loss(|| SftObjective.step(&model, &batch).unwrap());
+            let router = router.expect("the config asks for the load-balancing loss");
+            let (loss, aux): (f32, f32) = (out.loss.clone().into_scalar(), router.clone().into_scalar());
+            let values = (loss as f64, aux as f64);
+            let grads = recompute::gradients(out.loss + router, &model);
+            (values, gradients(&model, &grads), recompute::reruns() - reruns)
+        };
+        let ((plain_loss, plain_router), plain, _) = run(Checkpointing::Off);
+        let ((loss, router), layers, rerun) = run(Checkpointing::Layers);
+        // (At least: tests running beside this one in its process rerun layers too.)
+        assert!(
+            rerun >= lm.config.num_hidden_layers,
+            "{name}: {rerun} layers rerun"
+        );
+        assert!(plain_router > 0.0, "{name}: router loss {plain_router}");
+        assert!(
+            (loss - plain_loss).abs() < 1e-6 && (router - plain_router).abs() < 1e-6,
+            "{name}: losses {loss} {router} against {plain_loss} {plain_router}"
+        );
+        let diff = largest_difference(&plain, &layers);
+        eprintln!("{name}: gradients differ by {diff:.2e} of the largest");
+        assert!(
+            diff <= 1e-5,
+            "{name}: the gradients differ by {diff} of the largest"
+        );
+        // Without the router's term in the reruns the routers' gradients would differ.
+        let (_, no_router, _) = {
+            let config = TrainSection {
+                activation_checkpointing: Checkpointing::Off,
+                ..TrainSection::default()
+            };
+            let model = config.train_model(lm.model.clone(), &device);
+            let out = SftObjective.step(&model, &batch).unwrap();
+            let grads = recompute::gradients(out.loss, &model);
+            ((0.0, 0.0), gradients(&model, &grads), 0)
+        };
+        // (Measured 1e-3 and more of the largest: far outside the 1e-5 the reruns are held to.)
+        let moved = largest_difference(&plain, &no_router);
+        eprintln!("{name}: the load-balancing loss moves the gradients by {moved:.2e} of the largest");
+        assert!(
+            moved > 1e-4,
+            "{name}: the load-balancing loss moved the gradients by {moved} only"
+        );
+    }
+}

@@ -233,8 +233,11 @@ impl SparseMoe {
             let y = y * weights.clone().select(0, slots).reshape([m, 1]);
             out = out.select_assign(0, tokens, y, IndexingUpdateOp::Add);
         }
+        // A recomputed pass (`train.activation_checkpointing`) runs untracked and records its
+        // routing too: the load-balancing loss takes its value, and the layer's rerun its
+        // gradient (see `recompute`).
         if let Some(coef) = self.aux_loss_coef
-            && probs.is_tracked()
+            && (probs.is_tracked() || super::recompute::in_frozen_pass())
         {
             // Padding is left out, as transformers leaves out what the attention mask hides.
             let valid = VALID_TOKENS.with(|v| v.borrow().clone().filter(|v| v.len() == n));
@@ -303,6 +306,12 @@ thread_local! {
 /// as transformers' does with an attention mask. A pass over another number of tokens
 /// counts every token.
 pub fn with_valid_tokens<T>(valid: Vec<bool>, f: impl FnOnce() -> T) -> T {
+    with_valid_tokens_as(Some(valid), f)
+}
+
+/// [`with_valid_tokens`] with the marking a pass ran under ([`valid_tokens`]): `None`, every
+/// token counts.
+pub(super) fn with_valid_tokens_as<T>(valid: Option<Vec<bool>>, f: impl FnOnce() -> T) -> T {
     struct Restore(Option<Vec<bool>>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -310,8 +319,29 @@ pub fn with_valid_tokens<T>(valid: Vec<bool>, f: impl FnOnce() -> T) -> T {
             VALID_TOKENS.with(|v| *v.borrow_mut() = outer);
         }
     }
-    let _restore = Restore(VALID_TOKENS.with(|v| v.borrow_mut().replace(valid)));
+    let _restore = Restore(VALID_TOKENS.with(|v| std::mem::replace(&mut *v.borrow_mut(), valid)));
     f()
+}
+
+/// The tokens marked as not padding for the passes running now (see [`with_valid_tokens`]).
+pub(super) fn valid_tokens() -> Option<Vec<bool>> {
+    VALID_TOKENS.with(|v| v.borrow().clone())
+}
+
+/// Runs `f` (a recomputed layer's rerun), returning its value and the sum of the router
+/// probability sums its sparse layers recorded (`None` without any): what the load-balancing
+/// loss's gradient reaches the layer through.
+pub(super) fn capture_router_sums<T>(f: impl FnOnce() -> T) -> (T, Option<Tensor<1>>) {
+    let outer = ROUTINGS.with(|r| r.borrow_mut().replace(Vec::new()));
+    let scope = Scope(outer);
+    let value = f();
+    let routings = ROUTINGS.with(|r| r.borrow_mut().take()).unwrap_or_default();
+    drop(scope);
+    let sums = routings
+        .into_iter()
+        .map(|r| r.probability_sums)
+        .reduce(|a, b| a + b);
+    (value, sums)
 }
 
 fn record_routing(routing: Routing) {
@@ -339,7 +369,9 @@ impl Drop for Scope {
 pub fn with_router_loss<T>(f: impl FnOnce() -> T) -> (T, Option<Tensor<1>>) {
     let outer = ROUTINGS.with(|r| r.borrow_mut().replace(Vec::new()));
     let scope = Scope(outer);
+    let recomputed_from = super::recompute::tape_len();
     let value = f();
+    let recomputed = recomputed_from..super::recompute::tape_len();
     let routings = ROUTINGS.with(|r| r.borrow_mut().take()).unwrap_or_default();
     drop(scope);
     let Some(first) = routings.first() else {
@@ -349,14 +381,26 @@ pub fn with_router_loss<T>(f: impl FnOnce() -> T) -> (T, Option<Tensor<1>>) {
     let experts = first.counts.len();
     let mut counts = vec![0.0f32; experts];
     let mut rows = 0;
-    let mut sums: Option<Tensor<1>> = None;
+    let add = |sums: Option<Tensor<1>>, more: Tensor<1>| match sums {
+        Some(s) => s + more,
+        None => more,
+    };
+    // Recomputed passes' sums are untracked: they enter the loss through one leaf, whose
+    // gradient (the same for every layer: the loss is linear in the sums) their reruns take.
+    let (mut sums, mut untracked): (Option<Tensor<1>>, Option<Tensor<1>>) = (None, None);
     for r in routings {
         counts.iter_mut().zip(&r.counts).for_each(|(c, x)| *c += x);
         rows += r.rows;
-        sums = Some(match sums {
-            Some(s) => s + r.probability_sums,
-            None => r.probability_sums,
-        });
+        if r.probability_sums.is_tracked() {
+            sums = Some(add(sums, r.probability_sums));
+        } else {
+            untracked = Some(add(untracked, r.probability_sums));
+        }
+    }
+    if let Some(untracked) = untracked {
+        let leaf = untracked.require_grad();
+        super::recompute::attach_router_leaf(recomputed, &leaf);
+        sums = Some(add(sums, leaf));
     }
     let sums = sums.expect("at least one routing");
     let loss = load_balancing_loss(sums, &counts, rows);

@@ -23,10 +23,16 @@
 //! generator is left where the ordinary pass leaves it. An ordinary pass seeds the same way,
 //! so its masks, and its gradients, are the recomputed pass's.
 //!
+//! A mixture of experts' load-balancing loss is linear in each layer's router probability
+//! sums: a recomputed pass records its (untracked) routing, the loss takes the sums through
+//! one leaf ([`super::with_router_loss`]), and each layer's rerun adds `Σ sums · ∂loss/∂leaf`
+//! to what it backpropagates, under the pass's padding marks.
+//!
 //! Not recomputed: a forward with a KV cache (generation), a model with no trainable
-//! parameter in its layers (a frozen reference) and mixtures of experts (the router's
-//! load-balancing loss is built from the whole forward pass's routing): these run as an
-//! ordinary autodiff pass, with a warning for the last.
+//! parameter in its layers (a frozen reference) and a mixture of experts whose routers do not
+//! train while its load-balancing loss is on (a layer's routing enters that loss only where
+//! the ordinary pass tracks it, which a rerun cannot tell): these run as an ordinary autodiff
+//! pass, with a warning for the last.
 
 use std::cell::{Cell, RefCell};
 
@@ -49,6 +55,28 @@ pub fn reruns() -> usize {
 thread_local! {
     static ARMED: Cell<usize> = const { Cell::new(0) };
     static TAPE: RefCell<Vec<Record>> = const { RefCell::new(Vec::new()) };
+    /// Whether a recomputed pass's untracked layers are running (their routing is recorded).
+    static FROZEN_PASS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is inside a recomputed forward pass's layers.
+pub(super) fn in_frozen_pass() -> bool {
+    FROZEN_PASS.with(Cell::get)
+}
+
+/// How many recomputed passes wait for their backward on this thread.
+pub(super) fn tape_len() -> usize {
+    TAPE.with(|t| t.borrow().len())
+}
+
+/// Gives the recomputed passes `passes` (positions on the tape) the leaf through which their
+/// routing entered the load-balancing loss (see [`super::with_router_loss`]).
+pub(super) fn attach_router_leaf(passes: std::ops::Range<usize>, leaf: &Tensor<1>) {
+    TAPE.with(|t| {
+        for record in &mut t.borrow_mut()[passes] {
+            record.router_leaf = Some(leaf.clone());
+        }
+    });
 }
 
 /// While alive, training forward passes on this thread keep only their layers' inputs, and
@@ -103,18 +131,23 @@ struct Record {
     leaf: Tensor<3>,
     /// The pass's dropout seeds, when it applied dropout.
     seeds: Option<DropoutSeeds>,
+    /// The tokens the pass marked as not padding (a mixture of experts' load-balancing loss
+    /// counts those alone).
+    valid: Option<Vec<bool>>,
+    /// Where the pass's routing entered the load-balancing loss, if it did.
+    router_leaf: Option<Tensor<1>>,
 }
 
 /// Why `model` cannot be recomputed a layer at a time, if it cannot.
 fn unsupported(model: &LlamaModel) -> Option<&'static str> {
-    if model
-        .layers
-        .iter()
-        .any(|l| matches!(l.mlp, FeedForward::Sparse(_)))
-    {
-        return Some("a mixture of experts (the router's load-balancing loss needs the whole pass's graph)");
-    }
-    None
+    // A router that does not train leaves a layer's routing out of the load-balancing loss
+    // wherever its input is untracked too (LoRA's first layers), which a rerun, whose input
+    // always takes a gradient, cannot tell.
+    let frozen_router = model.layers.iter().any(|l| match &l.mlp {
+        FeedForward::Sparse(moe) => moe.aux_loss_coef.is_some() && !moe.router.weight.val().is_require_grad(),
+        FeedForward::Dense(_) => false,
+    });
+    frozen_router.then_some("a mixture of experts whose routers do not train (its load-balancing loss)")
 }
 
 /// Whether any LoRA adapter of `model`'s layers has dropout.
@@ -238,10 +271,19 @@ pub(super) fn forward(
     let frozen = without_gradients(model.clone());
     let mut x = frozen.embed(tokens.clone());
     let mut inputs = Vec::with_capacity(frozen.layers.len());
+    struct FrozenPass;
+    impl Drop for FrozenPass {
+        fn drop(&mut self) {
+            FROZEN_PASS.with(|f| f.set(false));
+        }
+    }
+    FROZEN_PASS.with(|f| f.set(true));
+    let frozen_pass = FrozenPass;
     for i in 0..frozen.layers.len() {
         inputs.push(x.clone());
         x = frozen.layer_forward(i, x, (&angles, local.as_ref()), mask, None, seeds.as_ref());
     }
+    drop(frozen_pass);
     if let Some(seeds) = &seeds {
         seeds.after_pass();
     }
@@ -256,6 +298,8 @@ pub(super) fn forward(
             inputs,
             leaf: leaf.clone(),
             seeds,
+            valid: super::moe::valid_tokens(),
+            router_leaf: None,
         })
     });
     layer::norm(&model.norm, leaf)
@@ -268,18 +312,26 @@ pub(super) fn forward(
 pub fn gradients<M: Module>(loss: Tensor<1>, module: &M) -> GradientsParams {
     let mut grads = loss.backward();
     let records = TAPE.with(|t| std::mem::take(&mut *t.borrow_mut()));
+    // The load-balancing loss's gradient for the recomputed passes' router sums.
+    let routers: Vec<Option<Tensor<1>>> = records
+        .iter()
+        .map(|r| r.router_leaf.as_ref().and_then(|leaf| leaf.grad(&grads)))
+        .collect();
     let outputs: Vec<Option<Tensor<3>>> = records.iter().map(|r| r.leaf.grad_remove(&mut grads)).collect();
     let mut params = GradientsParams::from_grads(grads, module);
     // The generator as the last pass left it, restored once the reruns have reseeded it.
     let last_seeds = records.iter().rev().find_map(|r| r.seeds.clone());
     // Later passes first, as an ordinary backward would meet them; the same order on every
     // rank, so the collectives inside the reruns match.
-    for (record, output) in records.into_iter().zip(outputs).rev() {
+    for ((record, output), router) in records.into_iter().zip(outputs).zip(routers).rev() {
         // A pass whose output the loss did not use (e.g. sums taken for the loss's
-        // normalisation) has nothing to give back.
-        if let Some(output) = output {
-            record.backward(output, &mut params);
-        }
+        // normalisation) has nothing to give back, unless its routing entered the loss.
+        let output = match (output, &router) {
+            (Some(output), _) => output,
+            (None, Some(_)) => record.leaf.zeros_like().detach(),
+            (None, None) => continue,
+        };
+        record.backward(output, router, &mut params);
     }
     if let Some(seeds) = last_seeds {
         seeds.after_pass();
@@ -289,20 +341,29 @@ pub fn gradients<M: Module>(loss: Tensor<1>, module: &M) -> GradientsParams {
 
 impl Record {
     /// Reruns the layers from the top with autodiff, adding each one's parameter gradients
-    /// to `params`; `grad` is the gradient of the last layer's output.
-    fn backward(self, mut grad: Tensor<3>, params: &mut GradientsParams) {
+    /// to `params`; `grad` is the gradient of the last layer's output, `router` the
+    /// load-balancing loss's gradient for each layer's router probability sums.
+    fn backward(self, mut grad: Tensor<3>, router: Option<Tensor<1>>, params: &mut GradientsParams) {
         let model = &self.model;
         for (i, (layer, input)) in model.layers.iter().zip(self.inputs).enumerate().rev() {
             let x = input.detach().require_grad();
-            let out = model.layer_forward(
-                i,
-                x.clone(),
-                (&self.angles, self.local.as_ref()),
-                self.mask.as_ref(),
-                None,
-                self.seeds.as_ref(),
-            );
-            let mut grads = (out * grad).sum().backward();
+            let (out, sums) = super::moe::with_valid_tokens_as(self.valid.clone(), || {
+                super::moe::capture_router_sums(|| {
+                    model.layer_forward(
+                        i,
+                        x.clone(),
+                        (&self.angles, self.local.as_ref()),
+                        self.mask.as_ref(),
+                        None,
+                        self.seeds.as_ref(),
+                    )
+                })
+            });
+            let mut seed = (out * grad).sum();
+            if let (Some(sums), Some(router)) = (sums, &router) {
+                seed = seed + (sums * router.clone()).sum();
+            }
+            let mut grads = seed.backward();
             RERUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             grad = x
                 .grad_remove(&mut grads)
