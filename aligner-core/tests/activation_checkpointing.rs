@@ -295,3 +295,56 @@ fn layer_recomputation_keeps_the_load_balancing_loss_and_its_gradients() {
         );
     }
 }
+
+/// LoRA on a mixture's experts alone (the routers, the attention and the embedding frozen):
+/// the first layer's router probabilities take no gradient in an ordinary pass, so its routing
+/// stays out of the load-balancing loss, and the second's (after trained experts) enters it. A
+/// recomputed pass counts the same layers: the same losses and adapter gradients.
+#[test]
+fn layer_recomputation_counts_the_routing_an_ordinary_lora_pass_counts() {
+    let device = Device::flex();
+    let data = repo().join("assets/tinystories_sentiment/train.sft.jsonl");
+    let mut lm =
+        LoadedModel::from_dir(&repo().join("tests/reference/hf_random/mixtral_moe"), &device).unwrap();
+    let spec = aligner_core::model::LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: ["w1", "w2", "w3"].map(String::from).to_vec(),
+    };
+    assert!(lm.model.attach_lora(&spec, &device) > 0);
+    lm.model = lm.model.map(&mut Nudge);
+    let examples = load_sft_examples(&data, &lm.tokenizer, 64).unwrap();
+    let batch: Vec<&SftExample> = examples.iter().take(4).collect();
+    let run = |checkpointing: Checkpointing| {
+        let config = TrainSection {
+            activation_checkpointing: checkpointing,
+            ..TrainSection::default()
+        };
+        let model = config.train_model(lm.model.clone(), &device);
+        let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
+        let reruns = recompute::reruns();
+        let (out, router) =
+            aligner_core::model::with_router_loss(|| SftObjective.step(&model, &batch).unwrap());
+        let router = router.expect("the second layer's routing is tracked");
+        let (loss, aux): (f32, f32) = (out.loss.clone().into_scalar(), router.clone().into_scalar());
+        let grads = recompute::gradients(out.loss + router, &model);
+        (
+            (loss, aux),
+            gradients(&model, &grads),
+            recompute::reruns() - reruns,
+        )
+    };
+    let ((plain_loss, plain_router), plain, _) = run(Checkpointing::Off);
+    let ((loss, router), layers, rerun) = run(Checkpointing::Layers);
+    assert!(rerun >= 2, "{rerun} layers rerun");
+    assert!(
+        loss == plain_loss && router == plain_router,
+        "losses {loss} {router} against {plain_loss} {plain_router}"
+    );
+    let diff = largest_difference(&plain, &layers);
+    assert!(
+        diff <= 1e-5,
+        "the adapters' gradients differ by {diff} of the largest"
+    );
+}

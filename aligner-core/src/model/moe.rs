@@ -237,7 +237,7 @@ impl SparseMoe {
         // routing too: the load-balancing loss takes its value, and the layer's rerun its
         // gradient (see `recompute`).
         if let Some(coef) = self.aux_loss_coef
-            && (probs.is_tracked() || super::recompute::in_frozen_pass())
+            && (probs.is_tracked() || super::recompute::records_untracked_routing())
         {
             // Padding is left out, as transformers leaves out what the attention mask hides.
             let valid = VALID_TOKENS.with(|v| v.borrow().clone().filter(|v| v.len() == n));

@@ -28,11 +28,13 @@
 //! one leaf ([`super::with_router_loss`]), and each layer's rerun adds `Σ sums · ∂loss/∂leaf`
 //! to what it backpropagates, under the pass's padding marks.
 //!
-//! Not recomputed: a forward with a KV cache (generation), a model with no trainable
-//! parameter in its layers (a frozen reference) and a mixture of experts whose routers do not
-//! train while its load-balancing loss is on (a layer's routing enters that loss only where
-//! the ordinary pass tracks it, which a rerun cannot tell): these run as an ordinary autodiff
-//! pass, with a warning for the last.
+//! A layer's routing enters that loss only where the ordinary pass tracks its router
+//! probabilities (the router trains, or something before it does: with LoRA on the experts
+//! alone, a first layer's does not); the recomputed pass records, and the reruns add, those
+//! layers' alone.
+//!
+//! Not recomputed: a forward with a KV cache (generation) and a model with no trainable
+//! parameter in its layers (a frozen reference): these run as an ordinary autodiff pass.
 
 use std::cell::{Cell, RefCell};
 
@@ -55,13 +57,15 @@ pub fn reruns() -> usize {
 thread_local! {
     static ARMED: Cell<usize> = const { Cell::new(0) };
     static TAPE: RefCell<Vec<Record>> = const { RefCell::new(Vec::new()) };
-    /// Whether a recomputed pass's untracked layers are running (their routing is recorded).
-    static FROZEN_PASS: Cell<bool> = const { Cell::new(false) };
+    /// Whether the recomputed pass's layer running now records its (untracked) routing: where
+    /// the ordinary pass's router probabilities would take part in autodiff.
+    static RECORD_ROUTING: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Whether this thread is inside a recomputed forward pass's layers.
-pub(super) fn in_frozen_pass() -> bool {
-    FROZEN_PASS.with(Cell::get)
+/// Whether a mixture of experts running now records its routing though untracked (a
+/// recomputed pass's layer whose routing the ordinary pass would track).
+pub(super) fn records_untracked_routing() -> bool {
+    RECORD_ROUTING.with(Cell::get)
 }
 
 /// How many recomputed passes wait for their backward on this thread.
@@ -136,18 +140,30 @@ struct Record {
     valid: Option<Vec<bool>>,
     /// Where the pass's routing entered the load-balancing loss, if it did.
     router_leaf: Option<Tensor<1>>,
+    /// Which layers' routing entered it (see [`routing_tracked`]).
+    routed: Vec<bool>,
 }
 
-/// Why `model` cannot be recomputed a layer at a time, if it cannot.
-fn unsupported(model: &LlamaModel) -> Option<&'static str> {
-    // A router that does not train leaves a layer's routing out of the load-balancing loss
-    // wherever its input is untracked too (LoRA's first layers), which a rerun, whose input
-    // always takes a gradient, cannot tell.
-    let frozen_router = model.layers.iter().any(|l| match &l.mlp {
-        FeedForward::Sparse(moe) => moe.aux_loss_coef.is_some() && !moe.router.weight.val().is_require_grad(),
-        FeedForward::Dense(_) => false,
-    });
-    frozen_router.then_some("a mixture of experts whose routers do not train (its load-balancing loss)")
+/// For each layer of `model`, whether an ordinary training pass's router probabilities take
+/// part in autodiff, and so its routing in the load-balancing loss (see `moe`): its router
+/// trains, or something its input depends on does (the embedding, an earlier layer, the
+/// layer's attention and norms). With LoRA on the experts alone, a first layer's does not.
+fn routing_tracked(model: &LlamaModel) -> Vec<bool> {
+    let mut upstream = trains(&model.embed_tokens);
+    model
+        .layers
+        .iter()
+        .map(|l| {
+            let norms = [&l.attn_norm_in, &l.attn_norm_out, &l.mlp_norm_in];
+            let input =
+                upstream || trains(&l.self_attn) || norms.iter().any(|n| n.as_ref().is_some_and(trains));
+            upstream = upstream || trains(l);
+            match &l.mlp {
+                FeedForward::Sparse(moe) => input || trains(&moe.router),
+                FeedForward::Dense(_) => false,
+            }
+        })
+        .collect()
 }
 
 /// Whether any LoRA adapter of `model`'s layers has dropout.
@@ -181,7 +197,7 @@ impl DropoutSeeds {
     /// dropout in layers that train, on an autodiff device (elsewhere dropout is the identity).
     pub(super) fn draw(model: &LlamaModel) -> Option<Self> {
         let device = model.embed_tokens.weight.device();
-        if !device.is_autodiff() || !uses_dropout(model) || !layers_train(model) {
+        if !device.is_autodiff() || !uses_dropout(model) || !model.layers.iter().any(trains) {
             return None;
         }
         let draw = Tensor::<1>::random([2], burn::tensor::Distribution::Uniform(0.0, 1.0), &device)
@@ -216,8 +232,8 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Whether any parameter of `model`'s layers takes part in a backward pass.
-fn layers_train(model: &LlamaModel) -> bool {
+/// Whether any parameter of `module` takes part in a backward pass.
+fn trains<M: Module>(module: &M) -> bool {
     struct Trainable(bool);
     impl ModuleVisitor for Trainable {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -225,34 +241,14 @@ fn layers_train(model: &LlamaModel) -> bool {
         }
     }
     let mut found = Trainable(false);
-    for layer in &model.layers {
-        layer.visit(&mut found);
-        if found.0 {
-            return true;
-        }
-    }
-    false
+    module.visit(&mut found);
+    found.0
 }
 
 /// Whether this forward pass of `model` is to be recomputed: armed, without a cache, on a
-/// model whose layers train and that supports it (warning once when it does not).
+/// model whose layers train.
 pub(super) fn applies(model: &LlamaModel, cached: bool) -> bool {
-    if cached || !armed() || !layers_train(model) {
-        return false;
-    }
-    match unsupported(model) {
-        None => true,
-        Some(why) => {
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                tracing::warn!(
-                    "train.activation_checkpointing = true recomputes no layer of {why}: its \
-                     activations are kept as without it"
-                );
-            });
-            false
-        }
-    }
+    !cached && armed() && model.layers.iter().any(trains)
 }
 
 /// The forward pass of [`LlamaModel::forward`] for [`applies`]: the layers without autodiff,
@@ -271,19 +267,20 @@ pub(super) fn forward(
     let frozen = without_gradients(model.clone());
     let mut x = frozen.embed(tokens.clone());
     let mut inputs = Vec::with_capacity(frozen.layers.len());
-    struct FrozenPass;
-    impl Drop for FrozenPass {
+    let routed = routing_tracked(model);
+    struct RoutingRecorded;
+    impl Drop for RoutingRecorded {
         fn drop(&mut self) {
-            FROZEN_PASS.with(|f| f.set(false));
+            RECORD_ROUTING.with(|f| f.set(false));
         }
     }
-    FROZEN_PASS.with(|f| f.set(true));
-    let frozen_pass = FrozenPass;
-    for i in 0..frozen.layers.len() {
+    let recorded = RoutingRecorded;
+    for (i, &routes) in routed.iter().enumerate() {
         inputs.push(x.clone());
+        RECORD_ROUTING.with(|f| f.set(routes));
         x = frozen.layer_forward(i, x, (&angles, local.as_ref()), mask, None, seeds.as_ref());
     }
-    drop(frozen_pass);
+    drop(recorded);
     if let Some(seeds) = &seeds {
         seeds.after_pass();
     }
@@ -300,6 +297,7 @@ pub(super) fn forward(
             seeds,
             valid: super::moe::valid_tokens(),
             router_leaf: None,
+            routed,
         })
     });
     layer::norm(&model.norm, leaf)
@@ -360,7 +358,9 @@ impl Record {
                 })
             });
             let mut seed = (out * grad).sum();
-            if let (Some(sums), Some(router)) = (sums, &router) {
+            // (A rerun's input always takes a gradient: its routing is recorded whether or not
+            // the pass's entered the loss.)
+            if let (Some(sums), Some(router), true) = (sums, &router, self.routed[i]) {
                 seed = seed + (sums * router.clone()).sum();
             }
             let mut grads = seed.backward();
