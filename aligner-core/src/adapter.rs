@@ -79,19 +79,21 @@ pub fn adapter_tensors(model: &CausalLm) -> Vec<(String, Vec<usize>, Vec<f32>)> 
 pub fn trunk_adapter_tensors(trunk: &LlamaModel) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut trunk = trunk.clone();
     let mut out = Vec::new();
-    // Whole factors, gathered from the ranks where they hold them in parts.
-    let whole = |name: String, factor: &burn::module::Param<Tensor<2>>| {
-        let pending = crate::checkpoint::pending_param(name, factor, true).0;
-        let values = pending.values();
-        (pending.name, pending.shape, values)
-    };
     for (name, layer) in projections(&mut trunk) {
         if let Some(lora) = &layer.lora {
-            out.push(whole(format!("{PREFIX}{name}.lora_A.weight"), &lora.a));
-            out.push(whole(format!("{PREFIX}{name}.lora_B.weight"), &lora.b));
+            out.push(whole_linear(format!("{PREFIX}{name}.lora_A.weight"), &lora.a));
+            out.push(whole_linear(format!("{PREFIX}{name}.lora_B.weight"), &lora.b));
         }
     }
     out
+}
+
+/// A linear weight under `name` in HF's layout (`[out, in]`), whole: gathered from the ranks
+/// where they hold it in parts.
+fn whole_linear(name: String, weight: &burn::module::Param<Tensor<2>>) -> (String, Vec<usize>, Vec<f32>) {
+    let pending = crate::checkpoint::pending_param(name, weight, true).0;
+    let values = pending.values();
+    (pending.name, pending.shape, values)
 }
 
 /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir`.
@@ -268,11 +270,7 @@ impl ModelStore<RewardModel> for RewardLoraStore {
         let folds = crate::checkpoint::lora_folds(&model.model);
         model.save_folding(&self.config, &self.labels, dir, Some(&self.base_dir), &folds)?;
         let mut tensors = trunk_adapter_tensors(&model.model);
-        // The head whole (HF's `[outputs, hidden]`), gathered where the ranks hold it in parts.
-        let score =
-            crate::checkpoint::pending_param(format!("{PREFIX}score.weight"), &model.score.weight, true).0;
-        let values = score.values();
-        tensors.push((score.name, score.shape, values));
+        tensors.push(whole_linear(format!("{PREFIX}score.weight"), &model.score.weight));
         let mut config = AdapterConfig::new(&self.spec, Some(&self.base_dir));
         config.task_type = "SEQ_CLS".into();
         config.modules_to_save = Some(vec!["score".into()]);

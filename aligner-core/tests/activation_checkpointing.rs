@@ -94,6 +94,35 @@ fn step(
     (kept, gradients(&model, &grads))
 }
 
+/// Every trainable parameter's gradient, by id, in the model's order.
+type Gradients = Vec<(ParamId, Vec<f32>)>;
+
+/// One SFT step of a mixture of experts with its load-balancing loss added, as the trainers
+/// take it: the language model's and the router's losses, every trainable parameter's
+/// gradient of their sum, and how many layer passes were rerun in this process meanwhile.
+fn step_with_router_loss(
+    lm: &LoadedModel,
+    batch: &[&SftExample],
+    checkpointing: Checkpointing,
+) -> ((f64, f64), Gradients, usize) {
+    let config = TrainSection {
+        activation_checkpointing: checkpointing,
+        ..TrainSection::default()
+    };
+    let model = config.train_model(lm.model.clone(), &Device::flex());
+    let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
+    let reruns = recompute::reruns();
+    let (out, router) = aligner_core::model::with_router_loss(|| SftObjective.step(&model, batch).unwrap());
+    let router = router.expect("the config asks for the load-balancing loss");
+    let (loss, aux): (f32, f32) = (out.loss.clone().into_scalar(), router.clone().into_scalar());
+    let grads = recompute::gradients(out.loss + router, &model);
+    (
+        (loss as f64, aux as f64),
+        gradients(&model, &grads),
+        recompute::reruns() - reruns,
+    )
+}
+
 /// Each trainable parameter's gradient in `grads`, in the model's order.
 fn gradients<M: Module>(model: &M, grads: &GradientsParams) -> Vec<(ParamId, Vec<f32>)> {
     struct Collect<'a>(&'a GradientsParams, Vec<(ParamId, Vec<f32>)>);
@@ -241,24 +270,8 @@ fn layer_recomputation_keeps_the_load_balancing_loss_and_its_gradients() {
             LoadedModel::from_dir(&repo().join("tests/reference/hf_random").join(name), &device).unwrap();
         let examples = load_sft_examples(&data, &lm.tokenizer, 64).unwrap();
         let batch: Vec<&SftExample> = examples.iter().take(4).collect();
-        let run = |checkpointing: Checkpointing| {
-            let config = TrainSection {
-                activation_checkpointing: checkpointing,
-                ..TrainSection::default()
-            };
-            let model = config.train_model(lm.model.clone(), &device);
-            let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
-            let reruns = recompute::reruns();
-            let (out, router) =
-                aligner_core::model::with_router_loss(|| SftObjective.step(&model, &batch).unwrap());
-            let router = router.expect("the config asks for the load-balancing loss");
-            let (loss, aux): (f32, f32) = (out.loss.clone().into_scalar(), router.clone().into_scalar());
-            let values = (loss as f64, aux as f64);
-            let grads = recompute::gradients(out.loss + router, &model);
-            (values, gradients(&model, &grads), recompute::reruns() - reruns)
-        };
-        let ((plain_loss, plain_router), plain, _) = run(Checkpointing::Off);
-        let ((loss, router), layers, rerun) = run(Checkpointing::Layers);
+        let ((plain_loss, plain_router), plain, _) = step_with_router_loss(&lm, &batch, Checkpointing::Off);
+        let ((loss, router), layers, rerun) = step_with_router_loss(&lm, &batch, Checkpointing::Layers);
         // (At least: tests running beside this one in its process rerun layers too.)
         assert!(
             rerun >= lm.config.num_hidden_layers,
@@ -276,16 +289,7 @@ fn layer_recomputation_keeps_the_load_balancing_loss_and_its_gradients() {
             "{name}: the gradients differ by {diff} of the largest"
         );
         // Without the router's term in the reruns the routers' gradients would differ.
-        let (_, no_router, _) = {
-            let config = TrainSection {
-                activation_checkpointing: Checkpointing::Off,
-                ..TrainSection::default()
-            };
-            let model = config.train_model(lm.model.clone(), &device);
-            let out = SftObjective.step(&model, &batch).unwrap();
-            let grads = recompute::gradients(out.loss, &model);
-            ((0.0, 0.0), gradients(&model, &grads), 0)
-        };
+        let (_, no_router) = step(&lm, &batch, Checkpointing::Off);
         // (Measured 1e-3 and more of the largest: far outside the 1e-5 the reruns are held to.)
         let moved = largest_difference(&plain, &no_router);
         eprintln!("{name}: the load-balancing loss moves the gradients by {moved:.2e} of the largest");
@@ -316,27 +320,9 @@ fn layer_recomputation_counts_the_routing_an_ordinary_lora_pass_counts() {
     lm.model = lm.model.map(&mut Nudge);
     let examples = load_sft_examples(&data, &lm.tokenizer, 64).unwrap();
     let batch: Vec<&SftExample> = examples.iter().take(4).collect();
-    let run = |checkpointing: Checkpointing| {
-        let config = TrainSection {
-            activation_checkpointing: checkpointing,
-            ..TrainSection::default()
-        };
-        let model = config.train_model(lm.model.clone(), &device);
-        let _recompute = LayerRecompute::arm(checkpointing == Checkpointing::Layers);
-        let reruns = recompute::reruns();
-        let (out, router) =
-            aligner_core::model::with_router_loss(|| SftObjective.step(&model, &batch).unwrap());
-        let router = router.expect("the second layer's routing is tracked");
-        let (loss, aux): (f32, f32) = (out.loss.clone().into_scalar(), router.clone().into_scalar());
-        let grads = recompute::gradients(out.loss + router, &model);
-        (
-            (loss, aux),
-            gradients(&model, &grads),
-            recompute::reruns() - reruns,
-        )
-    };
-    let ((plain_loss, plain_router), plain, _) = run(Checkpointing::Off);
-    let ((loss, router), layers, rerun) = run(Checkpointing::Layers);
+    // (The second layer's routing is tracked: the loss is there.)
+    let ((plain_loss, plain_router), plain, _) = step_with_router_loss(&lm, &batch, Checkpointing::Off);
+    let ((loss, router), layers, rerun) = step_with_router_loss(&lm, &batch, Checkpointing::Layers);
     assert!(rerun >= 2, "{rerun} layers rerun");
     assert!(
         loss == plain_loss && router == plain_router,

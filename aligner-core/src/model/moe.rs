@@ -332,16 +332,23 @@ pub(super) fn valid_tokens() -> Option<Vec<bool>> {
 /// probability sums its sparse layers recorded (`None` without any): what the load-balancing
 /// loss's gradient reaches the layer through.
 pub(super) fn capture_router_sums<T>(f: impl FnOnce() -> T) -> (T, Option<Tensor<1>>) {
-    let outer = ROUTINGS.with(|r| r.borrow_mut().replace(Vec::new()));
-    let scope = Scope(outer);
-    let value = f();
-    let routings = ROUTINGS.with(|r| r.borrow_mut().take()).unwrap_or_default();
-    drop(scope);
+    let (value, routings) = recording_routings(f);
     let sums = routings
         .into_iter()
         .map(|r| r.probability_sums)
         .reduce(|a, b| a + b);
     (value, sums)
+}
+
+/// Runs `f` with the routings of its sparse layers recorded (the enclosing scope's recordings
+/// kept apart and restored): `f`'s value and what it recorded.
+fn recording_routings<T>(f: impl FnOnce() -> T) -> (T, Vec<Routing>) {
+    let outer = ROUTINGS.with(|r| r.borrow_mut().replace(Vec::new()));
+    let scope = Scope(outer);
+    let value = f();
+    let routings = ROUTINGS.with(|r| r.borrow_mut().take()).unwrap_or_default();
+    drop(scope);
+    (value, routings)
 }
 
 fn record_routing(routing: Routing) {
@@ -367,13 +374,9 @@ impl Drop for Scope {
 /// term to add to the loss, `router_aux_loss_coef · load_balancing_loss` (`None` for a dense
 /// model or without `output_router_logits`).
 pub fn with_router_loss<T>(f: impl FnOnce() -> T) -> (T, Option<Tensor<1>>) {
-    let outer = ROUTINGS.with(|r| r.borrow_mut().replace(Vec::new()));
-    let scope = Scope(outer);
     let recomputed_from = super::recompute::tape_len();
-    let value = f();
+    let (value, routings) = recording_routings(f);
     let recomputed = recomputed_from..super::recompute::tape_len();
-    let routings = ROUTINGS.with(|r| r.borrow_mut().take()).unwrap_or_default();
-    drop(scope);
     let Some(first) = routings.first() else {
         return (value, None);
     };
