@@ -37,24 +37,24 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// Forward-pass tokens/s (batch × seq tokens per pass).
     Forward {
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 8)]
         batch: usize,
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 128)]
         seq: usize,
         /// Timed passes after one warm-up pass.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 5)]
         iters: usize,
     },
     /// SFT training tokens/s (forward + backward + AdamW step) at batch × seq tokens per step.
     /// Under `mpirun -np N` the batch is split over the ranks (batch / N each) and the
     /// gradients are all-reduced every step; the table adds the all-reduce's time and bytes.
     Train {
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 8)]
         batch: usize,
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 128)]
         seq: usize,
         /// Timed steps after one warm-up step.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 5)]
         steps: usize,
         /// Recompute activations in the backward (`train.activation_checkpointing`): `layers`
         /// (the flag alone) reruns each decoder layer from its input, `balanced` is Burn's
@@ -77,7 +77,7 @@ pub enum BenchCommand {
         bucket_mb: f64,
         /// Ranks per tensor group under `mpirun` (`parallel.tensor`): each holds a block of
         /// every layer; `--batch` is split over the `ranks / tensor` groups.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 1)]
         tensor: usize,
         /// The device's peak dense TFLOP/s (990 for an H200 in bf16): adds model FLOPs
         /// utilisation (6 · params + attention, per token) to the table.
@@ -88,11 +88,11 @@ pub enum BenchCommand {
     /// log-probs are cached before training, so they cost nothing per step).
     Dpo {
         /// Preference pairs per step.
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 8)]
         pairs: usize,
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 128)]
         seq: usize,
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 5)]
         steps: usize,
         /// As `train --activation-checkpointing`.
         #[arg(long, default_value = "off", num_args = 0..=1, default_missing_value = "layers",
@@ -106,17 +106,17 @@ pub enum BenchCommand {
     /// backward, AdamW).
     Rollout {
         /// Sequences per step.
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 32)]
         sequences: usize,
         /// Prompt tokens of each sequence.
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 32)]
         prompt: usize,
         /// Response lengths are spread evenly from `min_response` to `max_response` tokens.
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 8)]
         min_response: usize,
-        #[arg(long, default_value_t = 224)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 224)]
         max_response: usize,
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 5)]
         steps: usize,
     },
     /// Multi-turn episodes on the shipped model (or `--model`) in an environment that takes
@@ -126,33 +126,42 @@ pub enum BenchCommand {
     /// `latency_ms` (fixed per episode and turn); the turns of one batch are answered side by
     /// side, as an endpoint or a tool would.
     Episodes {
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 64)]
         episodes: usize,
         /// Model turns per episode.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 4)]
         turns: usize,
         /// New tokens per turn at most (sampled, so turns end at different lengths).
-        #[arg(long, default_value_t = 24)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 24)]
         new_tokens: usize,
         #[arg(long, default_value_t = 20)]
         latency_ms: u64,
         /// Engine slots (sequences decoded together).
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 64)]
         slots: usize,
     },
     /// Generation tokens/s for `prompts` prompts × `new_tokens` at several batch sizes.
     Generate {
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 64)]
         prompts: usize,
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 128)]
         new_tokens: usize,
         /// Engine slots (sequences decoded together).
-        #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+        #[arg(long, value_parser = at_least_one, value_delimiter = ',', default_value = "1,8,64")]
         batch_sizes: Vec<usize>,
         /// Engine workers sharing the queue.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, value_parser = at_least_one, default_value_t = 1)]
         workers: usize,
     },
+}
+
+/// A count of the benchmark (tokens, steps, batch, slots): 0 is refused, naming the flag.
+fn at_least_one(value: &str) -> std::result::Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// `--sharding`'s value, as `train.sharding` spells it.
@@ -246,6 +255,12 @@ fn models_f32(device: &Device, only: &str) -> Result<Vec<(String, LlamaConfig, C
         device.seed(0);
         let random = CausalLm::new(&config, device);
         out.push(("random-1B".to_string(), config, random));
+    }
+    if out.is_empty() {
+        anyhow::bail!(
+            "--only {only:?} names no benchmark model: stories260K, random-16M (a part of either \
+             name selects it), random-0.5B or random-1B (named exactly), or --model DIR"
+        );
     }
     Ok(out)
 }

@@ -250,6 +250,25 @@ fn a_smaller_student_distilled_beats_sft_on_held_out_nll() {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(student.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["num_hidden_layers"], 2);
+    // Never onto its own model (it wrote over the shipped model before), and into a folder
+    // that holds a model only with --overwrite.
+    let shipped = std::fs::read(teacher.join("model.safetensors")).unwrap();
+    let keep = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["convert", "keep-layers", "--model", teacher.to_str().unwrap()];
+        args.extend(["--layers", "0", "--out", out.to_str().unwrap()]);
+        args.extend(extra);
+        aligner(&args)
+    };
+    let (ok, err) = keep(&teacher, &["--overwrite"]);
+    assert!(!ok && err.contains("an input of this command"), "{err}");
+    assert_eq!(std::fs::read(teacher.join("model.safetensors")).unwrap(), shipped);
+    let (ok, err) = keep(&student, &[]);
+    assert!(!ok && err.contains("--overwrite"), "{err}");
+    assert_eq!(
+        config,
+        serde_json::from_str::<Value>(&std::fs::read_to_string(student.join("config.json")).unwrap())
+            .unwrap()
+    );
     let model = format!("model.path={}", student.display());
     let run = |command: &str, extra: &[String]| -> (f64, f64) {
         let out = dir.path().join(command);

@@ -1235,4 +1235,13 @@ fn bench_measures_a_model_folder() {
     }
     let (ok, _, stderr) = common::aligner_output(&["bench", "--model", "assets", "forward"]);
     assert!(!ok && stderr.contains("assets"), "{stderr}");
+    // A selection of no model is refused, not answered with an empty table.
+    let (ok, _, stderr) = common::aligner_output(&["bench", "--only", "nope", "forward"]);
+    assert!(!ok && stderr.contains("--only \"nope\""), "{stderr}");
+    // A count of 0 is refused naming the flag (`--seq 0` panicked on a capacity overflow).
+    let (ok, _, stderr) = common::aligner_output(&["bench", "--only", "stories", "train", "--seq", "0"]);
+    assert!(
+        !ok && stderr.contains("--seq") && stderr.contains("at least 1"),
+        "{stderr}"
+    );
 }

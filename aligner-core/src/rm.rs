@@ -284,7 +284,7 @@ pub fn train(config: &RmConfig, run: &RunDir, device: &Device) -> Result<RunSumm
         &start.labels,
         &start.dir,
         device,
-    );
+    )?;
     fit(
         model,
         &RewardObjective,

@@ -377,7 +377,7 @@ pub fn train(config: &SftConfig, run: &RunDir, device: &Device) -> Result<RunSum
         tracing::info!(sequences, rows = train.len(), "packed");
     }
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     tracing::info!(train = train.len(), validation = validation.len(), "SFT");
     fit(
         model,

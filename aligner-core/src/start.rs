@@ -8,7 +8,7 @@ use crate::LoadedModel;
 use crate::adapter::{LoraStore, RewardLoraStore};
 use crate::config::{LlamaConfig, Precision};
 use crate::error::{CoreError, Result};
-use crate::model::{CausalLm, LoraSpec};
+use crate::model::{CausalLm, LlamaModel, LoraSpec};
 use crate::reward::{RewardModel, labels_of};
 use crate::store::{CausalLmStore, ModelStore, RewardModelStore};
 use crate::tokenizer::TextTokenizer;
@@ -99,19 +99,73 @@ pub fn lora_spec(section: &ModelSection) -> Option<LoraSpec> {
     })
 }
 
-/// Attaches LoRA adapters to a policy loaded from `dir` when `[model]` asks for them, and
-/// returns how the run folder saves and loads it (adapters, or the full weights).
+/// Refuses LoRA settings `model` cannot train with, naming the key: a dropout outside [0, 1),
+/// an alpha that is not a positive number, targets that name none of its projections (a run
+/// would train nothing), and a rank above the narrowest adapted projection's width (a LoRA of
+/// that width already updates it in full).
+pub fn check_lora(spec: &LoraSpec, model: &LlamaModel) -> Result<()> {
+    let invalid = |message: String| Err(CoreError::Invalid(message));
+    if !(spec.dropout.is_finite() && (0.0..1.0).contains(&spec.dropout)) {
+        return invalid(format!(
+            "model.lora_dropout = {}: must be at least 0 and below 1",
+            spec.dropout
+        ));
+    }
+    if !(spec.alpha.is_finite() && spec.alpha > 0.0) {
+        return invalid(format!(
+            "model.lora_alpha = {}: must be a finite number above 0",
+            spec.alpha
+        ));
+    }
+    let mut model = model.clone();
+    let projections: Vec<(String, [usize; 2])> = crate::model::projections(&mut model)
+        .into_iter()
+        .map(|(name, layer)| (name, layer.whole_dims()))
+        .collect();
+    let short = |name: &str| name.rsplit('.').next().unwrap_or_default().to_string();
+    let adapted: Vec<&(String, [usize; 2])> = projections
+        .iter()
+        .filter(|(name, _)| spec.targets.contains(&short(name)))
+        .collect();
+    if adapted.is_empty() {
+        let mut names: Vec<String> = projections.iter().map(|(name, _)| short(name)).collect();
+        names.sort();
+        names.dedup();
+        return invalid(format!(
+            "model.lora_targets = {:?} names none of the model's projections ({}): LoRA would train nothing",
+            spec.targets,
+            names.join(", ")
+        ));
+    }
+    if let Some((name, [d_in, d_out])) = adapted.iter().min_by_key(|(_, [i, o])| (*i).min(*o))
+        && spec.rank > (*d_in).min(*d_out)
+    {
+        let width = (*d_in).min(*d_out);
+        return invalid(format!(
+            "model.lora_rank = {} is above the width of the projections it adapts (the narrowest, \
+             {name}, is {d_in} × {d_out}): a rank of {width} already updates it in full; set \
+             model.lora_rank to at most {width}, or 0 for full fine-tuning",
+            spec.rank
+        ));
+    }
+    Ok(())
+}
+
+/// Attaches LoRA adapters to a policy loaded from `dir` when `[model]` asks for them (refused
+/// by [`check_lora`] where the model cannot take them), and returns how the run folder saves
+/// and loads it (adapters, or the full weights).
 pub fn policy_store(
     model: &mut CausalLm,
     section: &ModelSection,
     llama: &LlamaConfig,
     dir: &Path,
     device: &Device,
-) -> Box<dyn ModelStore<CausalLm>> {
-    match lora_spec(section) {
+) -> Result<Box<dyn ModelStore<CausalLm>>> {
+    Ok(match lora_spec(section) {
         Some(spec) => {
             // Saved adapters name the projections as the model does (Phi-3's fused ones).
             let spec = spec.for_model(&model.model);
+            check_lora(&spec, &model.model)?;
             let adapted = model.attach_lora(&spec, device);
             let (trainable, total) = crate::adapter::parameter_split(model);
             tracing::info!(adapted_layers = adapted, trainable, total, "LoRA");
@@ -125,7 +179,7 @@ pub fn policy_store(
             config: llama.clone(),
             tokenizer_dir: dir.to_path_buf(),
         }),
-    }
+    })
 }
 
 /// [`policy_store`] for a model with a scalar or multi-output head (reward and attribute
@@ -137,10 +191,11 @@ pub fn head_store(
     labels: &[String],
     dir: &Path,
     device: &Device,
-) -> Box<dyn ModelStore<RewardModel>> {
-    match lora_spec(section) {
+) -> Result<Box<dyn ModelStore<RewardModel>>> {
+    Ok(match lora_spec(section) {
         Some(spec) => {
             let spec = spec.for_model(&model.model);
+            check_lora(&spec, &model.model)?;
             let adapted = model.model.attach_lora(&spec, device);
             tracing::info!(
                 adapted_layers = adapted,
@@ -158,7 +213,7 @@ pub fn head_store(
             labels: labels.to_vec(),
             tokenizer_dir: dir.to_path_buf(),
         }),
-    }
+    })
 }
 
 /// A trained reward or attribute model folder: the model, its output names in order (from

@@ -129,6 +129,14 @@ fn adapters_switch_off_to_the_base_and_round_trip_in_peft_format() {
     assert_eq!(adapter_tensors(&again), adapter_tensors(&trained));
     let d = max_diff(&logits(&again), &logits(&trained));
     assert!(d < 1e-4, "reloaded adapter differs by {d}");
+
+    // PPO's offloaded reference: the trained model with its adapters off, copied to the host,
+    // is the base to the bit, and with them on the trained model.
+    let host = aligner_core::model::copied_to_host(off);
+    assert_eq!(logits(&host), base_logits);
+    let mut on = host;
+    on.model.set_adapters_enabled(true);
+    assert_eq!(logits(&on), logits(&trained));
 }
 
 /// A LoRA reward model's run-folder save folds the adapters into each weight as the file
@@ -220,4 +228,43 @@ fn a_lora_reward_model_saves_merged_weights_and_reloads_from_its_adapter() {
     for (x, y) in a.iter().zip(&b) {
         assert!(max_diff(x, y) < 1e-5, "{a:?} vs {b:?}");
     }
+}
+
+/// LoRA settings the model cannot train with are refused naming the key, before any adapter
+/// is made: a dropout outside [0, 1) (Burn's dropout panicked), targets that name none of the
+/// model's projections (the run trained nothing and its backward panicked), and a rank above
+/// the narrowest adapted projection (rank 100000 on the shipped model ran for minutes).
+#[test]
+fn lora_settings_the_model_cannot_take_are_refused_naming_the_key() {
+    let lm = LoadedModel::from_dir(&repo().join("assets/stories260K"), &Device::flex()).unwrap();
+    let check =
+        |spec: LoraSpec| aligner_core::start::check_lora(&spec.for_model(&lm.model.model), &lm.model.model);
+    assert!(check(spec()).is_ok());
+    let refused = |spec: LoraSpec, key: &str| {
+        let message = check(spec).unwrap_err().to_string();
+        assert!(message.contains(key), "{message}");
+    };
+    refused(
+        LoraSpec {
+            dropout: 2.0,
+            ..spec()
+        },
+        "model.lora_dropout = 2",
+    );
+    refused(
+        LoraSpec {
+            alpha: f64::NAN,
+            ..spec()
+        },
+        "model.lora_alpha",
+    );
+    let nope = LoraSpec {
+        targets: vec!["nope".into()],
+        ..spec()
+    };
+    refused(nope, "q_proj");
+    // The shipped model's narrowest adapted projection (k_proj and v_proj: 4 key/value heads
+    // of 8 dimensions) is 64 × 32.
+    refused(LoraSpec { rank: 33, ..spec() }, "at most 32");
+    assert!(check(LoraSpec { rank: 32, ..spec() }).is_ok());
 }

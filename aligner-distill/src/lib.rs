@@ -901,7 +901,7 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
     // The start model, frozen, when the target mixes it in (taken before training moves it).
     let start = (section.teacher_weight < 1.0).then(|| (student.model.clone(), section.teacher_weight));
     let mut model = student.model;
-    let store = policy_store(&mut model, &config.model, &student.config, &student.dir, device);
+    let store = policy_store(&mut model, &config.model, &student.config, &student.dir, device)?;
     tracing::info!(
         teacher = %teacher_dir.display(),
         train = train.len(),

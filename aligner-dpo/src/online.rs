@@ -270,7 +270,7 @@ pub fn train(
     // The start model is the reference (with LoRA: the base, which the adapters start from).
     let reference = lm.model.clone();
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     let objective = DpoObjective {
         loss,
         sft_weight: config.dpo.sft_weight,

@@ -43,7 +43,7 @@ pub fn train(
         Ok::<_, CoreError>(examples)
     })?;
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     tracing::info!(
         train = train.len(),
         validation = validation.len(),

@@ -207,7 +207,7 @@ pub fn train(config: &KtoConfig, run: &RunDir, device: &Device) -> Result<RunSum
         load_kto_examples(path, &lm.tokenizer, max_len, &lm.model, &cache, batch, run.comm())
     })?;
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     tracing::info!(train = train.len(), validation = validation.len(), "KTO");
 
     let objective = KtoObjective {

@@ -183,7 +183,8 @@ impl PpoRunner<'_> {
             (_, true) => {
                 let mut frozen = start();
                 frozen.model.set_adapters_enabled(false);
-                let mut frozen = frozen.fork(&Device::flex());
+                // A copy the host owns: a fork would keep device buffers (`copied_to_host`).
+                let mut frozen = aligner_core::model::copied_to_host(frozen);
                 // The host computes in f32 whatever the actor's type on the device.
                 frozen.model.precision = aligner_core::config::Precision::F32;
                 Some(frozen)

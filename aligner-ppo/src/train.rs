@@ -181,7 +181,7 @@ pub fn train(config: &PpoConfig, run: &RunDir, device: &Device) -> Result<PpoSum
         (None, None) => None,
     };
     let mut model = lm.model;
-    let actor_store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let actor_store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     tracing::info!(
         train_prompts = train_prompts.len(),
         eval_prompts = eval_prompts.len(),
@@ -270,7 +270,7 @@ pub fn rejection_sampling(config: &RsConfig, run: &RunDir, device: &Device) -> R
     // With LoRA the start model is the base the adapters sit on; a copy keeps it either way.
     let reference = lm.model.clone();
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     let sampling = RejectionSampling {
         config,
         llama: &lm.config,

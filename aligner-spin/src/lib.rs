@@ -183,7 +183,7 @@ pub fn train(
     aligner_core::train::check_new_tokens(&[("spin.max_new_tokens", spin.max_new_tokens)], &lm.config)?;
     let frontier = config.frontier.for_start_model_on_rank_0(&lm, run, device)?;
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
     let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let spin = Spin {
         config,

@@ -80,7 +80,7 @@ pub fn train_attributes(config: &SteerConfig, run: &RunDir, device: &Device) -> 
         names,
         &start.dir,
         device,
-    );
+    )?;
     tracing::info!(train = train.len(), validation = validation.len(), attributes = ?names, "SteerLM attribute model");
     let objective = AttributeObjective { names: names.clone() };
     Ok(fit(
@@ -229,7 +229,7 @@ fn conditioned_sft(
         None => Vec::new(),
     };
     let mut model = lm.model;
-    let store = policy_store(&mut model, &config.model, &lm.config, policy, device);
+    let store = policy_store(&mut model, &config.model, &lm.config, policy, device)?;
     tracing::info!(train = train.len(), validation = validation.len(), template = %conditioning.template, "SteerLM conditioned SFT");
     let summary = fit(
         model,

@@ -185,12 +185,17 @@ impl LoraLinear {
     pub fn attach(&mut self, name: &str, rank: usize, alpha: f64, dropout: f64, device: &Device) {
         // A base read as a tensor group's block: the adapter is made whole, as one process
         // makes it, and cut into blocks with the rest of the model when training starts.
+        let [d_in, d_out] = self.whole_dims();
+        self.lora = Some(LoraAdapter::new(name, d_in, d_out, rank, alpha, dropout, device));
+    }
+
+    /// `[d_in, d_out]` of the whole weight, also where this rank holds a tensor group's block.
+    pub fn whole_dims(&self) -> [usize; 2] {
         let dims = self.base.weight.dims();
-        let [d_in, d_out] = match aligner_parallel::tensor::split_of(self.base.weight.id.val(), &dims) {
+        match aligner_parallel::tensor::split_of(self.base.weight.id.val(), &dims) {
             Some(split) => [split.dims[0], split.dims[1]],
             None => dims,
-        };
-        self.lora = Some(LoraAdapter::new(name, d_in, d_out, rank, alpha, dropout, device));
+        }
     }
 
     /// The layer as it computes now, as a plain layer: the base with the adapter folded in

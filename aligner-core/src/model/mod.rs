@@ -7,12 +7,15 @@
 
 mod attention;
 mod cache;
+mod host;
 mod layer;
 mod lora;
 mod moe;
 mod norm;
 pub mod recompute;
 mod rope;
+
+pub use host::copied_to_host;
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};

@@ -522,6 +522,7 @@ impl TrainSection {
         check_counts(&[
             ("train.batch_size", self.batch_size),
             ("train.grad_accum", self.grad_accum),
+            ("train.log_every", self.log_every),
         ])?;
         check_value("train.lr", self.lr, Range::Positive)?;
         check_value("train.max_grad_norm", self.max_grad_norm, Range::NonNegative)?;

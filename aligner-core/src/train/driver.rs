@@ -830,6 +830,8 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
         if done.is_multiple_of(settings.log_every.max(1)) || eval_now || done == total {
             let mut row = stepped.row;
             row.insert("step".into(), done.into());
+            // Before the evaluation, whose activations and samples are not the step's.
+            row.extend(super::metrics::device_memory(train_device));
             if eval_now {
                 let (seen, seen_as) = seen_by_evaluation(&model, &parts, in_parts, (full, split));
                 let eval = method.evaluate(&seen)?;

@@ -23,6 +23,20 @@ pub struct MetricsLog {
 /// Row keys with this prefix hold text for TensorBoard (sample responses), not metrics.
 pub const TEXT_PREFIX: &str = "text/";
 
+/// Row keys of what the device's allocator holds at a logged step's end, in MiB: the bytes
+/// that live tensors use (`device_memory_mib`: the models, optimizer state and caches a step
+/// keeps) and what the allocator has reserved for them (`device_reserved_mib`). Only GPU
+/// backends (wgpu, CUDA) report them; on the CPU the row has neither.
+pub fn device_memory(device: &burn::tensor::Device) -> Map<String, Value> {
+    let mut row = Map::new();
+    if let Some(usage) = device.memory_pool_usage() {
+        let mib = |bytes: u64| Value::from(bytes as f64 / (1024.0 * 1024.0));
+        row.insert("device_memory_mib".into(), mib(usage.bytes_in_use));
+        row.insert("device_reserved_mib".into(), mib(usage.bytes_reserved));
+    }
+    row
+}
+
 impl MetricsLog {
     /// The run's log: [`MetricsLog::open`] on rank 0, a silent one on the other ranks.
     pub fn for_run(run: &crate::run::RunDir, keep_through_step: Option<usize>) -> Result<Self> {

@@ -526,6 +526,13 @@ impl EnvironmentSection {
                 self.timeout_seconds, self.error_penalty
             ));
         }
+        if self.stop_strings.iter().any(String::is_empty) {
+            return invalid(
+                "environment.stop_strings has an empty string, which every text contains: each \
+                 turn would end at its first token"
+                    .into(),
+            );
+        }
         let timeout = std::time::Duration::from_secs_f64(self.timeout_seconds);
         if !self.command.is_empty() {
             return Ok(Some(Box::new(CommandEnvironment::new(
@@ -541,6 +548,12 @@ impl EnvironmentSection {
                 timeout,
             ))));
         }
+        aligner_core::train::config::check_template(
+            "environment.observation_template",
+            &self.observation_template,
+            &["result"],
+            &["name", "result"],
+        )?;
         for (i, tool) in self.tools.iter().enumerate() {
             if tool.command.is_empty() == tool.url.is_none() {
                 return invalid(format!(

@@ -330,6 +330,33 @@ mod tests {
         assert!(super::super::EnvironmentSection::default().tools_json().is_none());
     }
 
+    /// An observation template with a placeholder it does not fill, or without the result,
+    /// and an empty stop string (which ends every turn at once) are refused naming the key.
+    #[test]
+    fn tool_settings_that_would_mislead_the_model_are_refused() {
+        let section = |template: &str, stops: &[&str]| super::super::EnvironmentSection {
+            tools: vec![python_tool("lookup", "", 1.0)],
+            observation_template: template.into(),
+            stop_strings: stops.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let refused = |s: super::super::EnvironmentSection| s.build().err().map(|e| e.to_string());
+        assert!(
+            section(" The word was {result} ({name}).", &[" look"])
+                .build()
+                .is_ok()
+        );
+        let unknown = refused(section(" The word was {word}: {result}.", &[])).unwrap();
+        assert!(
+            unknown.contains("environment.observation_template") && unknown.contains("{word}"),
+            "{unknown}"
+        );
+        let missing = refused(section(" Nothing.", &[])).unwrap();
+        assert!(missing.contains("{result}"), "{missing}");
+        let empty = refused(section("{result}", &[" look", ""])).unwrap();
+        assert!(empty.contains("environment.stop_strings"), "{empty}");
+    }
+
     #[test]
     fn hermes_and_regex_calls_parse() {
         let tools = [python_tool("lookup", "", 1.0)];
