@@ -104,30 +104,21 @@ pub fn lora_spec(section: &ModelSection) -> Option<LoraSpec> {
 /// would train nothing), and a rank above the narrowest adapted projection's width (a LoRA of
 /// that width already updates it in full).
 pub fn check_lora(spec: &LoraSpec, model: &LlamaModel) -> Result<()> {
+    use crate::train::config::{Range, check_values};
     let invalid = |message: String| Err(CoreError::Invalid(message));
-    if !(spec.dropout.is_finite() && (0.0..1.0).contains(&spec.dropout)) {
-        return invalid(format!(
-            "model.lora_dropout = {}: must be at least 0 and below 1",
-            spec.dropout
-        ));
-    }
-    if !(spec.alpha.is_finite() && spec.alpha > 0.0) {
-        return invalid(format!(
-            "model.lora_alpha = {}: must be a finite number above 0",
-            spec.alpha
-        ));
-    }
+    check_values(&[
+        ("model.lora_dropout", spec.dropout, Range::DropoutRate),
+        ("model.lora_alpha", spec.alpha, Range::Positive),
+    ])?;
     let mut model = model.clone();
     let projections: Vec<(String, [usize; 2])> = crate::model::projections(&mut model)
         .into_iter()
         .map(|(name, layer)| (name, layer.whole_dims()))
         .collect();
-    let short = |name: &str| name.rsplit('.').next().unwrap_or_default().to_string();
-    let adapted: Vec<&(String, [usize; 2])> = projections
-        .iter()
-        .filter(|(name, _)| spec.targets.contains(&short(name)))
-        .collect();
+    let adapted: Vec<&(String, [usize; 2])> =
+        projections.iter().filter(|(name, _)| spec.adapts(name)).collect();
     if adapted.is_empty() {
+        let short = |name: &str| name.rsplit('.').next().unwrap_or_default().to_string();
         let mut names: Vec<String> = projections.iter().map(|(name, _)| short(name)).collect();
         names.sort();
         names.dedup();

@@ -27,8 +27,9 @@ impl ModuleMapper for ToHost {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let device = &self.0;
         param.map(|tensor| {
-            let host = Tensor::<D>::from_data(owned(tensor.clone().into_data()), device);
-            match tensor.is_require_grad() {
+            let tracked = tensor.is_require_grad();
+            let host = Tensor::<D>::from_data(owned(tensor.into_data()), device);
+            match tracked {
                 true => host.require_grad(),
                 false => host,
             }

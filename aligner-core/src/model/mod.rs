@@ -321,6 +321,13 @@ pub struct LoraSpec {
 }
 
 impl LoraSpec {
+    /// Whether the projection called `name` (its HF name, e.g.
+    /// `model.layers.0.self_attn.q_proj`) gets an adapter: its last part is a target.
+    pub fn adapts(&self, name: &str) -> bool {
+        let short = name.rsplit('.').next().unwrap_or_default();
+        self.targets.iter().any(|t| t == short)
+    }
+
     /// The spec with its targets named as `model` names its projections: on a model with fused
     /// projections (Phi-3), `q_proj` / `k_proj` / `v_proj` mean `qkv_proj` and `gate_proj` /
     /// `up_proj` mean `gate_up_proj` (what PEFT's `target_modules` must then say).
@@ -382,8 +389,7 @@ impl LlamaModel {
         *self = self.clone().no_grad();
         let mut adapted = 0;
         for (name, layer) in projections(self) {
-            let short = name.rsplit('.').next().unwrap_or_default();
-            if spec.targets.iter().any(|t| t == short) {
+            if spec.adapts(&name) {
                 layer.attach(&name, spec.rank, spec.alpha, spec.dropout, device);
                 adapted += 1;
             }

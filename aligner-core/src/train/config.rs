@@ -424,6 +424,8 @@ pub enum Range {
     Fraction,
     /// Above 0, at most 1 (`top_p`).
     OpenFraction,
+    /// At least 0, below 1 (a dropout probability).
+    DropoutRate,
 }
 
 impl Range {
@@ -434,6 +436,7 @@ impl Range {
                 Range::NonNegative => v >= 0.0,
                 Range::Fraction => (0.0..=1.0).contains(&v),
                 Range::OpenFraction => v > 0.0 && v <= 1.0,
+                Range::DropoutRate => (0.0..1.0).contains(&v),
             }
     }
 
@@ -443,6 +446,7 @@ impl Range {
             Range::NonNegative => "a finite number of at least 0",
             Range::Fraction => "a number from 0 to 1",
             Range::OpenFraction => "a number above 0 and at most 1",
+            Range::DropoutRate => "a number of at least 0 and below 1",
         }
     }
 }
