@@ -78,7 +78,11 @@ def step_timer():
 
 
 def trainer_args(config_cls, out, **kw):
-    return config_cls(output_dir=out, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10_000,
+    # TRL 1.x turns bf16 autocast on by default (`bf16=True`). aligner computes in f32 unless
+    # `model.dtype` says otherwise, so both are measured in f32. On a CPU without bf16 matrix
+    # instructions (this AVX2 EPYC), PyTorch's bf16 products fall back to its scalar loop: one
+    # TRL SFT step ran for over 20 minutes.
+    return config_cls(output_dir=out, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=10_000,
                       dataloader_num_workers=0, disable_tqdm=True, seed=42, per_device_train_batch_size=BATCH,
                       max_steps=STEPS + 1, learning_rate=1e-4, **kw)
 

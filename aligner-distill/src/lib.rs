@@ -33,6 +33,11 @@
 //! reach at β/λ), which keeps most of the teacher's reward at a lower KL to the start;
 //! `distill.top_k` caches the teacher's top-k log-probs once for `supervised` ([`top_k`]).
 //!
+//! In tensor groups (`parallel.tensor`) every loss runs over the vocabulary split across the
+//! group: [`forward_kl_over`], [`generalized_jsd_over`], [`reverse_kl_over`] and
+//! [`forward_kl_top_k_over`] take the logits of each rank's block of the vocabulary and a
+//! [`Vocabulary::Split`], and equal the one-process losses (values and gradients).
+//!
 //! Teacher and student may differ in size and depth but must share a tokenizer (refused
 //! naming both folders otherwise). Without `distill.teacher`, the default `aligner dpo` run is
 //! trained first into `<run>/teacher` and distilled into the start model. [`train`] is
@@ -53,11 +58,11 @@ use aligner_core::train::{
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, LoadedModel, TextTokenizer};
 use aligner_gen::{Engine, EngineOptions, GenerationRequest, SamplingParams};
 use aligner_loss::policy::{ImportanceRatio, LossAgg, PolicyLossOptions, logprob_mismatch, policy_loss};
-use burn::tensor::activation::log_softmax;
+use aligner_parallel::vocab::Vocabulary;
 use burn::tensor::{Distribution, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-pub use top_k::{TeacherTopK, forward_kl_top_k};
+pub use top_k::{TeacherTopK, forward_kl_top_k, forward_kl_top_k_over};
 
 /// What can stop a distillation run.
 #[derive(Debug, thiserror::Error)]
@@ -225,11 +230,22 @@ impl Default for DistillConfig {
 /// logits → `[batch, seq]`. Gradients flow into `student_logits` only when `teacher_logits`
 /// carries none (the teacher is frozen).
 pub fn forward_kl(teacher_logits: Tensor<3>, student_logits: Tensor<3>, temperature: f64) -> Tensor<2> {
+    forward_kl_over(&Vocabulary::Whole, teacher_logits, student_logits, temperature)
+}
+
+/// [`forward_kl`] of logits over `vocabulary`: the whole vocabulary's, or in a tensor group
+/// each rank's block of it (the sum over the vocabulary taken over the group).
+pub fn forward_kl_over(
+    vocabulary: &Vocabulary,
+    teacher_logits: Tensor<3>,
+    student_logits: Tensor<3>,
+    temperature: f64,
+) -> Tensor<2> {
     let [b, s, _] = student_logits.dims();
-    let teacher = log_softmax(teacher_logits.div_scalar(temperature), 2);
-    let student = log_softmax(student_logits.div_scalar(temperature), 2);
-    (teacher.clone().exp() * (teacher - student))
-        .sum_dim(2)
+    let teacher = vocabulary.log_softmax(teacher_logits.div_scalar(temperature));
+    let student = vocabulary.log_softmax(student_logits.div_scalar(temperature));
+    vocabulary
+        .sum(teacher.clone().exp() * (teacher - student))
         .reshape([b, s])
 }
 
@@ -262,15 +278,32 @@ pub fn generalized_jsd(
     beta: f64,
     temperature: f64,
 ) -> Tensor<2> {
+    generalized_jsd_over(
+        &Vocabulary::Whole,
+        teacher_logits,
+        student_logits,
+        beta,
+        temperature,
+    )
+}
+
+/// [`generalized_jsd`] of logits over `vocabulary` (see [`forward_kl_over`]).
+pub fn generalized_jsd_over(
+    vocabulary: &Vocabulary,
+    teacher_logits: Tensor<3>,
+    student_logits: Tensor<3>,
+    beta: f64,
+    temperature: f64,
+) -> Tensor<2> {
     if beta <= 0.0 {
-        return forward_kl(teacher_logits, student_logits, temperature);
+        return forward_kl_over(vocabulary, teacher_logits, student_logits, temperature);
     }
     if beta >= 1.0 {
-        return forward_kl(student_logits, teacher_logits, temperature);
+        return forward_kl_over(vocabulary, student_logits, teacher_logits, temperature);
     }
     let [b, s, _] = student_logits.dims();
-    let teacher = log_softmax(teacher_logits.div_scalar(temperature), 2);
-    let student = log_softmax(student_logits.div_scalar(temperature), 2);
+    let teacher = vocabulary.log_softmax(teacher_logits.div_scalar(temperature));
+    let student = vocabulary.log_softmax(student_logits.div_scalar(temperature));
     // log M, as a log-sum-exp of the two weighted log-probabilities.
     let (a, c) = (
         teacher.clone().add_scalar(beta.ln()),
@@ -278,15 +311,24 @@ pub fn generalized_jsd(
     );
     let top = a.clone().max_pair(c.clone());
     let mixture = top.clone() + ((a - top.clone()).exp() + (c - top).exp()).log();
-    let kl_teacher = (teacher.clone().exp() * (teacher - mixture.clone())).sum_dim(2);
-    let kl_student = (student.clone().exp() * (student - mixture)).sum_dim(2);
+    let kl_teacher = vocabulary.sum(teacher.clone().exp() * (teacher - mixture.clone()));
+    let kl_student = vocabulary.sum(student.clone().exp() * (student - mixture));
     (kl_teacher.mul_scalar(beta) + kl_student.mul_scalar(1.0 - beta)).reshape([b, s])
 }
 
 /// Per-position reverse KL `Σ_v p_S(v) (log p_S(v) − log p_T(v))` (temperature 1): what the
 /// student puts where the teacher does not, `[batch, seq]`.
 pub fn reverse_kl(teacher_logits: Tensor<3>, student_logits: Tensor<3>) -> Tensor<2> {
-    forward_kl(student_logits, teacher_logits, 1.0)
+    reverse_kl_over(&Vocabulary::Whole, teacher_logits, student_logits)
+}
+
+/// [`reverse_kl`] of logits over `vocabulary` (see [`forward_kl_over`]).
+pub fn reverse_kl_over(
+    vocabulary: &Vocabulary,
+    teacher_logits: Tensor<3>,
+    student_logits: Tensor<3>,
+) -> Tensor<2> {
+    forward_kl_over(vocabulary, student_logits, teacher_logits, 1.0)
 }
 
 /// The distillation objective on tokenized SFT examples: its mode's loss, with the student's
@@ -364,7 +406,11 @@ struct Logits {
     /// predicting positions (on the teacher's device); None when the step reads the cached
     /// top-k instead.
     target: Option<(Tensor<3>, Option<Tensor<3>>)>,
+    /// The student's logits over `vocabulary`.
     student: Tensor<3>,
+    /// The vocabulary the logits are over: the `vocab` both models share, or in a tensor
+    /// group whose ranks hold the same blocks of both models' vocabulary, this rank's block.
+    vocabulary: Vocabulary,
     targets: Tensor<2, Int>,
     mask: Tensor<2>,
     n: usize,
@@ -376,21 +422,23 @@ struct Chunk {
     target: Tensor<3>,
     teacher: Option<Tensor<3>>,
     student: Tensor<3>,
+    vocabulary: Vocabulary,
     targets: Tensor<2, Int>,
 }
 
 impl Chunk {
     /// Log-probabilities of the predicted tokens under `logits`, `[rows, seq − 1]`.
     fn token_logprobs(&self, logits: Tensor<3>) -> Tensor<2> {
-        token_logprobs(logits, self.targets.clone())
+        token_logprobs(&self.vocabulary, logits, self.targets.clone())
     }
 }
 
-/// Log-probabilities of `targets` under `logits` (`[b, s, vocab]` → `[b, s]`).
-fn token_logprobs(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
+/// Log-probabilities of `targets` under `logits` over `vocabulary` (`[b, s, vocab]` →
+/// `[b, s]`).
+fn token_logprobs(vocabulary: &Vocabulary, logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<2> {
     let [b, s, _] = logits.dims();
-    log_softmax(logits, 2)
-        .gather(2, targets.reshape([b, s, 1]))
+    vocabulary
+        .pick(vocabulary.log_softmax(logits), targets.reshape([b, s, 1]))
         .reshape([b, s])
 }
 
@@ -407,7 +455,7 @@ impl Logits {
 
     /// Log-probabilities of the predicted tokens under the student, `[batch, seq − 1]`.
     fn student_logprobs(&self) -> Tensor<2> {
-        token_logprobs(self.student.clone(), self.targets.clone())
+        token_logprobs(&self.vocabulary, self.student.clone(), self.targets.clone())
     }
 
     /// `measure` of each chunk of rows (`[rows, seq − 1]` per value), the chunks' values
@@ -432,14 +480,14 @@ impl Logits {
                 let [_, _, d] = h.dims();
                 h.clone().slice([range.clone(), 0..s, 0..d])
             };
-            let (target, alone) = objective.target_from_hidden(hidden(teacher), start.as_ref().map(hidden));
+            let split = matches!(self.vocabulary, Vocabulary::Split { .. });
+            let (target, alone) =
+                objective.target_from_hidden(hidden(teacher), start.as_ref().map(hidden), split);
             let chunk = Chunk {
                 target: target.to_device(&device),
                 teacher: alone.map(|t| t.to_device(&device)),
-                student: self
-                    .student
-                    .clone()
-                    .slice([range.clone(), 0..s, 0..objective.vocab]),
+                student: self.student.clone().slice([range.clone(), 0..s]),
+                vocabulary: self.vocabulary.clone(),
                 targets: self.targets.clone().slice([range.clone(), 0..s]),
             };
             parts.push(measure(&chunk));
@@ -454,19 +502,26 @@ impl Logits {
 impl DistillObjective {
     /// The target's logits of the teacher's (and the start model's) hidden states: the
     /// teacher's, or `λ·z_teacher + (1 − λ)·z_start`, with the teacher's own beside a mixture.
+    /// Over the `vocab` both models share, or with `split` over this rank's block of it
+    /// ([`DistillObjective::vocabulary`]).
     fn target_from_hidden(
         &self,
         teacher: Tensor<3>,
         start: Option<Tensor<3>>,
+        split: bool,
     ) -> (Tensor<3>, Option<Tensor<3>>) {
-        let vocab = |logits: Tensor<3>| {
-            let [b, s, _] = logits.dims();
-            logits.slice([0..b, 0..s, 0..self.vocab])
+        let logits = |model: &CausalLm, hidden: Tensor<3>| match split {
+            true => model.own_logits_from_hidden(hidden).0,
+            false => {
+                let logits = model.logits_from_hidden(hidden);
+                let [b, s, _] = logits.dims();
+                logits.slice([0..b, 0..s, 0..self.vocab])
+            }
         };
-        let teacher_logits = vocab(self.teacher.logits_from_hidden(teacher));
+        let teacher_logits = logits(&self.teacher, teacher);
         match (&self.start, start) {
             (Some((model, weight)), Some(hidden)) => {
-                let start_logits = vocab(model.logits_from_hidden(hidden));
+                let start_logits = logits(model, hidden);
                 let target =
                     teacher_logits.clone().mul_scalar(*weight) + start_logits.mul_scalar(1.0 - weight);
                 (target, Some(teacher_logits))
@@ -496,8 +551,39 @@ impl DistillObjective {
     /// the teacher's, or `λ·z_teacher + (1 − λ)·z_start`; with the teacher's own beside a
     /// mixture.
     pub fn target_logits(&self, tokens: Tensor<2, Int>) -> (Tensor<3>, Option<Tensor<3>>) {
+        self.target_logits_over(tokens, &Vocabulary::Whole)
+    }
+
+    /// [`DistillObjective::target_logits`] over `vocabulary` ([`DistillObjective::vocabulary`]
+    /// of the student): the whole shared vocabulary, or this rank's block of it.
+    pub fn target_logits_over(
+        &self,
+        tokens: Tensor<2, Int>,
+        vocabulary: &Vocabulary,
+    ) -> (Tensor<3>, Option<Tensor<3>>) {
         let (teacher, start) = self.target_hidden(tokens);
-        self.target_from_hidden(teacher, start)
+        self.target_from_hidden(teacher, start, matches!(vocabulary, Vocabulary::Split { .. }))
+    }
+
+    /// The vocabulary the losses on `model` (the student) run over. Split across its tensor
+    /// group when the student, the teacher and a mixture's start model hold the same block of
+    /// one vocabulary, the `vocab` compared: each rank computes its block's logits alone, and
+    /// no rank holds a whole row of the vocabulary. Whole otherwise: one process, or models
+    /// whose vocabularies differ in size, compared with their output projections gathered.
+    pub fn vocabulary(&self, model: &CausalLm) -> Vocabulary {
+        let block = |m: &CausalLm| {
+            m.output_block()
+                .map(|(_, split)| (split.own_range(), split.dims[split.axis], split.group))
+        };
+        let Some((range, whole, group)) = block(model) else {
+            return Vocabulary::Whole;
+        };
+        let same = |m: &CausalLm| block(m).is_some_and(|(r, w, _)| r == range && w == whole);
+        if whole == self.vocab && same(&self.teacher) && self.start.iter().all(|(m, _)| same(m)) {
+            Vocabulary::Split { group, block: range }
+        } else {
+            Vocabulary::Whole
+        }
     }
 
     /// The frozen target's hidden states (unless `with_teacher` is false) and the student's
@@ -508,15 +594,27 @@ impl DistillObjective {
         let tokens = pad_right(&rows, 0, &device);
         let [b, width] = tokens.dims();
         let (mask, n) = trained_mask(batch, width, false, &device);
-        let positions = [0..b, 0..width - 1, 0..self.vocab];
         let teacher_device = self.teacher.model.embed_tokens.weight.device();
         let target = with_teacher.then(|| self.target_hidden(tokens.clone().to_device(&teacher_device)));
         let valid = aligner_core::score::right_padding_valid(&rows);
-        let student =
-            aligner_core::model::with_valid_tokens(valid, || model.forward(tokens.clone())).slice(positions);
+        let vocabulary = self.vocabulary(model);
+        let split = matches!(vocabulary, Vocabulary::Split { .. });
+        let student = aligner_core::model::with_valid_tokens(valid, || {
+            let positions = aligner_core::model::default_positions(&tokens);
+            let hidden = model.model.forward(tokens.clone(), &positions, None, None);
+            match split {
+                true => model.own_logits_from_hidden(hidden).0,
+                false => model.logits_from_hidden(hidden),
+            }
+        });
+        let student = match split {
+            true => student.slice([0..b, 0..width - 1]),
+            false => student.slice([0..b, 0..width - 1, 0..self.vocab]),
+        };
         Logits {
             target,
             student,
+            vocabulary,
             targets: tokens.slice([0..b, 1..width]),
             mask,
             n,
@@ -620,11 +718,18 @@ impl Objective<CausalLm> for DistillObjective {
                         let (ids, logprobs) = top
                             .batch(&rows, positions + 1, &l.mask.device())
                             .map_err(|e| CoreError::Invalid(e.to_string()))?;
-                        forward_kl_top_k(ids, logprobs, l.student.clone(), section.temperature)
+                        forward_kl_top_k_over(
+                            &l.vocabulary,
+                            ids,
+                            logprobs,
+                            l.student.clone(),
+                            section.temperature,
+                        )
                     }
                     None => l
                         .per_position(self, |c| {
-                            vec![forward_kl(
+                            vec![forward_kl_over(
+                                &c.vocabulary,
                                 c.target.clone(),
                                 c.student.clone(),
                                 section.temperature,
@@ -644,7 +749,8 @@ impl Objective<CausalLm> for DistillObjective {
             DistillMode::Gkd => {
                 let jsd = l.mean(
                     l.per_position(self, |c| {
-                        vec![generalized_jsd(
+                        vec![generalized_jsd_over(
+                            &c.vocabulary,
                             c.target.clone(),
                             c.student.clone(),
                             section.beta,
@@ -727,13 +833,14 @@ impl Objective<CausalLm> for DistillObjective {
         let l = self.logits(model, batch, true);
         let temperature = self.section.temperature;
         let mut measured = l.per_position(self, |c| {
+            let vocabulary = &c.vocabulary;
             let mut values = vec![
-                forward_kl(c.target.clone(), c.student.clone(), temperature),
-                reverse_kl(c.target.clone(), c.student.clone()),
+                forward_kl_over(vocabulary, c.target.clone(), c.student.clone(), temperature),
+                reverse_kl_over(vocabulary, c.target.clone(), c.student.clone()),
             ];
             if let Some(teacher) = &c.teacher {
                 // With a mixture target: how far the student is from the teacher itself.
-                values.push(reverse_kl(teacher.clone(), c.student.clone()));
+                values.push(reverse_kl_over(vocabulary, teacher.clone(), c.student.clone()));
             }
             values
         });
@@ -954,8 +1061,14 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
             || Ok(world.barrier().map_err(CoreError::from)?),
             || {
                 let device = objective.teacher.model.embed_tokens.weight.device();
+                let vocabulary = objective.vocabulary(&model);
                 TeacherTopK::compute(
-                    |tokens| objective.target_logits(tokens).0,
+                    |tokens| {
+                        (
+                            objective.target_logits_over(tokens, &vocabulary).0,
+                            vocabulary.clone(),
+                        )
+                    },
                     &device,
                     &train,
                     k,
@@ -1122,7 +1235,7 @@ mod tests {
         let grad_of = |grpo: bool| {
             let logits = Tensor::<3>::from_data(TensorData::new(student_logits.to_vec(), [2, 2, 3]), &device)
                 .require_grad();
-            let lp = token_logprobs(logits.clone(), targets.clone());
+            let lp = token_logprobs(&Vocabulary::Whole, logits.clone(), targets.clone());
             let loss = if grpo {
                 let old = lp.clone().detach();
                 let advantages = (teacher.clone() - old.clone()) * mask.clone();

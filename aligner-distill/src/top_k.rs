@@ -11,6 +11,7 @@ use aligner_core::cache::{self, CacheKey};
 use aligner_core::score::pad_right;
 use aligner_core::sft::SftExample;
 use aligner_core::{CoreError, Device};
+use aligner_parallel::vocab::Vocabulary;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use safetensors::tensor::{Dtype, TensorView};
@@ -31,9 +32,30 @@ pub fn forward_kl_top_k(
     student_logits: Tensor<3>,
     temperature: f64,
 ) -> Tensor<2> {
+    forward_kl_top_k_over(
+        &Vocabulary::Whole,
+        teacher_ids,
+        teacher_logprobs,
+        student_logits,
+        temperature,
+    )
+}
+
+/// [`forward_kl_top_k`] with the student's logits over `vocabulary` (the whole vocabulary,
+/// or this rank's block of it in a tensor group); the teacher's top-k are whole on every rank.
+pub fn forward_kl_top_k_over(
+    vocabulary: &Vocabulary,
+    teacher_ids: Tensor<3, Int>,
+    teacher_logprobs: Tensor<3>,
+    student_logits: Tensor<3>,
+    temperature: f64,
+) -> Tensor<2> {
     let [b, s, _] = student_logits.dims();
     let teacher = log_softmax(teacher_logprobs, 2);
-    let student = log_softmax(student_logits.div_scalar(temperature), 2).gather(2, teacher_ids);
+    let student = vocabulary.pick(
+        vocabulary.log_softmax(student_logits.div_scalar(temperature)),
+        teacher_ids,
+    );
     (teacher.clone().exp() * (teacher - student))
         .sum_dim(2)
         .reshape([b, s])
@@ -51,9 +73,10 @@ pub struct TeacherTopK {
 
 impl TeacherTopK {
     /// Runs `target` (the target's logits, `[batch, width − 1, vocab]`, of right-padded tokens
-    /// on `device`) over `examples`, 16 at a time.
+    /// on `device`, over the vocabulary it names: whole, or in a tensor group this rank's
+    /// block of it) over `examples`, 16 at a time.
     pub fn compute(
-        target: impl Fn(Tensor<2, Int>) -> Tensor<3>,
+        target: impl Fn(Tensor<2, Int>) -> (Tensor<3>, Vocabulary),
         device: &Device,
         examples: &[SftExample],
         k: usize,
@@ -69,8 +92,9 @@ impl TeacherTopK {
             let rows: Vec<&[u32]> = chunk.iter().map(|e| e.ids.as_slice()).collect();
             let tokens = pad_right(&rows, 0, device);
             let [_, width] = tokens.dims();
-            let logits = target(tokens).div_scalar(temperature);
-            let (values, indices) = log_softmax(logits, 2).topk_with_indices(k, 2);
+            let (logits, vocabulary) = target(tokens);
+            let logprobs = vocabulary.log_softmax(logits.div_scalar(temperature));
+            let (values, indices) = vocabulary.top_k(logprobs, k);
             let values: Vec<f32> = values.into_data().iter::<f32>().collect();
             let indices: Vec<u32> = indices.into_data().iter::<i64>().map(|i| i as u32).collect();
             for (i, e) in chunk.iter().enumerate() {

@@ -26,7 +26,8 @@
 //! [`shard`] holds the ops of fully sharded parameters (ZeRO-3) and [`tensor`] those of tensor
 //! parallel (Megatron's `f` and `g`, the vocabulary-parallel token log-probs), each a Burn
 //! backend extension with a hand-written backward; `tests/shard.rs` and `tests/tensor.rs` check
-//! them against the ops they stand for. [`overlap`] sums data-parallel gradients in buckets
+//! them against the ops they stand for; [`vocab`] holds distributions over a vocabulary split
+//! over a tensor group (the distillation losses' log-softmax, sums and picks). [`overlap`] sums data-parallel gradients in buckets
 //! while the backward pass goes on (its hook is one more such op).
 
 pub mod comm;
@@ -36,6 +37,7 @@ pub mod overlap;
 mod registry;
 pub mod shard;
 pub mod tensor;
+pub mod vocab;
 
 pub use comm::{
     CommError, Communicator, Grid, Launch, ReduceOp, Single, Traffic, WorkQueue, launch, launched_by_mpi,

@@ -346,7 +346,6 @@ pub fn vocab_parallel_logprobs(
     let [batch, seq, d] = hidden.dims();
     let n = batch * seq;
     let weight = weight.cast(burn::tensor::FloatDType::from(hidden.dtype()));
-    let local = vocab.len();
     // Every rank's logits need the whole hidden state's gradient: summed over the group.
     let hidden = tp_copy(hidden.reshape([n, d]), group);
     let targets = targets.reshape([n]);
@@ -379,13 +378,8 @@ pub fn vocab_parallel_logprobs(
         let lse = sum.log() + max;
         // The target's logit, from the rank whose block holds it (0 elsewhere).
         let t = targets.clone().narrow(0, start, len).reshape([len, 1]);
-        let shifted = t.sub_scalar(vocab.start as i64);
-        let inside = shifted
-            .clone()
-            .greater_equal_elem(0)
-            .bool_and(shifted.clone().lower_elem(local as i64));
-        let index = shifted.clamp(0, local.saturating_sub(1) as i64);
-        let picked = logits.gather(1, index) * inside.float();
+        let (index, inside) = crate::vocab::block_index(t, &vocab);
+        let picked = logits.gather(1, index) * inside;
         let picked = tp_reduce(picked, group);
         out.push(picked - lse);
     }

@@ -5,91 +5,13 @@
 //! every rank).
 
 use std::ops::Range;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::Arc;
 
-use aligner_parallel::comm::{
-    CommError, CommResult, Communicator, LocalQueue, ReduceOp, Traffic, WorkQueue, all_gather_f32,
-};
+use aligner_parallel::comm::{Communicator, Threads};
 use aligner_parallel::tensor::{Group, TensorSplit, tp_copy, tp_gather, tp_reduce, vocab_parallel_logprobs};
 use aligner_parallel::{shard_range, token_logprobs_from_hidden};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-
-/// Ranks that are threads: every collective is an all-gather through shared slots.
-struct Threads {
-    rank: usize,
-    shared: Arc<(Barrier, Mutex<Vec<Vec<u8>>>)>,
-}
-
-impl Threads {
-    fn group(size: usize) -> Vec<Arc<dyn Communicator>> {
-        let shared = Arc::new((Barrier::new(size), Mutex::new(vec![Vec::new(); size])));
-        (0..size)
-            .map(|rank| {
-                Arc::new(Threads {
-                    rank,
-                    shared: shared.clone(),
-                }) as Arc<dyn Communicator>
-            })
-            .collect()
-    }
-}
-
-impl Communicator for Threads {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.shared.1.lock().unwrap().len()
-    }
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
-        let parts = all_gather_f32(self, buf)?;
-        for (i, v) in buf.iter_mut().enumerate() {
-            let values = parts.iter().map(|p| p[i]);
-            *v = match op {
-                ReduceOp::Max => values.fold(f32::NEG_INFINITY, f32::max),
-                ReduceOp::Sum => values.sum(),
-                ReduceOp::Mean => values.sum::<f32>() / parts.len() as f32,
-            };
-        }
-        Ok(())
-    }
-    fn all_reduce_f64(&self, buf: &mut [f64], _: ReduceOp) -> CommResult<()> {
-        let mut f: Vec<f32> = buf.iter().map(|&v| v as f32).collect();
-        self.all_reduce(&mut f, ReduceOp::Sum)?;
-        buf.iter_mut().zip(f).for_each(|(b, v)| *b = v as f64);
-        Ok(())
-    }
-    fn reduce_scatter(&self, _: &[f32], _: &mut [f32]) -> CommResult<()> {
-        Err(CommError::Failed("not used".into()))
-    }
-    fn broadcast(&self, bytes: &mut Vec<u8>, root: usize) -> CommResult<()> {
-        *bytes = self.all_gather(bytes)?.swap_remove(root);
-        Ok(())
-    }
-    fn all_gather(&self, bytes: &[u8]) -> CommResult<Vec<Vec<u8>>> {
-        let (barrier, slots) = &*self.shared;
-        slots.lock().unwrap()[self.rank] = bytes.to_vec();
-        barrier.wait();
-        let all = slots.lock().unwrap().clone();
-        // Nobody writes the next collective's bytes before every rank has read these.
-        barrier.wait();
-        Ok(all)
-    }
-    fn barrier(&self) -> CommResult<()> {
-        self.shared.0.wait();
-        Ok(())
-    }
-    fn work_queue(&self, items: usize, chunk: usize) -> CommResult<Box<dyn WorkQueue + '_>> {
-        Ok(Box::new(LocalQueue::new(items, chunk)))
-    }
-    fn traffic(&self) -> Traffic {
-        Traffic::default()
-    }
-    fn split(&self, _: usize, _: usize) -> CommResult<Arc<dyn Communicator>> {
-        Err(CommError::Failed("not used".into()))
-    }
-}
 
 /// `n` values in [-1, 1) from a linear congruential stream seeded by `seed`.
 fn random(n: usize, seed: u64) -> Vec<f32> {

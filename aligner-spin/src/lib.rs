@@ -13,7 +13,7 @@ use std::path::Path;
 use aligner_core::cache::CacheKey;
 use aligner_core::data::{PromptResponseRow, append_jsonl, read_jsonl};
 use aligner_core::run::{RunDir, data_files};
-use aligner_core::start::{load_model, policy_store};
+use aligner_core::start::{load_model_split, policy_store};
 use aligner_core::train::{DataSection, ModelSection, ModelStore, TrainSection, Trainer};
 use aligner_core::{CausalLm, CoreError, Device, LlamaConfig, TextTokenizer};
 use aligner_dpo::objective::{DpoExample, DpoObjective, DpoRow, attach_reference, dpo_example};
@@ -105,8 +105,8 @@ pub struct SpinConfig {
     /// The reward–KL figures of the policy's own samples (KL to the start model), at every
     /// validation of every iteration.
     pub frontier: aligner_gen::FrontierSection,
-    /// Tensor groups (`parallel.tensor`): each iteration trains the policy's blocks; the
-    /// answers and the reference log-probs come from the whole model, each group a share.
+    /// Tensor groups (`parallel.tensor`): each rank reads, answers with, scores with and trains
+    /// only its blocks of the policy; each group answers and scores a share of the prompts.
     pub parallel: aligner_core::train::ParallelSection,
 }
 
@@ -177,14 +177,18 @@ pub fn train(
         ("spin.max_new_tokens", spin.max_new_tokens),
     ])?;
     run.start(config)?;
-    let lm = load_model(&config.model, device)?;
+    // In tensor groups each rank reads only its blocks: every iteration answers, scores and
+    // trains on them.
+    let (lm, grid) = load_model_split(&config.model, &config.parallel, run, device)?;
+    let run = &grid;
     // Checked before the first iteration's answers are generated.
     config.data.max_len(&lm.config)?;
     aligner_core::train::check_new_tokens(&[("spin.max_new_tokens", spin.max_new_tokens)], &lm.config)?;
-    let frontier = config.frontier.for_start_model_on_rank_0(&lm, run, device)?;
+    let frontier = config
+        .frontier
+        .for_split_start_model(&lm, &config.model, run, device)?;
     let mut model = lm.model;
     let store = policy_store(&mut model, &config.model, &lm.config, &lm.dir, device)?;
-    let run = &config.parallel.grid(run, &config.model, &lm.config)?;
     let spin = Spin {
         config,
         registry,
@@ -228,6 +232,10 @@ impl Spin<'_> {
             let dir = iteration.path().to_path_buf();
             if iteration.agree(&dir.join("final/config.json").exists())? {
                 policy = self.store.load(&dir.join("final"), &self.device)?;
+                if let Some(group) = self.run.tensor_group() {
+                    // Kept as this rank's blocks, as the iterations hold the policy.
+                    policy = aligner_core::train::tensor::split_parameters(policy, group)?;
+                }
                 tracing::info!(iteration = k, "already done; continuing from its final model");
                 // A resumed run mixes in the answers the finished iteration saved.
                 let file = dir.join("generations.jsonl");
@@ -308,7 +316,8 @@ impl Spin<'_> {
                     .frontier
                     .map(|f| f as &dyn aligner_core::train::ModelEval<CausalLm>),
             };
-            let (trained, summary) = trainer.run(policy)?;
+            // In tensor groups each rank keeps its blocks: no rank ever holds the whole policy.
+            let (trained, summary) = trainer.run_in_blocks(policy)?;
             // The reference takes the policy's weights at the start of the next iteration.
             policy = trained.valid();
             let report = IterationReport {
@@ -323,8 +332,12 @@ impl Spin<'_> {
             }
             reports.push(report);
         }
-        self.run
-            .write_shared(|| self.store.save(&policy, &self.run.final_dir()))?;
+        // In tensor groups the writer's group sends it the policy's blocks.
+        let whole = aligner_core::train::tensor::whole_on_writer(&policy, self.run);
+        self.run.write_shared(|| match &whole {
+            Some(policy) => self.store.save(policy, &self.run.final_dir()),
+            None => Ok(()),
+        })?;
         Ok(reports)
     }
 
@@ -391,22 +404,33 @@ impl Spin<'_> {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                // Data parallel: the ranks' engines take the prompts a batch at a time.
-                let chunk = reference.slots().max(1);
-                let (answers, work) =
-                    aligner_core::parallel::map_balanced(self.run.comm(), requests.len(), chunk, |range| {
-                        let requests = &requests[range];
-                        let outputs = reference.generate(requests)?;
-                        requests
-                            .iter()
-                            .zip(&outputs)
-                            .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
-                            .collect::<Result<Vec<_>, _>>()
-                            .map_err(SpinError::from)
-                    })?;
-                if work.len() > 1 {
-                    tracing::info!(?work, "self-play answers per rank");
-                }
+                let (split, slots) = (reference.in_tensor_group(), reference.slots().max(1));
+                let mut answer = |requests: &[GenerationRequest]| {
+                    let outputs = reference.generate(requests)?;
+                    requests
+                        .iter()
+                        .zip(&outputs)
+                        .map(|(r, o)| self.tokenizer.decode_continuation(&r.prompt_ids, &o.token_ids))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(SpinError::from)
+                };
+                let comm = self.run.comm();
+                let answers = match split {
+                    // A tensor group's ranks decode together: each data rank's group takes
+                    // its fixed share of the prompts.
+                    true => aligner_core::parallel::map_sharded(comm, &requests, answer)?,
+                    // Data parallel: the ranks' engines take the prompts a batch at a time.
+                    false => {
+                        let (answers, work) =
+                            aligner_core::parallel::map_balanced(comm, requests.len(), slots, |range| {
+                                answer(&requests[range])
+                            })?;
+                        if work.len() > 1 {
+                            tracing::info!(?work, "self-play answers per rank");
+                        }
+                        answers
+                    }
+                };
                 // A tensor group's ranks train on the same pairs: the world's rank 0's answers
                 // (the groups' queues may batch the prompts differently).
                 let answers = match self.run.tensor_group() {

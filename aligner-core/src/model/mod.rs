@@ -160,14 +160,8 @@ fn vocab_parallel_embedding(
     tokens: Tensor<2, Int>,
     split: &aligner_parallel::tensor::TensorSplit,
 ) -> Tensor<3> {
-    let rows = split.own_range();
-    let shifted = tokens.sub_scalar(rows.start as i64);
-    let inside = shifted
-        .clone()
-        .greater_equal_elem(0)
-        .bool_and(shifted.clone().lower_elem(rows.len() as i64));
-    let index = shifted.clamp(0, rows.len().saturating_sub(1) as i64);
-    let x = burn::tensor::module::embedding(block, index) * inside.float().unsqueeze_dim::<3>(2);
+    let (index, inside) = aligner_parallel::vocab::block_index(tokens, &split.own_range());
+    let x = burn::tensor::module::embedding(block, index) * inside.unsqueeze_dim::<3>(2);
     aligner_parallel::tensor::tp_reduce(x, &split.group)
 }
 
@@ -253,6 +247,34 @@ impl CausalLm {
             .reshape([b, s, vocab])
             .cast(burn::tensor::FloatDType::F32);
         self.cap_logits(logits)
+    }
+
+    /// The logits of `hidden` (`[batch, seq, d]`) over the vocabulary this rank holds: the
+    /// whole vocabulary's ([`CausalLm::logits_from_hidden`]), or in a tensor group its block
+    /// of the vocabulary alone (`[batch, seq, block]`, under the final soft-cap; the hidden
+    /// states' gradient summed over the group). With the [`Vocabulary`] they are over.
+    ///
+    /// [`Vocabulary`]: aligner_parallel::vocab::Vocabulary
+    pub fn own_logits_from_hidden(
+        &self,
+        hidden: Tensor<3>,
+    ) -> (Tensor<3>, aligner_parallel::vocab::Vocabulary) {
+        let Some((block, split)) = self.output_block() else {
+            return (self.logits_from_hidden(hidden), Default::default());
+        };
+        let [b, s, d] = hidden.dims();
+        let hidden = aligner_parallel::tensor::tp_copy(hidden.reshape([b * s, d]), &split.group);
+        let range = split.own_range();
+        let logits = hidden
+            .clone()
+            .matmul(as_type_of(block, &hidden))
+            .reshape([b, s, range.len()])
+            .cast(burn::tensor::FloatDType::F32);
+        let vocabulary = aligner_parallel::vocab::Vocabulary::Split {
+            group: split.group,
+            block: range,
+        };
+        (self.cap_logits(logits), vocabulary)
     }
 
     /// Logits of right-padded (or unpadded) `tokens: [batch, seq]` at positions `0..seq`.

@@ -87,9 +87,24 @@ pub struct LoopSettings {
     pub layout: CheckpointLayout,
     /// The progress bar's label ("step", "ppo step", ...).
     pub label: &'static str,
-    /// Whether [`run_loop`] hands the trained model back when the ranks hold it in parts
-    /// (gathered whole on every rank); a caller that needs only `final/` leaves it off.
-    pub returns_model: bool,
+    /// What [`run_loop`] hands back when the ranks hold the model in parts; a caller that
+    /// needs only `final/` leaves it at [`ReturnedModel::Nothing`].
+    pub returns_model: ReturnedModel,
+}
+
+/// The trained model [`run_loop`] hands back when the ranks hold it in parts (fully sharded,
+/// or split over tensor groups); a model held whole comes back as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReturnedModel {
+    /// None: the caller reads `final/`.
+    #[default]
+    Nothing,
+    /// Gathered whole on every rank (a collective).
+    Whole,
+    /// A tensor group's blocks as each rank holds them, their splits still registered, for a
+    /// caller that trains or generates with them again (SPIN's next iteration); fully sharded
+    /// parameters are gathered whole.
+    AsHeld,
 }
 
 impl LoopSettings {
@@ -114,7 +129,7 @@ impl LoopSettings {
             keep_best_mode: config.keep_best_mode,
             layout: CheckpointLayout::TRAINER,
             label: "step",
-            returns_model: false,
+            returns_model: ReturnedModel::Nothing,
         }
     }
 }
@@ -925,14 +940,20 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
 }
 
 /// What a run hands back: the trained model where the ranks hold it whole, or where the
-/// caller asked for it (`settings.returns_model`: gathered whole on every rank, a collective);
-/// `None` for a model held in parts that the caller does not need (it is in `final/`). The
-/// ranks' parts are forgotten either way.
+/// caller asked for it (`settings.returns_model`: gathered whole on every rank, a collective,
+/// or a tensor group's blocks as held, still registered); `None` for a model held in parts
+/// that the caller does not need (it is in `final/`). The ranks' parts are forgotten unless
+/// they are handed back.
 fn returned_model<M: Module>(model: M, settings: &LoopSettings, full: bool, split: bool) -> Option<M> {
+    if !full && split && settings.returns_model == ReturnedModel::AsHeld {
+        return Some(model);
+    }
     let returned = match (full || split, settings.returns_model) {
         (false, _) => Some(model),
-        (true, true) => Some(whole_of(&model, full, split).into_owned()),
-        (true, false) => None,
+        (true, ReturnedModel::Whole | ReturnedModel::AsHeld) => {
+            Some(whole_of(&model, full, split).into_owned())
+        }
+        (true, ReturnedModel::Nothing) => None,
     };
     aligner_parallel::shard::clear();
     aligner_parallel::tensor::clear();

@@ -39,7 +39,7 @@ pub use config::{
 };
 pub use driver::{
     BEST_DIR, CheckpointLayout, FINAL_STEP, FinalStep, LoopSettings, LoopState, Method, Optimizer,
-    RunSummary, Stepped, non_finite, optimizer_shard, run_loop,
+    ReturnedModel, RunSummary, Stepped, non_finite, optimizer_shard, run_loop,
 };
 pub use metrics::{MetricsLog, plot_metrics, plot_runs};
 pub use order::{EpochOrder, mini_batches};
@@ -234,20 +234,31 @@ impl<M: Module + 'static, O: Objective<M>> Trainer<'_, M, O> {
     /// Trains `model` (or, when the run is resumed, continues from its newest checkpoint),
     /// writing the run folder, and returns the summary. The trained model is saved in `final/`.
     pub fn train(&self, model: M) -> Result<RunSummary> {
-        Ok(self.train_keeping(model, false)?.1)
+        Ok(self.train_keeping(model, ReturnedModel::Nothing)?.1)
     }
 
     /// [`Trainer::train`], and the trained model back (gathered whole on every rank when the
     /// ranks hold it in parts: fully sharded or split over tensor groups).
     pub fn run(&self, model: M) -> Result<(M, RunSummary)> {
-        let (model, summary) = self.train_keeping(model, true)?;
+        self.run_returning(model, ReturnedModel::Whole)
+    }
+
+    /// [`Trainer::run`] with the model handed back as the ranks hold it: in tensor groups each
+    /// rank's blocks, never gathered whole (what a caller that trains or generates with it
+    /// again in the same groups takes).
+    pub fn run_in_blocks(&self, model: M) -> Result<(M, RunSummary)> {
+        self.run_returning(model, ReturnedModel::AsHeld)
+    }
+
+    fn run_returning(&self, model: M, returned: ReturnedModel) -> Result<(M, RunSummary)> {
+        let (model, summary) = self.train_keeping(model, returned)?;
         let model =
             model.ok_or_else(|| CoreError::Invalid("the training loop handed back no model".into()))?;
         Ok((model, summary))
     }
 
     /// The shared loop on this trainer's step; the model back as `returns_model` asks.
-    fn train_keeping(&self, model: M, returns_model: bool) -> Result<(Option<M>, RunSummary)> {
+    fn train_keeping(&self, model: M, returns_model: ReturnedModel) -> Result<(Option<M>, RunSummary)> {
         self.config.check()?;
         let total = self.total_steps();
         let train_device = self.config.autodiff_device(&self.device);

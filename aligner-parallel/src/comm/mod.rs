@@ -20,6 +20,7 @@ mod mpi_world;
 #[cfg(feature = "nccl")]
 mod nccl_world;
 mod queue;
+mod threads;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +28,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub use queue::{LocalQueue, WorkQueue};
+pub use threads::Threads;
 
 /// A collective failed (the group is broken: a peer died, or MPI was finalised).
 #[derive(Debug, thiserror::Error)]
