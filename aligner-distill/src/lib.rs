@@ -480,9 +480,8 @@ impl Logits {
                 let [_, _, d] = h.dims();
                 h.clone().slice([range.clone(), 0..s, 0..d])
             };
-            let split = matches!(self.vocabulary, Vocabulary::Split { .. });
             let (target, alone) =
-                objective.target_from_hidden(hidden(teacher), start.as_ref().map(hidden), split);
+                objective.target_from_hidden(hidden(teacher), start.as_ref().map(hidden), &self.vocabulary);
             let chunk = Chunk {
                 target: target.to_device(&device),
                 teacher: alone.map(|t| t.to_device(&device)),
@@ -502,26 +501,17 @@ impl Logits {
 impl DistillObjective {
     /// The target's logits of the teacher's (and the start model's) hidden states: the
     /// teacher's, or `λ·z_teacher + (1 − λ)·z_start`, with the teacher's own beside a mixture.
-    /// Over the `vocab` both models share, or with `split` over this rank's block of it
-    /// ([`DistillObjective::vocabulary`]).
+    /// Over `vocabulary` ([`DistillObjective::logits_over`]).
     fn target_from_hidden(
         &self,
         teacher: Tensor<3>,
         start: Option<Tensor<3>>,
-        split: bool,
+        vocabulary: &Vocabulary,
     ) -> (Tensor<3>, Option<Tensor<3>>) {
-        let logits = |model: &CausalLm, hidden: Tensor<3>| match split {
-            true => model.own_logits_from_hidden(hidden).0,
-            false => {
-                let logits = model.logits_from_hidden(hidden);
-                let [b, s, _] = logits.dims();
-                logits.slice([0..b, 0..s, 0..self.vocab])
-            }
-        };
-        let teacher_logits = logits(&self.teacher, teacher);
+        let teacher_logits = self.logits_over(&self.teacher, teacher, vocabulary);
         match (&self.start, start) {
             (Some((model, weight)), Some(hidden)) => {
-                let start_logits = logits(model, hidden);
+                let start_logits = self.logits_over(model, hidden, vocabulary);
                 let target =
                     teacher_logits.clone().mul_scalar(*weight) + start_logits.mul_scalar(1.0 - weight);
                 (target, Some(teacher_logits))
@@ -562,7 +552,21 @@ impl DistillObjective {
         vocabulary: &Vocabulary,
     ) -> (Tensor<3>, Option<Tensor<3>>) {
         let (teacher, start) = self.target_hidden(tokens);
-        self.target_from_hidden(teacher, start, matches!(vocabulary, Vocabulary::Split { .. }))
+        self.target_from_hidden(teacher, start, vocabulary)
+    }
+
+    /// `model`'s logits of `hidden` over `vocabulary`: this rank's block of it when it is
+    /// split ([`DistillObjective::vocabulary`]), else the first `vocab` (the ids both models
+    /// share) of the whole vocabulary's.
+    fn logits_over(&self, model: &CausalLm, hidden: Tensor<3>, vocabulary: &Vocabulary) -> Tensor<3> {
+        match vocabulary {
+            Vocabulary::Split { .. } => model.own_logits_from_hidden(hidden).0,
+            Vocabulary::Whole => {
+                let logits = model.logits_from_hidden(hidden);
+                let [b, s, _] = logits.dims();
+                logits.slice([0..b, 0..s, 0..self.vocab])
+            }
+        }
     }
 
     /// The vocabulary the losses on `model` (the student) run over. Split across its tensor
@@ -598,19 +602,12 @@ impl DistillObjective {
         let target = with_teacher.then(|| self.target_hidden(tokens.clone().to_device(&teacher_device)));
         let valid = aligner_core::score::right_padding_valid(&rows);
         let vocabulary = self.vocabulary(model);
-        let split = matches!(vocabulary, Vocabulary::Split { .. });
         let student = aligner_core::model::with_valid_tokens(valid, || {
             let positions = aligner_core::model::default_positions(&tokens);
             let hidden = model.model.forward(tokens.clone(), &positions, None, None);
-            match split {
-                true => model.own_logits_from_hidden(hidden).0,
-                false => model.logits_from_hidden(hidden),
-            }
-        });
-        let student = match split {
-            true => student.slice([0..b, 0..width - 1]),
-            false => student.slice([0..b, 0..width - 1, 0..self.vocab]),
-        };
+            self.logits_over(model, hidden, &vocabulary)
+        })
+        .slice([0..b, 0..width - 1]);
         Logits {
             target,
             student,

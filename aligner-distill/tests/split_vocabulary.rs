@@ -107,34 +107,27 @@ fn distillation_losses_over_a_split_vocabulary_match_the_whole_vocabulary() {
             "{name}: {want:?}"
         );
         for size in [2, 3] {
-            let ranks = Threads::group(size);
-            std::thread::scope(|scope| {
-                for (rank, comm) in ranks.into_iter().enumerate() {
-                    let (loss, teacher, student, weighting) = (&loss, &teacher, &student, &weighting);
-                    let (want, want_grad) = (&want, &want_grad);
-                    scope.spawn(move || {
-                        let device = Device::flex().autodiff();
-                        let block = shard_range(VOCAB, rank, size);
-                        let own = |v: &[f32]| {
-                            let data = TensorData::new(columns(v, VOCAB, block.clone()), [B, S, block.len()]);
-                            Tensor::<3>::from_data(data, &device)
-                        };
-                        let leaf = own(student).require_grad();
-                        let mix = Tensor::<2>::from_data(TensorData::new(weighting.clone(), [B, S]), &device);
-                        let vocabulary = Vocabulary::Split {
-                            group: Group(comm),
-                            block: block.clone(),
-                        };
-                        let got = loss(&vocabulary, own(teacher), leaf.clone());
-                        let grads = (got.clone() * mix).sum().backward();
-                        assert_close(&values(got), want, &format!("{name} on {size} ranks"));
-                        assert_close(
-                            &values(leaf.grad(&grads).unwrap()),
-                            &columns(want_grad, VOCAB, block),
-                            &format!("{name}'s gradient, rank {rank} of {size}"),
-                        );
-                    });
-                }
+            Threads::run(size, |rank, comm| {
+                let device = Device::flex().autodiff();
+                let block = shard_range(VOCAB, rank, size);
+                let own = |v: &[f32]| {
+                    let data = TensorData::new(columns(v, VOCAB, block.clone()), [B, S, block.len()]);
+                    Tensor::<3>::from_data(data, &device)
+                };
+                let leaf = own(&student).require_grad();
+                let mix = Tensor::<2>::from_data(TensorData::new(weighting.clone(), [B, S]), &device);
+                let vocabulary = Vocabulary::Split {
+                    group: Group(comm),
+                    block: block.clone(),
+                };
+                let got = loss(&vocabulary, own(&teacher), leaf.clone());
+                let grads = (got.clone() * mix).sum().backward();
+                assert_close(&values(got), &want, &format!("{name} on {size} ranks"));
+                assert_close(
+                    &values(leaf.grad(&grads).unwrap()),
+                    &columns(&want_grad, VOCAB, block),
+                    &format!("{name}'s gradient, rank {rank} of {size}"),
+                );
             });
         }
     }
@@ -154,26 +147,20 @@ fn top_k_over_a_split_vocabulary_is_the_whole_vocabularys() {
         want_ids.into_data().convert::<i64>().try_to_vec::<i64>().unwrap(),
     );
     for size in [2, 3] {
-        let ranks = Threads::group(size);
-        std::thread::scope(|scope| {
-            for (rank, comm) in ranks.into_iter().enumerate() {
-                let (logits, want, want_ids) = (&logits, &want, &want_ids);
-                scope.spawn(move || {
-                    let block = shard_range(VOCAB, rank, size);
-                    let data = TensorData::new(columns(logits, VOCAB, block.clone()), [B, S, block.len()]);
-                    let own = Tensor::<3>::from_data(data, &Device::flex());
-                    let vocabulary = Vocabulary::Split {
-                        group: Group(comm),
-                        block,
-                    };
-                    let (got, ids) = vocabulary.top_k(vocabulary.log_softmax(own), K);
-                    assert_close(&values(got), want, &format!("top {K} on {size} ranks"));
-                    assert_eq!(
-                        &ids.into_data().convert::<i64>().try_to_vec::<i64>().unwrap(),
-                        want_ids
-                    );
-                });
-            }
+        Threads::run(size, |rank, comm| {
+            let block = shard_range(VOCAB, rank, size);
+            let data = TensorData::new(columns(&logits, VOCAB, block.clone()), [B, S, block.len()]);
+            let own = Tensor::<3>::from_data(data, &Device::flex());
+            let vocabulary = Vocabulary::Split {
+                group: Group(comm),
+                block,
+            };
+            let (got, ids) = vocabulary.top_k(vocabulary.log_softmax(own), K);
+            assert_close(&values(got), &want, &format!("top {K} on {size} ranks"));
+            assert_eq!(
+                ids.into_data().convert::<i64>().try_to_vec::<i64>().unwrap(),
+                want_ids
+            );
         });
     }
 }

@@ -359,23 +359,8 @@ pub fn vocab_parallel_logprobs(
             .matmul(weight.clone())
             .cast(burn::tensor::FloatDType::F32);
         let logits = crate::logprob::soft_cap(logits, softcap);
-        // The largest logit over the whole vocabulary, a constant shift (the log-sum-exp does
-        // not depend on it, nor does its gradient).
-        let mut max: Vec<f32> = logits
-            .clone()
-            .detach()
-            .max_dim(1)
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .unwrap_or_default();
-        group
-            .0
-            .all_reduce(&mut max, ReduceOp::Max)
-            .unwrap_or_else(|e| panic!("tensor parallel: the logits' maximum: {e}"));
-        let max = Tensor::<2>::from_data(TensorData::new(max, [len, 1]), &logits.device());
-        let sum = tp_reduce((logits.clone() - max.clone()).exp().sum_dim(1), group);
-        let lse = sum.log() + max;
+        // Used once, after the group's sum: its gradient needs no sum over the group.
+        let lse = crate::vocab::group_log_sum_exp(logits.clone(), group);
         // The target's logit, from the rank whose block holds it (0 elsewhere).
         let t = targets.clone().narrow(0, start, len).reshape([len, 1]);
         let (index, inside) = crate::vocab::block_index(t, &vocab);

@@ -34,18 +34,7 @@ impl Vocabulary {
         let Vocabulary::Split { group, .. } = self else {
             return burn::tensor::activation::log_softmax(logits, last);
         };
-        // The largest logit of the whole row: a constant shift, so it carries no gradient.
-        let max = logits.clone().detach().max_dim(last);
-        let dims = max.dims();
-        let device = max.device();
-        let mut values: Vec<f32> = max.into_data().convert::<f32>().try_to_vec().unwrap_or_default();
-        group
-            .0
-            .all_reduce(&mut values, ReduceOp::Max)
-            .unwrap_or_else(|e| panic!("vocabulary split over a tensor group: the logits' maximum: {e}"));
-        let max = Tensor::<D>::from_data(TensorData::new(values, dims), &device);
-        let sum = tp_reduce((logits.clone() - max.clone()).exp().sum_dim(last), group);
-        logits - tp_copy(sum.log() + max, group)
+        logits.clone() - tp_copy(group_log_sum_exp(logits, group), group)
     }
 
     /// `x` summed over the vocabulary (the last axis, kept with size 1): over every token's
@@ -70,6 +59,25 @@ impl Vocabulary {
         let (index, inside) = block_index(ids, block);
         tp_reduce(x.gather(last, index) * inside, group)
     }
+}
+
+/// The log-sum-exp over the whole vocabulary of this rank's block of `logits` (the last axis,
+/// kept with size 1), the same on every rank of `group`: the blocks' sums of exponentials
+/// summed over the group ([`tp_reduce`]), shifted by the group's largest logit (a constant,
+/// so it carries no gradient).
+pub fn group_log_sum_exp<const D: usize>(logits: Tensor<D>, group: &Group) -> Tensor<D> {
+    let last = D - 1;
+    let max = logits.clone().detach().max_dim(last);
+    let dims = max.dims();
+    let device = max.device();
+    let mut values: Vec<f32> = max.into_data().convert::<f32>().try_to_vec().unwrap_or_default();
+    group
+        .0
+        .all_reduce(&mut values, ReduceOp::Max)
+        .unwrap_or_else(|e| panic!("tensor parallel: the logits' maximum: {e}"));
+    let max = Tensor::<D>::from_data(TensorData::new(values, dims), &device);
+    let sum = tp_reduce((logits - max.clone()).exp().sum_dim(last), group);
+    sum.log() + max
 }
 
 /// Where the token ids `ids` (of the whole vocabulary) fall in the block `block` a rank holds:

@@ -5,9 +5,8 @@
 //! every rank).
 
 use std::ops::Range;
-use std::sync::Arc;
 
-use aligner_parallel::comm::{Communicator, Threads};
+use aligner_parallel::comm::Threads;
 use aligner_parallel::tensor::{Group, TensorSplit, tp_copy, tp_gather, tp_reduce, vocab_parallel_logprobs};
 use aligner_parallel::{shard_range, token_logprobs_from_hidden};
 use burn::tensor::activation::relu;
@@ -54,17 +53,6 @@ fn columns(values: &[f32], n: usize, cols: Range<usize>) -> Vec<f32> {
         .collect()
 }
 
-/// Runs `f(rank, group)` on `size` threads, one rank each.
-fn on_ranks(size: usize, f: impl Fn(usize, Arc<dyn Communicator>) + Sync) {
-    let group = Threads::group(size);
-    std::thread::scope(|scope| {
-        for (rank, comm) in group.into_iter().enumerate() {
-            let f = &f;
-            scope.spawn(move || f(rank, comm));
-        }
-    });
-}
-
 /// The token log-probabilities over a vocabulary split 4 + 3 (and 3 + 2 + 2), soft-capped or
 /// not: the log-probs, the hidden states' whole gradient and each block of the projection's.
 #[test]
@@ -87,7 +75,7 @@ fn vocab_parallel_logprobs_match_the_whole_vocabulary() {
         let want = values(want);
         let (want_dh, want_dw) = (values(h.grad(&grads).unwrap()), values(w.grad(&grads).unwrap()));
         for size in [2, 3] {
-            on_ranks(size, |rank, comm| {
+            Threads::run(size, |rank, comm| {
                 let device = Device::flex().autodiff();
                 let own = shard_range(vocab, rank, size);
                 let h = leaf(&hidden, [b, s, d], &device);
@@ -132,7 +120,7 @@ fn a_column_then_row_parallel_pair_matches_the_whole_layers() {
         values(b.grad(&grads).unwrap()),
     );
     for size in [2, 3] {
-        on_ranks(size, |rank, comm| {
+        Threads::run(size, |rank, comm| {
             let device = Device::flex().autodiff();
             let own = shard_range(f, rank, size);
             let xt = leaf(&x, [n, d], &device);
@@ -168,7 +156,7 @@ fn a_gathered_block_is_the_whole_weight_and_keeps_its_block_of_the_gradient() {
     let w = random(rows * cols, 8);
     let weighting = random(rows * cols, 9);
     let want_grad: Vec<f32> = weighting.iter().zip(&w).map(|(m, v)| m * 2.0 * v).collect();
-    on_ranks(2, |rank, comm| {
+    Threads::run(2, |rank, comm| {
         let device = Device::flex().autodiff();
         let split = TensorSplit {
             dims: vec![rows, cols],

@@ -31,6 +31,18 @@ impl Threads {
             .collect()
     }
 
+    /// Runs `f(rank, group)` for each of the `size` ranks of a new group, each on a thread of
+    /// its own, and returns when every rank has (a rank's panic ends the call with it).
+    pub fn run(size: usize, f: impl Fn(usize, Arc<dyn Communicator>) + Sync) {
+        let ranks = Self::group(size);
+        std::thread::scope(|scope| {
+            for (rank, comm) in ranks.into_iter().enumerate() {
+                let f = &f;
+                scope.spawn(move || f(rank, comm));
+            }
+        });
+    }
+
     fn slots(&self) -> MutexGuard<'_, Vec<Vec<u8>>> {
         // A rank that panicked leaves the bytes as they were; the others still read them.
         self.shared
