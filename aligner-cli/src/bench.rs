@@ -488,6 +488,7 @@ fn seconds_per_step_on<O: aligner_core::train::Objective<CausalLm>>(
     let run = aligner_core::run::RunDir::new(std::env::temp_dir().join("aligner-bench"))
         .in_tensor_groups(tensor)?;
     let ranks = run.comm().world_size();
+    aligner_core::train::check_layout(train.sharding, ranks, tensor > 1)?;
     let config = TrainSection {
         batch_size: batch.len().div_ceil(ranks),
         shuffle: false,

@@ -46,8 +46,8 @@ pub struct PlanArgs {
     /// Memory per device: `80GB`, `141GB`, `24GiB`.
     #[arg(long, default_value = "80GB", value_parser = parse_bytes)]
     gpu_memory: f64,
-    /// Also list the layouts aligner does not run yet (tensor groups with ZeRO sharding, full recomputation);
-    /// they are listed anyway when nothing aligner runs fits.
+    /// Also list the layouts aligner does not run yet (tensor groups beside fully sharded
+    /// parameters); they are listed anyway when nothing aligner runs fits.
     #[arg(long)]
     all: bool,
     /// The devices are CPU processes (ranks of `mpirun` on host memory): the runtime's own
@@ -302,7 +302,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     bail!(
         "nothing aligner runs fits on {devices} devices of {} GB each. The smallest cluster that \
-         would: {}. With what aligner does not do yet (tensor groups with ZeRO): {}",
+         would: {}. With what aligner does not do yet (tensor groups beside full sharding): {}",
         gb(args.gpu_memory),
         describe(&today, true),
         describe(&predicted, false),

@@ -1070,7 +1070,7 @@ fn plan_picks_a_layout_that_fits_or_names_the_smallest_cluster() {
             // to the writer a parameter at a time: no rank gathers the whole model).
             && stderr.contains("The smallest cluster that would: 4 devices (4 × 1, sharding full, peak 3.88 GB)")
             && stderr.contains(
-                "With what aligner does not do yet (tensor groups with ZeRO): 4 devices (4 × 1, sharding full, peak 3.88 GB)"
+                "With what aligner does not do yet (tensor groups beside full sharding): 4 devices (4 × 1, sharding full, peak 3.88 GB)"
             ),
         "{stderr}"
     );

@@ -420,7 +420,8 @@ fn dpo_frontier_on_the_ranks_parts_is_measured_on_rank_0() {
 }
 
 /// The reward model and DPO on 2 and 3 data-parallel ranks with ZeRO stages, and in tensor
-/// groups of 1×2 (and DPO 2×2), train to the weights and metrics of one process.
+/// groups of 1×2 (and DPO 2×2 with its gradients sharded), train to the weights and metrics
+/// of one process.
 #[test]
 fn rm_and_dpo_on_sharded_ranks_and_in_tensor_groups_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -443,7 +444,8 @@ fn rm_and_dpo_on_sharded_ranks_and_in_tensor_groups_train_as_one_process() {
         (3, "none", 1),
         (3, "full", 1),
         (2, "none", 2),
-        (4, "none", 2),
+        // Each tensor rank's blocks with their gradients reduce-scattered over the data ranks.
+        (4, "gradients", 2),
     ];
     trains_as_one_process_in(&["dpo"], 12, &sets, dir.path(), &layouts);
     let single = std::fs::read_to_string(dir.path().join("dpo-np1-none-t1/reference_train.jsonl")).unwrap();
@@ -623,7 +625,8 @@ fn sft_in_tensor_groups_of_one_by_two_and_two_by_two_trains_as_one_process() {
         "train.eval_examples=30".into(),
         "train.sync_check_every=1".into(),
     ];
-    let grids = [(2, "none", 2), (4, "none", 2)];
+    // 2×2 with AdamW's state sharded over the two data ranks too (ZeRO-1 on each block).
+    let grids = [(2, "none", 2), (4, "none", 2), (4, "optimizer", 2)];
     trains_as_one_process_in(&["sft"], 12, &sets, dir.path(), &grids);
 }
 
@@ -684,8 +687,11 @@ fn resume_ends_as(whole: &Path, run: &Path, np: usize, sets: &[&str]) {
 }
 
 /// A tensor-parallel checkpoint holds the whole model and the whole AdamW state (joined from
-/// the group's blocks): resumed by one process, and one process's resumed on a 2×2 grid, both
-/// end where one uninterrupted process does.
+/// the group's blocks): resumed by one process, and one process's resumed on a 2×2 grid with
+/// the state sharded over its data ranks, both end where one uninterrupted process does. A
+/// 2×2 grid's sharded checkpoint holds each data rank's part of the state, its moments joined
+/// from the group's blocks: resumed in its own layout and on 3 ranks without tensor groups,
+/// both end there too.
 #[test]
 fn a_tensor_parallel_checkpoint_resumes_in_another_layout() {
     let dir = tempfile::tempdir().unwrap();
@@ -707,7 +713,40 @@ fn a_tensor_parallel_checkpoint_resumes_in_another_layout() {
     resume_ends_as_whole(
         &grown,
         4,
-        &["--set", "train.batch_size=6", "--set", "parallel.tensor=2"],
+        &[
+            "--set",
+            "train.batch_size=6",
+            "--set",
+            "parallel.tensor=2",
+            "--set",
+            "train.sharding=optimizer",
+        ],
+    );
+    let grid = ["--set", "parallel.tensor=2", "--set", "train.sharding=gradients"];
+    let sharded = run("sharded", 4, 6, &[&grid[..], &["--stop-after", "4"]].concat());
+    let checkpoint = sharded.join("checkpoints/step-3");
+    assert!(weights_diff(&checkpoint, &whole.join("checkpoints/step-3")) <= 1e-5);
+    for part in ["optimizer-rank-0.bin", "optimizer-rank-1.bin"] {
+        assert!(checkpoint.join(part).is_file(), "{part} is missing");
+    }
+    let moved = dir.path().join("sharded-moved");
+    let copied = std::process::Command::new("cp")
+        .args(["-r", sharded.to_str().unwrap(), moved.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    resume_ends_as_whole(&sharded, 4, &grid);
+    resume_ends_as_whole(
+        &moved,
+        3,
+        &[
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "parallel.tensor=1",
+            "--set",
+            "train.sharding=optimizer",
+        ],
     );
 }
 
@@ -837,7 +876,7 @@ fn generate_on_ranks_and_in_tensor_groups_matches_one_process() {
 
 /// What tensor parallel cannot split is refused naming `parallel.tensor`: heads the groups do
 /// not divide, LoRA dropout, fused projections (Phi-3), experts (Mixtral), OLMo 2's norm over
-/// the whole query projection, and ZeRO sharding beside it.
+/// the whole query projection, and fully sharded parameters beside it.
 #[test]
 fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
@@ -877,9 +916,9 @@ fn what_tensor_groups_cannot_split_is_refused_naming_the_key() {
             "normalises the whole projection",
         ),
         (
-            2,
+            4,
             vec!["parallel.tensor=2".into(), "train.sharding=full".into()],
-            "train.sharding",
+            "train.sharding = \"full\"",
         ),
     ];
     for (i, (np, sets, expected)) in cases.iter().enumerate() {

@@ -32,8 +32,8 @@
 //!   (not counted here).
 //!
 //! Its constants (the tensors autodiff keeps per layer) were measured against aligner's peak
-//! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (tensor groups with
-//! ZeRO sharding, full recomputation) are predicted from the same counts and marked as such.
+//! memory on the CPU (`docs/scaling.md`); layouts aligner does not run yet (tensor groups beside
+//! fully sharded parameters) are predicted from the same counts and marked as such.
 //! Tensor groups (`parallel.tensor`) hold 1/T of the weights, gradients, moments and of the
 //! activations that the split layers make; PPO/GRPO's engine and reference hold the blocks
 //! too (`ppo.split_engine`).
@@ -129,10 +129,12 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Whether aligner runs this layout today: tensor groups without ZeRO sharding beside them
-    /// (for every method, PPO's critic included), with or without full recomputation.
+    /// Whether aligner runs this layout today: every one but tensor groups beside fully
+    /// sharded parameters (tensor groups run for every method, PPO's critic included, with
+    /// the optimizer state or the gradients too sharded over the data ranks, with or without
+    /// full recomputation).
     pub fn runs_today(&self) -> bool {
-        self.tensor == 1 || self.sharding == Stage::None
+        self.tensor == 1 || self.sharding != Stage::Full || self.data == 1
     }
 
     pub fn devices(&self) -> usize {
@@ -468,8 +470,8 @@ pub struct Plan {
 }
 
 /// The layouts of `devices` devices: data parallel over all of them with each sharding stage,
-/// then tensor-parallel groups of 2..=devices_per_node (with ZeRO sharding beside them:
-/// predicted only), each with the frozen models on the device and, for PPO and GRPO,
+/// then tensor-parallel groups of 2..=devices_per_node (with each ZeRO stage beside them;
+/// `full` predicted only), each with the frozen models on the device and, for PPO and GRPO,
 /// offloaded to the host; then all of them again with full activation recomputation (slower,
 /// so tried second).
 pub fn layouts(work: &Workload, devices: usize, devices_per_node: usize) -> Vec<Layout> {

@@ -269,47 +269,83 @@ impl<'a> Optimizer<'a> {
         if self.shards == 0 {
             self.sum_gradients(&model, &mut grads)?;
             let norm = match &self.tensor {
-                Some(group) => {
-                    // A split parameter's blocks are parts of one gradient; a whole one is the
-                    // same on every rank of the group and counts once.
-                    let split = |id: u64| super::tensor::is_split(id);
-                    let whole = |id: u64| !super::tensor::is_split(id);
-                    let mut squares = [grads::squared_grad_norm_of(&model, &grads, Some(&split))];
-                    group.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
-                    let total = squares[0] + grads::squared_grad_norm_of(&model, &grads, Some(&whole));
-                    let norm = (total as f32).sqrt() as f64;
-                    grads::scale_to_norm(&model, &mut grads, norm, self.max_grad_norm);
-                    norm
-                }
+                Some(_) => self.clip_over_ranks(&model, &mut grads, false)?,
                 None => grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm),
             };
             return Ok((self.adam.step(lr, model, grads), norm));
         }
         if self.sharding == Sharding::Full {
             // The backward reduce-scattered each gradient: `grads` are this rank's rows.
-            let norm = clip_shares(self.comm, &model, &mut grads, self.max_grad_norm)?;
+            let norm = self.clip_over_ranks(&model, &mut grads, true)?;
             return Ok((self.adam.step(lr, model, grads), norm));
         }
         if self.sharding == Sharding::Optimizer {
             self.sum_gradients(&model, &mut grads)?;
         }
-        let owners = self
-            .owners
-            .get_or_insert_with(|| grads::optimizer_owners(&model, self.shards));
+        let owners = self.owners_of(&model)?;
         let rank = self.comm.rank();
         let norm = if self.sharding == Sharding::Gradients {
-            grads::reduce_scatter_gradients(&model, &mut grads, owners, self.comm)?;
-            clip_shares(self.comm, &model, &mut grads, self.max_grad_norm)?
+            grads::reduce_scatter_gradients(&model, &mut grads, &owners, self.comm)?;
+            self.clip_over_ranks(&model, &mut grads, true)?
         } else {
-            let norm = grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm);
-            grads::keep_owned_gradients(&model, &mut grads, owners, rank);
+            let norm = match &self.tensor {
+                Some(_) => self.clip_over_ranks(&model, &mut grads, false)?,
+                None => grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm),
+            };
+            grads::keep_owned_gradients(&model, &mut grads, &owners, rank);
             norm
         };
         let updated = self.adam.step(lr, model, grads);
         Ok((
-            grads::broadcast_owned_parameters(updated, owners, self.comm)?,
+            grads::broadcast_owned_parameters(updated, &owners, self.comm)?,
             norm,
         ))
+    }
+
+    /// Each trainable parameter's owning data rank, found at the first sharded step. In
+    /// tensor groups every rank takes its group's rank 0's (blocks of uneven sizes would
+    /// balance otherwise), so each parameter's blocks have one owner across the group and a
+    /// checkpoint joins them.
+    fn owners_of<M: Module>(&mut self, model: &M) -> Result<Vec<usize>> {
+        if let Some(owners) = &self.owners {
+            return Ok(owners.clone());
+        }
+        let mut owners = grads::optimizer_owners(model, self.shards);
+        if let Some(group) = &self.tensor {
+            owners = crate::parallel::broadcast_from_root(group.as_ref(), &owners)?;
+        }
+        self.owners = Some(owners.clone());
+        Ok(owners)
+    }
+
+    /// Clips `grads` to the global norm (`max_grad_norm`, 0 = no clipping) of the whole
+    /// model's gradient (a collective); the norm before clipping out. `shares`: each data rank
+    /// holds its own share of the gradients (sharded), whose squares are summed over the
+    /// ranks. In a tensor group a split parameter's blocks are parts of one gradient, summed
+    /// over the group, while a whole one is the same on every rank of it and counts once.
+    fn clip_over_ranks<M: Module>(
+        &self,
+        model: &M,
+        grads: &mut GradientsParams,
+        shares: bool,
+    ) -> Result<f64> {
+        let Some(group) = &self.tensor else {
+            return clip_shares(self.comm, model, grads, self.max_grad_norm);
+        };
+        let split = |id: u64| super::tensor::is_split(id);
+        let whole = |id: u64| !super::tensor::is_split(id);
+        let mut squares = [
+            grads::squared_grad_norm_of(model, grads, Some(&split)),
+            grads::squared_grad_norm_of(model, grads, Some(&whole)),
+        ];
+        if shares {
+            self.comm.all_reduce_f64(&mut squares, ReduceOp::Sum)?;
+        }
+        let mut blocks = [squares[0]];
+        group.all_reduce_f64(&mut blocks, ReduceOp::Sum)?;
+        let norm = ((blocks[0] + squares[1]) as f32).sqrt() as f64;
+        grads::scale_to_norm(model, grads, norm, self.max_grad_norm);
+        Ok(norm)
     }
 
     /// The file this rank's state is saved in, by `layout`.
@@ -325,13 +361,18 @@ impl<'a> Optimizer<'a> {
     /// it; a sharded state's part of every rank, the others' moved in from where
     /// [`Optimizer::stage`] put them in `checkpoints`.
     fn save(&self, tmp: &Path, layout: &CheckpointLayout, checkpoints: &Path) -> Result<()> {
-        if self.tensor.is_some() {
-            return super::tensor::write_gathered_optimizer_state(&self.adam, &tmp.join(layout.optimizer));
-        }
         if self.shards == 0 {
-            return save_optimizer(&self.adam, &tmp.join(layout.optimizer));
+            let path = tmp.join(layout.optimizer);
+            return match self.tensor {
+                Some(_) => super::tensor::write_gathered_optimizer_state(&self.adam, &path),
+                None => save_optimizer(&self.adam, &path),
+            };
         }
-        save_optimizer(&self.adam, &tmp.join(optimizer_shard(0)))?;
+        let own = tmp.join(optimizer_shard(0));
+        match self.tensor {
+            Some(_) => super::tensor::write_gathered_optimizer_state(&self.adam, &own)?,
+            None => save_optimizer(&self.adam, &own)?,
+        }
         for rank in 1..self.shards {
             let (staged, to) = (staged_state(checkpoints, rank), tmp.join(optimizer_shard(rank)));
             std::fs::rename(&staged, &to).map_err(|e| CoreError::cannot_write(&to, e))?;
@@ -340,28 +381,37 @@ impl<'a> Optimizer<'a> {
     }
 
     /// What every rank but the writer does for a checkpoint's optimizer state (a collective;
-    /// nothing for one process). Sharded, each rank streams its part to a staged file in
+    /// nothing for one process). Sharded, each data rank streams its part to a staged file in
     /// `checkpoints` and all wait until every part is written; the writer moves them into the
-    /// checkpoint, so no rank ever holds another's part. In tensor groups the writer's group's
-    /// other ranks send it their blocks, a moment at a time, while it writes the file
-    /// ([`Optimizer::save`]); the other groups take no part.
+    /// checkpoint, so no rank ever holds another's part. In tensor groups a part is the
+    /// whole moments of what the data rank owns: its group's rank 0 writes it while the
+    /// group's other ranks send it their blocks, a moment at a time (unsharded, only the
+    /// writer's group: the writer writes the whole state in [`Optimizer::save`]).
     fn stage(&self, checkpoints: &Path) -> Result<()> {
+        let data_rank = self.comm.rank();
         if let Some(group) = &self.tensor {
-            // The writer (world rank 0) is rank 0 of the first group, the data rank 0, whose
-            // ranks' world ranks are their group ranks.
-            if self.comm.rank() == 0 && group.rank() != 0 {
-                super::tensor::send_optimizer_blocks(&self.adam, &staged_state(checkpoints, group.rank()))?;
+            if self.shards == 0 && data_rank != 0 {
+                return Ok(());
             }
-            return Ok(());
-        }
-        if self.shards == 0 {
-            return Ok(());
-        }
-        if self.comm.rank() != 0 {
             std::fs::create_dir_all(checkpoints).map_err(|e| CoreError::cannot_write(checkpoints, e))?;
-            save_optimizer(&self.adam, &staged_state(checkpoints, self.comm.rank()))?;
+            if group.rank() != 0 {
+                // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
+                let scratch = checkpoints.join(format!(".tmp-rank-{data_rank}-{}-blocks.bin", group.rank()));
+                super::tensor::send_optimizer_blocks(&self.adam, &scratch)?;
+            } else if data_rank != 0 {
+                super::tensor::write_gathered_optimizer_state(
+                    &self.adam,
+                    &staged_state(checkpoints, data_rank),
+                )?;
+            }
+        } else if self.shards > 0 && data_rank != 0 {
+            std::fs::create_dir_all(checkpoints).map_err(|e| CoreError::cannot_write(checkpoints, e))?;
+            save_optimizer(&self.adam, &staged_state(checkpoints, data_rank))?;
         }
-        Ok(self.comm.barrier()?)
+        match self.shards {
+            0 => Ok(()),
+            _ => Ok(self.comm.barrier()?),
+        }
     }
 
     /// Loads the state a checkpoint holds for this rank. A state saved over `saved_shards`
@@ -375,9 +425,10 @@ impl<'a> Optimizer<'a> {
         model: &M,
     ) -> Result<Self> {
         let saved_shards = saved.optimizer_shards;
-        if self.tensor.is_some() && saved_shards == 0 && !saved.optimizer_rows {
-            // A whole state (every tensor-parallel checkpoint's, or one process's): this
-            // rank's blocks of it.
+        let split = self.tensor.is_some();
+        if split && self.shards == 0 && saved_shards == 0 && !saved.optimizer_rows {
+            // A whole state (an unsharded tensor-parallel checkpoint's, or one process's):
+            // this rank's blocks of it.
             let path = dir.join(layout.optimizer);
             let bytes = std::fs::read(&path).map_err(|e| CoreError::io(&path, e))?;
             let own = super::tensor::split_optimizer_state(bytes)?;
@@ -387,13 +438,7 @@ impl<'a> Optimizer<'a> {
                 .map_err(|e| CoreError::Invalid(format!("{}: optimizer state: {e:?}", path.display())))?;
             return Ok(self);
         }
-        if self.tensor.is_some() {
-            return Err(CoreError::Invalid(format!(
-                "{}: a checkpoint of a run with train.sharding resumes with parallel.tensor = 1",
-                dir.display()
-            )));
-        }
-        if saved_shards == self.shards && saved.optimizer_rows == self.full() {
+        if !split && saved_shards == self.shards && saved.optimizer_rows == self.full() {
             let file = self.file(layout);
             self.adam = load_optimizer(self.adam, &dir.join(file))?;
             return Ok(self);
@@ -407,18 +452,26 @@ impl<'a> Optimizer<'a> {
             true => Some((self.comm.rank(), self.shards)),
             false => None,
         };
-        let owned: Option<HashSet<u64>> = (self.shards > 0 && !self.full()).then(|| {
-            let owners = grads::optimizer_owners(model, self.shards);
-            grads::trainable_ids(model)
-                .into_iter()
-                .zip(&owners)
-                .filter(|(_, owner)| **owner == self.comm.rank())
-                .map(|(id, _)| id)
-                .collect()
-        });
-        let merged = merge_optimizer_states(&files, saved.optimizer_rows, rows, |id| {
+        let owned: Option<HashSet<u64>> = match self.shards > 0 && !self.full() {
+            true => {
+                let owners = self.owners_of(model)?;
+                let rank = self.comm.rank();
+                let ids = grads::trainable_ids(model).into_iter().zip(owners);
+                Some(
+                    ids.filter(|(_, owner)| *owner == rank)
+                        .map(|(id, _)| id)
+                        .collect(),
+                )
+            }
+            false => None,
+        };
+        let mut merged = merge_optimizer_states(&files, saved.optimizer_rows, rows, |id| {
             owned.as_ref().is_none_or(|o| o.contains(&id))
         })?;
+        if split {
+            // The state merged holds whole moments: this rank's blocks of them.
+            merged = super::tensor::split_optimizer_state(merged)?;
+        }
         self.adam = self
             .adam
             .from_bytes(burn::tensor::Bytes::from_bytes_vec(merged))
@@ -683,6 +736,19 @@ pub struct FinalStep {
     pub value: f64,
 }
 
+/// Refuses, naming the keys, a layout not built yet: fully sharded parameters over
+/// `data_ranks` > 1 beside tensor groups (`split`).
+pub fn check_layout(sharding: Sharding, data_ranks: usize, split: bool) -> Result<()> {
+    if split && sharding == Sharding::Full && data_ranks > 1 {
+        return Err(CoreError::Invalid(
+            "parallel.tensor with train.sharding = \"full\" is not built yet: shard the tensor \
+             groups' blocks with \"gradients\" (or \"optimizer\")"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Trains `model` with `method` for `settings.steps` steps in `run` (or, when the run is
 /// resumed, continues from its newest intact checkpoint) on `train_device`; the trained model
 /// (see [`LoopSettings::returns_model`]) and the summary out. `final/` holds the trained model (the best one with `keep_best`),
@@ -708,13 +774,7 @@ pub fn run_loop<M: Module + 'static, T: Method<M>>(
             ))
             .into());
         }
-        if settings.sharding != Sharding::None {
-            return Err(CoreError::Invalid(format!(
-                "parallel.tensor with train.sharding = \"{}\" is not built yet: use one of them",
-                settings.sharding.name()
-            ))
-            .into());
-        }
+        check_layout(settings.sharding, world, true)?;
     }
     let mut optim = Optimizer::new(
         settings.weight_decay,

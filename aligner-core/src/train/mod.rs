@@ -39,7 +39,7 @@ pub use config::{
 };
 pub use driver::{
     BEST_DIR, CheckpointLayout, FINAL_STEP, FinalStep, LoopSettings, LoopState, Method, Optimizer,
-    ReturnedModel, RunSummary, Stepped, non_finite, optimizer_shard, run_loop,
+    ReturnedModel, RunSummary, Stepped, check_layout, non_finite, optimizer_shard, run_loop,
 };
 pub use metrics::{MetricsLog, plot_metrics, plot_runs};
 pub use order::{EpochOrder, mini_batches};
