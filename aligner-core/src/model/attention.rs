@@ -132,12 +132,17 @@ impl Attention {
         let (q, k, v) = self.project(x);
         // This rank's heads: all of them, or under tensor parallel its block of them.
         let (n_heads, n_kv_heads) = (q.dims()[2] / self.head_dim, k.dims()[2] / self.head_dim);
+        let group = match self.qkv.as_slice() {
+            [q_proj, ..] => super::tensor_split(&q_proj.base.weight).map(|split| split.group),
+            [] => None,
+        };
         let heads = |mut h: Tensor<3>, n: usize, norm: Option<&RmsNorm>| {
             let hd = self.head_dim;
             if let Some(norm) = norm {
                 h = if norm.width() == hd {
                     // Each head normalised on its own: [batch, seq·heads, head_dim].
-                    super::layer::norm(norm, h.reshape([batch, seq * n, hd])).reshape([batch, seq, n * hd])
+                    let per_head = h.reshape([batch, seq * n, hd]);
+                    super::layer::norm_in_group(norm, per_head, group.as_ref()).reshape([batch, seq, n * hd])
                 } else {
                     super::layer::norm(norm, h)
                 };

@@ -92,11 +92,26 @@ pub struct DecoderLayer {
 /// `norm.forward(x)`, as one fused node when training on CPU (Burn's is seven: casts, square,
 /// mean, add, sqrt, div, mul).
 pub fn norm(norm: &RmsNorm, x: Tensor<3>) -> Tensor<3> {
+    norm_in_group(norm, x, None)
+}
+
+/// [`norm`] on a tensor group's block of heads (`group`: Qwen3's and Gemma 3's per-head
+/// query/key norms under tensor parallel): the whole weight scales this rank's heads only,
+/// so its gradient is summed over the group (Megatron's `f` on the weight).
+pub fn norm_in_group(
+    norm: &RmsNorm,
+    x: Tensor<3>,
+    group: Option<&aligner_parallel::tensor::Group>,
+) -> Tensor<3> {
+    let mut scale = norm.scale_for(&x);
+    if let Some(group) = group {
+        scale = aligner_parallel::tensor::tp_copy(scale, group);
+    }
     if fused_here(&x) {
-        let scale = super::as_type_of(norm.scale_for(&x), &x);
+        let scale = super::as_type_of(scale, &x);
         aligner_parallel::fused_rms_norm(x, scale, norm.epsilon)
     } else {
-        norm.forward(x)
+        norm.forward_scaled(x, scale)
     }
 }
 

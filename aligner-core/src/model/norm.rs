@@ -51,9 +51,15 @@ impl RmsNorm {
 
     /// Burn ops: `x · rsqrt(mean(x²) + ε) · scale` over the last axis, the mean square in f32.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let scale = self.scale_for(&x);
+        self.forward_scaled(x, scale)
+    }
+
+    /// [`RmsNorm::forward`] with `scale`, this norm's [`RmsNorm::scale_for`] as the caller
+    /// routes it (through a tensor group's sum of its gradient).
+    pub fn forward_scaled<const D: usize>(&self, x: Tensor<D>, scale: Tensor<1>) -> Tensor<D> {
         let dtype = x.dtype();
         let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.epsilon).sqrt();
-        let scale = self.scale_for(&x).cast(dtype);
-        (x / rms.cast(dtype)) * scale.unsqueeze()
+        (x / rms.cast(dtype)) * scale.cast(dtype).unsqueeze()
     }
 }

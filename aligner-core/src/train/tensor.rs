@@ -30,18 +30,19 @@ use crate::model::param_name;
 /// be split.
 pub(crate) fn split_axis(name: &str) -> std::result::Result<Option<usize>, String> {
     const FUSED: [&str; 2] = ["qkv_proj", "gate_up_proj"];
-    const EXPERTS: [&str; 4] = [".experts.", "block_sparse_moe", "mlp.gate.", "shared_expert"];
     if let Some(fused) = FUSED.iter().find(|f| name.contains(*f)) {
         return Err(format!(
             "parallel.tensor: fused projections ({fused}, Phi-3) are not split yet; use parallel.tensor = 1"
         ));
     }
-    if EXPERTS.iter().any(|e| name.contains(e)) {
-        return Err("parallel.tensor: mixtures of experts are not split yet; use parallel.tensor = 1".into());
-    }
     let layer = |names: &[&str]| names.iter().any(|n| name.contains(&format!(".{n}.")));
-    let column = layer(&["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]);
-    let row = layer(&["o_proj", "down_proj"]);
+    // Each expert of a mixture is an MLP split as the dense one (Mixtral names its gate, up
+    // and down `w1`, `w3` and `w2`); the router (`mlp.gate`, `block_sparse_moe.gate`) stays
+    // whole, so every rank of a group routes each token to the same experts.
+    let expert = name.contains(".experts.");
+    let column =
+        layer(&["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]) || (expert && layer(&["w1", "w3"]));
+    let row = layer(&["o_proj", "down_proj"]) || (expert && layer(&["w2"]));
     Ok(match name.rsplit_once('.').map(|(head, _)| head) {
         _ if name == "model.embed_tokens.weight" => Some(0),
         _ if name == "lm_head.weight" => Some(1),
@@ -58,7 +59,7 @@ pub(crate) fn split_axis(name: &str) -> std::result::Result<Option<usize>, Strin
 
 /// `model` with each large weight replaced by this rank's block of it (registered, so the
 /// model's layers compute their part and combine it over `group`). Refused, naming
-/// `parallel.tensor`, for a model it cannot split: fused projections, experts, OLMo 2's norm
+/// `parallel.tensor`, for a model it cannot split: fused projections, OLMo 2's norm
 /// over the whole query projection, or a split axis smaller than the group.
 pub fn split_parameters<M: Module>(model: M, group: Arc<dyn Communicator>) -> Result<M> {
     if group.world_size() == 1 {
@@ -469,6 +470,25 @@ mod tests {
         assert_eq!(axis("model.norm.weight"), None);
         assert_eq!(axis("score.weight"), None);
         assert!(split_axis("model.layers.0.self_attn.qkv_proj.weight").is_err());
-        assert!(split_axis("model.layers.0.mlp.experts.1.up_proj.weight").is_err());
+        assert_eq!(axis("model.layers.0.mlp.experts.1.up_proj.weight"), Some(1));
+        assert_eq!(axis("model.layers.0.mlp.experts.1.down_proj.weight"), Some(0));
+        assert_eq!(axis("model.layers.0.mlp.gate.weight"), None);
+        assert_eq!(
+            axis("model.layers.1.block_sparse_moe.experts.0.w1.weight"),
+            Some(1)
+        );
+        assert_eq!(
+            axis("model.layers.1.block_sparse_moe.experts.0.w3.weight"),
+            Some(1)
+        );
+        assert_eq!(
+            axis("model.layers.1.block_sparse_moe.experts.0.w2.weight"),
+            Some(0)
+        );
+        assert_eq!(
+            axis("model.layers.1.block_sparse_moe.experts.0.w2.lora_B.weight"),
+            None
+        );
+        assert_eq!(axis("model.layers.1.block_sparse_moe.gate.weight"), None);
     }
 }
