@@ -643,18 +643,7 @@ fn tensor_groups_split_gemma2_qwen3_and_lora_adapters_as_one_process_trains() {
             .into(),
     ];
     for name in ["gemma2_capped", "qwen3_window"] {
-        let model = repo().join("tests/reference/hf_random").join(name);
-        let mut sets = vec![
-            format!("model.path={}", model.display()),
-            "train.max_steps=3".into(),
-            "train.lr=5e-4".into(),
-            "train.eval_examples=16".into(),
-            "train.eval_every=3".into(),
-        ];
-        sets.extend(lora.clone());
-        let tmp = dir.path().join(name);
-        std::fs::create_dir_all(&tmp).unwrap();
-        trains_as_one_process_in(&["sft"], 8, &sets, &tmp, &[(2, "none", 2)]);
+        reference_model_sft_at_one_by_two(dir.path(), name, &lora);
     }
     let mut sets = vec![
         "train.max_steps=4".to_string(),
@@ -663,6 +652,24 @@ fn tensor_groups_split_gemma2_qwen3_and_lora_adapters_as_one_process_trains() {
     ];
     sets.extend(lora);
     trains_as_one_process_in(&["dpo"], 8, &sets, dir.path(), &[(2, "none", 2)]);
+}
+
+/// Three SFT steps of `tests/reference/hf_random/{name}` with `extra` settings, in a 1×2
+/// tensor group and in one process, which must end alike (in `dir/name`, returned).
+fn reference_model_sft_at_one_by_two(dir: &Path, name: &str, extra: &[String]) -> PathBuf {
+    let model = repo().join("tests/reference/hf_random").join(name);
+    let mut sets = vec![
+        format!("model.path={}", model.display()),
+        "train.max_steps=3".into(),
+        "train.lr=5e-4".into(),
+        "train.eval_examples=16".into(),
+        "train.eval_every=3".into(),
+    ];
+    sets.extend(extra.iter().cloned());
+    let tmp = dir.join(name);
+    std::fs::create_dir_all(&tmp).unwrap();
+    trains_as_one_process_in(&["sft"], 8, &sets, &tmp, &[(2, "none", 2)]);
+    tmp
 }
 
 /// Mixtures of experts in tensor groups: each expert's gate and up projections split by
@@ -686,18 +693,8 @@ fn tensor_groups_split_mixtures_of_experts_and_per_head_norms_as_one_process_tra
         ),
     ];
     for (name, extra) in cases {
-        let model = repo().join("tests/reference/hf_random").join(name);
-        let mut sets = vec![
-            format!("model.path={}", model.display()),
-            "train.max_steps=3".into(),
-            "train.lr=5e-4".into(),
-            "train.eval_examples=16".into(),
-            "train.eval_every=3".into(),
-        ];
-        sets.extend(extra.iter().map(|s| s.to_string()));
-        let tmp = dir.path().join(name);
-        std::fs::create_dir_all(&tmp).unwrap();
-        trains_as_one_process_in(&["sft"], 8, &sets, &tmp, &[(2, "none", 2)]);
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let tmp = reference_model_sft_at_one_by_two(dir.path(), name, &extra);
         let logged = std::fs::read_to_string(tmp.join("sft-np2-none-t2/metrics.jsonl")).unwrap();
         assert!(logged.contains("router_aux_loss"), "{logged}");
     }
@@ -1687,6 +1684,65 @@ fn distill_on_two_and_three_ranks_and_in_tensor_groups_trains_as_one_process() {
         let tmp = dir.path().join(name);
         trains_as_one_process_in(&["distill"], 8, &sets(&extra), &tmp, &[(2, "none", 2)]);
     }
+    // A teacher whose vocabulary is padded past the student's 512 ids (as Qwen2.5-7B's is past
+    // 0.5B's): one process compares the ids the two share, and a 1×2 group reads the
+    // teacher's first 512 rows, so both split the vocabulary alike. The padding changes
+    // nothing: one process ends where it does with the unpadded teacher.
+    let padded = padded_vocabulary(&teacher, &dir.path().join("padded-teacher"), 517);
+    let tmp = dir.path().join("padded");
+    let mut sets = sets(&[]);
+    sets[0] = format!("distill.teacher={}", padded.display());
+    let logs = trains_as_one_process_in(&["distill"], 12, &sets, &tmp, &[(2, "none", 2)]);
+    assert!(
+        logs[0].contains("the losses run over the vocabulary split across the tensor group"),
+        "{}",
+        logs[0]
+    );
+    let one = |root: &Path| root.join("distill-np1-none-t1/final");
+    let diff = weights_diff(&one(dir.path()), &one(&tmp));
+    assert!(
+        diff <= 1e-5,
+        "the padded teacher moved one process's run by {diff}"
+    );
+}
+
+/// A copy of the model folder `model` in `out` whose embedding and output projection have
+/// `rows` rows (`vocab_size` in its config.json): the model's, then rows no token id reaches.
+fn padded_vocabulary(model: &Path, out: &Path, rows: usize) -> PathBuf {
+    use safetensors::tensor::TensorView;
+    std::fs::create_dir_all(out).unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = rows.into();
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(model.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        let (mut shape, mut data) = (view.shape().to_vec(), view.data().to_vec());
+        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+            let extra = (rows - shape[0]) * shape[1];
+            data.extend((0..extra).flat_map(|i| (0.05 * (i as f32).sin()).to_le_bytes()));
+            shape[0] = rows;
+        }
+        tensors.push((name, view.dtype(), shape, data));
+    }
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+    out.to_path_buf()
 }
 
 #[test]

@@ -116,12 +116,18 @@ pub fn name_parameters(model: &mut CausalLm) {
     }
 }
 
+/// The tensors whose rows are the vocabulary's ids.
+const VOCABULARY_TENSORS: [&str; 2] = ["model.embed_tokens.weight", "lm_head.weight"];
+
 /// The safetensors files of a folder, memory-mapped (a 0.5B model's 2 GB are not copied into
 /// memory before each tensor is converted), and which file holds each tensor.
 struct TensorFiles {
     dir: PathBuf,
     files: Vec<(PathBuf, memmap2::Mmap)>,
     index: HashMap<String, usize>,
+    /// Read the vocabulary's tensors (the embedding and the output projection) as their
+    /// first rows where the files hold more (see [`load_causal_lm_split_first_rows`]).
+    first_vocab_rows: bool,
 }
 
 impl TensorFiles {
@@ -172,6 +178,7 @@ impl TensorFiles {
             dir: dir.to_path_buf(),
             files,
             index,
+            first_vocab_rows: false,
         })
     }
 
@@ -206,11 +213,26 @@ impl TensorFiles {
             path: path.clone(),
             message: format!("tensor {name:?}: {e}"),
         })?;
-        if view.shape() != expected {
+        let shape = view.shape();
+        // A vocabulary read as its first rows: the block (or the rows) taken from the whole
+        // tensor of the file. HF keeps both tensors `[vocab, hidden]`.
+        let (expected, block) = match block {
+            _ if self.first_vocab_rows
+                && VOCABULARY_TENSORS.contains(&name)
+                && shape.len() == 2
+                && shape[1..] == expected[1..]
+                && shape[0] > expected[0] =>
+            {
+                let rows = expected[0];
+                (shape, Some(block.unwrap_or((0, 0..rows))))
+            }
+            block => (expected, block),
+        };
+        if shape != expected {
             return Err(CoreError::ShapeMismatch {
                 name: name.to_string(),
                 expected: expected.to_vec(),
-                found: view.shape().to_vec(),
+                found: shape.to_vec(),
             });
         }
         let values = match block {
@@ -286,8 +308,39 @@ pub fn load_causal_lm_split(
     device: &Device,
     group: &Arc<dyn Communicator>,
 ) -> Result<CausalLm> {
+    load_causal_lm_split_in(dir, config, device, group, false)
+}
+
+/// [`load_causal_lm_split`] of a model whose files hold more vocabulary rows than `config`'s
+/// `vocab_size`: the embedding and the output projection are read as their first
+/// `vocab_size` rows (a distillation teacher whose vocabulary is padded past the ids its
+/// student shares, cut to the student's so their blocks line up).
+pub fn load_causal_lm_split_first_rows(
+    dir: &Path,
+    config: &LlamaConfig,
+    device: &Device,
+    group: &Arc<dyn Communicator>,
+) -> Result<CausalLm> {
+    load_causal_lm_split_in(dir, config, device, group, true)
+}
+
+fn load_causal_lm_split_in(
+    dir: &Path,
+    config: &LlamaConfig,
+    device: &Device,
+    group: &Arc<dyn Communicator>,
+    first_vocab_rows: bool,
+) -> Result<CausalLm> {
     let mut model = CausalLm::new(config, device);
-    let split = load_slots_split(dir, config, slots(&mut model), device, group)?;
+    check_splittable(config)?;
+    let split = load_slots_in(
+        dir,
+        config,
+        slots(&mut model),
+        device,
+        Some(group),
+        first_vocab_rows,
+    )?;
     tracing::info!(
         parameters = split,
         ranks = group.world_size(),
@@ -303,7 +356,7 @@ pub fn load_slots(
     slots: Vec<(String, Slot<'_>)>,
     device: &Device,
 ) -> Result<()> {
-    load_slots_in(dir, config, slots, device, None).map(drop)
+    load_slots_in(dir, config, slots, device, None, false).map(drop)
 }
 
 /// [`load_slots`] for a rank of tensor group `group`: the weights tensor parallel splits are
@@ -317,6 +370,13 @@ pub fn load_slots_split(
     device: &Device,
     group: &Arc<dyn Communicator>,
 ) -> Result<usize> {
+    check_splittable(config)?;
+    load_slots_in(dir, config, slots, device, Some(group), false)
+}
+
+/// Refused, naming `parallel.tensor`, for a model whose norms tensor parallel would cut
+/// (OLMo 2's q_norm).
+fn check_splittable(config: &LlamaConfig) -> Result<()> {
     if config.qk_norm() == crate::config::QkNorm::Whole {
         return Err(CoreError::Invalid(
             "parallel.tensor: this model's q_norm normalises the whole projection (OLMo 2), \
@@ -324,7 +384,7 @@ pub fn load_slots_split(
                 .into(),
         ));
     }
-    load_slots_in(dir, config, slots, device, Some(group))
+    Ok(())
 }
 
 /// The tensor `name` of Burn shape `dims` (`transposed`: `[out, in]` on disk), whole, or,
@@ -398,8 +458,12 @@ fn load_slots_in(
     slots: Vec<(String, Slot<'_>)>,
     device: &Device,
     group: Option<&Arc<dyn Communicator>>,
+    first_vocab_rows: bool,
 ) -> Result<usize> {
-    let files = TensorFiles::open(dir)?;
+    let files = TensorFiles {
+        first_vocab_rows,
+        ..TensorFiles::open(dir)?
+    };
     let mut used = HashSet::new();
     for (prefix, slot) in slots {
         let name = format!("{prefix}.weight");

@@ -111,7 +111,7 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads `config.json`, the safetensors weights and `tokenizer.json` of `dir`.
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
-        Self::from_dir_in(dir, device, None)
+        Self::from_dir_in(dir, device, None, None)
     }
 
     /// [`LoadedModel::from_dir`] for a rank of tensor group `group` (`parallel.tensor`): the
@@ -123,15 +123,34 @@ impl LoadedModel {
         device: &Device,
         group: &std::sync::Arc<dyn aligner_parallel::Communicator>,
     ) -> Result<Self> {
-        Self::from_dir_in(dir, device, Some(group))
+        Self::from_dir_in(dir, device, Some(group), None)
+    }
+
+    /// [`LoadedModel::from_dir_split`] with the vocabulary cut to its first `vocab` ids where
+    /// the model has more ([`checkpoint::load_causal_lm_split_first_rows`]): a distillation
+    /// teacher whose vocabulary is padded past the ids it shares with its student, so that
+    /// the two split their vocabularies into the same blocks.
+    pub fn from_dir_split_first_rows(
+        dir: &Path,
+        device: &Device,
+        group: &std::sync::Arc<dyn aligner_parallel::Communicator>,
+        vocab: usize,
+    ) -> Result<Self> {
+        Self::from_dir_in(dir, device, Some(group), Some(vocab))
     }
 
     fn from_dir_in(
         dir: &Path,
         device: &Device,
         group: Option<&std::sync::Arc<dyn aligner_parallel::Communicator>>,
+        first_rows: Option<usize>,
     ) -> Result<Self> {
-        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        let mut config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        let split = group.is_some_and(|g| g.world_size() > 1);
+        let first_rows = first_rows.filter(|&rows| split && rows < config.vocab_size);
+        if let Some(rows) = first_rows {
+            config.vocab_size = rows;
+        }
         let tokenizer = TextTokenizer::from_dir(dir)?;
         // A tokenizer with ids past the embedding table makes every later step index out of
         // it; refuse the pair here, before the weights are read.
@@ -155,7 +174,10 @@ impl LoadedModel {
                     group.world_size(),
                     &format!("parallel.tensor = {}", group.world_size()),
                 )?;
-                checkpoint::load_causal_lm_split(dir, &config, device, group)?
+                match first_rows {
+                    Some(_) => checkpoint::load_causal_lm_split_first_rows(dir, &config, device, group)?,
+                    None => checkpoint::load_causal_lm_split(dir, &config, device, group)?,
+                }
             }
             _ => checkpoint::load_causal_lm(dir, &config, device)?,
         };

@@ -572,8 +572,10 @@ impl DistillObjective {
     /// The vocabulary the losses on `model` (the student) run over. Split across its tensor
     /// group when the student, the teacher and a mixture's start model hold the same block of
     /// one vocabulary, the `vocab` compared: each rank computes its block's logits alone, and
-    /// no rank holds a whole row of the vocabulary. Whole otherwise: one process, or models
-    /// whose vocabularies differ in size, compared with their output projections gathered.
+    /// no rank holds a whole row of the vocabulary (a teacher whose vocabulary is padded past
+    /// the student's is read as its first rows, so it splits alike). Whole otherwise: one
+    /// process, or a student whose vocabulary is padded past the teacher's, compared with
+    /// the output projections gathered.
     pub fn vocabulary(&self, model: &CausalLm) -> Vocabulary {
         let block = |m: &CausalLm| {
             m.output_block()
@@ -989,8 +991,20 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
     // The teacher's weights carry the student's names: it takes ids of its own, read first.
     let (student_dir, grid) = folder_and_grid(&config.model, &config.parallel, run)?;
     let run = &grid;
-    let mut teacher = load_for_run(&teacher_dir, run, device)
-        .map_err(|e| DistillError::Invalid(format!("distill.teacher {}: {e}", teacher_dir.display())))?;
+    let in_teacher =
+        |e: CoreError| DistillError::Invalid(format!("distill.teacher {}: {e}", teacher_dir.display()));
+    // A teacher whose vocabulary is padded past the student's (Qwen2.5-7B's 152,064 rows
+    // against 0.5B's 151,936) is read as its first rows, the ids the two share: the two then
+    // split the vocabulary into the same blocks. The rows past them are ids the shared
+    // tokenizer never makes, which the losses leave out anyway.
+    let mut teacher = match run.tensor_group() {
+        Some(group) => {
+            let student_vocab = LlamaConfig::from_file(&student_dir.join("config.json"))?.vocab_size;
+            LoadedModel::from_dir_split_first_rows(&teacher_dir, device, &group, student_vocab)
+        }
+        None => load_for_run(&teacher_dir, run, device),
+    }
+    .map_err(in_teacher)?;
     if run.tensor_group().is_some() {
         teacher.model = aligner_core::train::tensor::with_own_ids(teacher.model, 0x7eac_4e55_0000_0001);
     }
@@ -1029,6 +1043,13 @@ pub fn train(config: &DistillConfig, run: &RunDir, device: &Device) -> Result<Ru
         tokenizer: student.tokenizer.clone(),
         engine: RefCell::new(None),
     };
+    if run.tensor_group().is_some() {
+        let whole = match objective.vocabulary(&model) {
+            Vocabulary::Split { .. } => "split across the tensor group",
+            Vocabulary::Whole => "whole (the output projections gathered)",
+        };
+        tracing::info!(vocab, "distillation: the losses run over the vocabulary {whole}");
+    }
     if section.top_k > 0 {
         let k = section.top_k;
         let mut key = aligner_core::cache::CacheKey::builder("distill-teacher-top-k")
