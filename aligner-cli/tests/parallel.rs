@@ -32,6 +32,16 @@ fn mpirun(np: usize, program: &Path) -> Command {
     command
 }
 
+/// GRPO on the shipped model, small: 6 prompts of 4 samples of up to 16 tokens a step.
+const SMALL_GRPO: [&str; 6] = [
+    "ppo.advantage=grpo",
+    "ppo.samples_per_prompt=4",
+    "ppo.rollout_prompts=6",
+    "ppo.max_new_tokens=16",
+    "ppo.mini_batch=12",
+    "ppo.eval_prompts=8",
+];
+
 /// Gradient buckets small enough that stories260K's gradients fill dozens.
 const SMALL_BUCKETS: &str = "train.bucket_mb=0.01";
 
@@ -707,17 +717,12 @@ fn tensor_groups_split_mixtures_of_experts_and_per_head_norms_as_one_process_tra
         let out = run_of(np);
         let mut args: Vec<&str> = vec!["ppo", "--out", out.to_str().unwrap(), "--set", &model];
         args.extend(tensor_group_sets(np > 1, true));
-        for s in [
-            "ppo.advantage=grpo",
-            "ppo.samples_per_prompt=4",
-            "ppo.rollout_prompts=6",
-            "ppo.max_new_tokens=16",
-            "ppo.mini_batch=12",
-            "ppo.eval_prompts=8",
+        let once = [
             "train.max_steps=1",
             "reward.function=tinystories_sentiment",
             "frontier.prompts=''",
-        ] {
+        ];
+        for s in SMALL_GRPO.iter().chain(&once) {
             args.extend(["--set", s]);
         }
         ranks(np, &args);
@@ -1315,20 +1320,17 @@ fn same_logged_values(one: &Path, many: &Path) {
 #[test]
 fn grpo_in_tensor_groups_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = [
-        "ppo.advantage=grpo",
-        "ppo.samples_per_prompt=4",
-        "ppo.rollout_prompts=6",
-        "ppo.max_new_tokens=16",
-        "ppo.mini_batch=12",
-        "ppo.eval_prompts=8",
-        "train.max_steps=3",
-        "train.eval_every=3",
-        "train.lr=1e-4",
-        "train.adam_epsilon=1e-6",
-        "reward.function=tinystories_sentiment",
-        "frontier.prompts=''",
-    ];
+    let sets: Vec<&str> = SMALL_GRPO
+        .into_iter()
+        .chain([
+            "train.max_steps=3",
+            "train.eval_every=3",
+            "train.lr=1e-4",
+            "train.adam_epsilon=1e-6",
+            "reward.function=tinystories_sentiment",
+            "frontier.prompts=''",
+        ])
+        .collect();
     let run_of = |np: usize| dir.path().join(format!("grpo-np{np}"));
     let split_of = |np: usize| dir.path().join(format!("grpo-np{np}-split"));
     for (np, out, split) in [
