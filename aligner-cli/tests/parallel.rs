@@ -2063,8 +2063,8 @@ fn self_reward_and_cai_in_a_tensor_group_run_on_two_ranks_with_lora_and_resume_b
 }
 
 /// `aligner plan`'s memory model against the peak memory `aligner bench train` measures (the
-/// largest rank's resident memory) on the 16M-parameter benchmark model: one process, and two
-/// ranks with each sharding stage (`full` included), within 15%.
+/// largest rank's resident memory) on the 16M-parameter benchmark model: one process, two
+/// ranks with each sharding stage (`full` included) and a 1×2 tensor group, within 15%.
 #[test]
 fn plan_predicts_the_peak_memory_that_training_measures() {
     let dir = tempfile::tempdir().unwrap();
@@ -2080,13 +2080,16 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
     )
     .unwrap();
     let global_batch = 16;
-    for (np, sharding) in [
-        (1, "none"),
-        (2, "none"),
-        (2, "optimizer"),
-        (2, "gradients"),
-        (2, "full"),
+    // (ranks, train.sharding, parallel.tensor)
+    for (np, sharding, tensor) in [
+        (1, "none", 1),
+        (2, "none", 1),
+        (2, "optimizer", 1),
+        (2, "gradients", 1),
+        (2, "full", 1),
+        (2, "none", 2),
     ] {
+        let tensor_text = tensor.to_string();
         let bench = [
             "bench",
             "--only",
@@ -2100,6 +2103,8 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
             "1",
             "--sharding",
             sharding,
+            "--tensor",
+            &tensor_text,
         ];
         let out = match np {
             1 => Command::new(aligner_exe())
@@ -2114,7 +2119,7 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
         let row = table.lines().find(|l| l.starts_with("| random-16M")).unwrap();
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
         let (overlapped, buckets) = (cells[12], cells[13]);
-        if np > 1 && matches!(sharding, "none" | "optimizer") {
+        if np > 1 && tensor == 1 && matches!(sharding, "none" | "optimizer") {
             // The default 25 MiB buckets: the layers' gradients in one, the 51 MB embedding
             // in another; the layers' is summed while the backward computes the embedding's.
             assert_eq!(buckets, "2 of 2", "{row}");
@@ -2132,7 +2137,8 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
             .unwrap();
         let measured = mib * 1024.0 * 1024.0 / 1e9;
 
-        let per_rank = (global_batch / np).to_string();
+        // The batch of each data-parallel rank (a tensor group's ranks share theirs).
+        let per_rank = (global_batch * tensor / np).to_string();
         let np_text = np.to_string();
         let out = Command::new(aligner_exe())
             .args([
@@ -2159,15 +2165,22 @@ fn plan_predicts_the_peak_memory_that_training_measures() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let row = text
             .lines()
-            .find(|l| l.starts_with(&format!("| {np} × 1 | {sharding} | device | off |")))
+            .find(|l| {
+                l.starts_with(&format!(
+                    "| {} × {tensor} | {sharding} | device | off |",
+                    np / tensor
+                ))
+            })
             .unwrap_or_else(|| panic!("{text}"));
         // The training phases' column ("training GB"): `bench train` saves nothing.
         let predicted: f64 = row.split('|').nth(14).unwrap().trim().parse().unwrap();
         let error = (predicted - measured).abs() / measured;
         assert!(
             error <= 0.15,
-            "{np} ranks, sharding {sharding}: predicted {predicted} GB, measured {measured:.3} GB"
+            "{np} ranks, sharding {sharding}, tensor {tensor}: predicted {predicted} GB, measured {measured:.3} GB"
         );
-        eprintln!("{np} ranks, sharding {sharding}: predicted {predicted} GB, measured {measured:.3} GB");
+        eprintln!(
+            "{np} ranks, sharding {sharding}, tensor {tensor}: predicted {predicted} GB, measured {measured:.3} GB"
+        );
     }
 }

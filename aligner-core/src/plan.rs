@@ -265,6 +265,12 @@ const KEPT_PER_FFN: f64 = 3.0;
 const KEPT_PER_SCORE: f64 = 2.0;
 /// Logit rows per token: the chunked log-prob op keeps the logits once, in f32.
 const KEPT_PER_LOGIT: f64 = 1.0;
+/// Logit rows per token of a tensor group's block of the vocabulary: its log-prob op is
+/// composed of Burn ops (the fused op one process uses computes over a whole row), which
+/// hold the block and, as the backward starts, most of a second copy. Fitted to the 16M
+/// benchmark model at 1 × 2 (docs/scaling.md: 0.71 GB measured at 16 × 128 tokens, 0.55
+/// predicted with one copy; 226 KB a token against 142).
+const KEPT_PER_SPLIT_LOGIT: f64 = 1.85;
 /// Embedding-sized tensors still alive when the backward pass ends, beyond the gradients
 /// (measured after the backward on the 16M and the 0.5B-shaped models, both with tied
 /// embeddings: 118 MB and 1.36 GB, 2.4 and 2.5 times the embedding).
@@ -363,7 +369,11 @@ pub fn estimate(config: &LlamaConfig, work: &Workload, layout: &Layout, kind: De
         false => tokens * layers * per_token_layer * w,
         true => tokens * (layers * h + per_token_layer) * w,
     };
-    b.logits = tokens * KEPT_PER_LOGIT * config.vocab_size as f64 / t * w.max(4.0);
+    let kept_per_logit = match layout.tensor > 1 {
+        true => KEPT_PER_SPLIT_LOGIT,
+        false => KEPT_PER_LOGIT,
+    };
+    b.logits = tokens * kept_per_logit * config.vocab_size as f64 / t * w.max(4.0);
     b.runtime = match kind {
         DeviceKind::Cpu => CPU_RUNTIME_BYTES,
         DeviceKind::Gpu => GPU_RUNTIME_BYTES,
