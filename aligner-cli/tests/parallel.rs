@@ -1213,23 +1213,18 @@ fn ppo_on_two_ranks_and_in_a_tensor_group_raises_the_held_out_reward_like_one_pr
 #[test]
 fn grpo_on_two_and_three_sharded_ranks_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    let sets: Vec<String> = [
-        "ppo.advantage=grpo",
-        "ppo.samples_per_prompt=4",
-        "ppo.rollout_prompts=6",
-        "ppo.max_new_tokens=16",
-        "ppo.mini_batch=12",
-        "ppo.eval_prompts=8",
-        "train.max_steps=3",
-        "train.eval_every=3",
-        "train.lr=5e-4",
-        "train.adam_epsilon=1e-6",
-        "reward.function=tinystories_sentiment",
-        "frontier.prompts=''",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let sets: Vec<String> = SMALL_GRPO
+        .iter()
+        .chain(&[
+            "train.max_steps=3",
+            "train.eval_every=3",
+            "train.lr=5e-4",
+            "train.adam_epsilon=1e-6",
+            "reward.function=tinystories_sentiment",
+            "frontier.prompts=''",
+        ])
+        .map(|s| s.to_string())
+        .collect();
     // PPO's batch is `ppo.rollout_prompts` whatever the ranks: no per-rank batch to scale.
     // With `full` the engines and the reference pass read the actor gathered whole each step.
     let layouts = [(2, "gradients"), (3, "optimizer"), (2, "full")];

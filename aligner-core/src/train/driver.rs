@@ -268,10 +268,7 @@ impl<'a> Optimizer<'a> {
     pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> Result<(M, f64)> {
         if self.shards == 0 {
             self.sum_gradients(&model, &mut grads)?;
-            let norm = match &self.tensor {
-                Some(_) => self.clip_over_ranks(&model, &mut grads, false)?,
-                None => grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm),
-            };
+            let norm = self.clip_over_ranks(&model, &mut grads, false)?;
             return Ok((self.adam.step(lr, model, grads), norm));
         }
         if self.sharding == Sharding::Full {
@@ -288,10 +285,7 @@ impl<'a> Optimizer<'a> {
             grads::reduce_scatter_gradients(&model, &mut grads, &owners, self.comm)?;
             self.clip_over_ranks(&model, &mut grads, true)?
         } else {
-            let norm = match &self.tensor {
-                Some(_) => self.clip_over_ranks(&model, &mut grads, false)?,
-                None => grads::clip_grad_norm(&model, &mut grads, self.max_grad_norm),
-            };
+            let norm = self.clip_over_ranks(&model, &mut grads, false)?;
             grads::keep_owned_gradients(&model, &mut grads, &owners, rank);
             norm
         };
@@ -330,7 +324,10 @@ impl<'a> Optimizer<'a> {
         shares: bool,
     ) -> Result<f64> {
         let Some(group) = &self.tensor else {
-            return clip_shares(self.comm, model, grads, self.max_grad_norm);
+            return match shares {
+                true => clip_shares(self.comm, model, grads, self.max_grad_norm),
+                false => Ok(grads::clip_grad_norm(model, grads, self.max_grad_norm)),
+            };
         };
         let split = |id: u64| super::tensor::is_split(id);
         let whole = |id: u64| !super::tensor::is_split(id);
@@ -362,22 +359,24 @@ impl<'a> Optimizer<'a> {
     /// [`Optimizer::stage`] put them in `checkpoints`.
     fn save(&self, tmp: &Path, layout: &CheckpointLayout, checkpoints: &Path) -> Result<()> {
         if self.shards == 0 {
-            let path = tmp.join(layout.optimizer);
-            return match self.tensor {
-                Some(_) => super::tensor::write_gathered_optimizer_state(&self.adam, &path),
-                None => save_optimizer(&self.adam, &path),
-            };
+            return self.write_state(&tmp.join(layout.optimizer));
         }
-        let own = tmp.join(optimizer_shard(0));
-        match self.tensor {
-            Some(_) => super::tensor::write_gathered_optimizer_state(&self.adam, &own)?,
-            None => save_optimizer(&self.adam, &own)?,
-        }
+        self.write_state(&tmp.join(optimizer_shard(0)))?;
         for rank in 1..self.shards {
             let (staged, to) = (staged_state(checkpoints, rank), tmp.join(optimizer_shard(rank)));
             std::fs::rename(&staged, &to).map_err(|e| CoreError::cannot_write(&to, e))?;
         }
         Ok(())
+    }
+
+    /// Writes this rank's state to `path`: as AdamW holds it, or in a tensor group with each
+    /// split moment joined from the group's blocks as the file reaches it (the group's other
+    /// ranks send theirs: [`super::tensor::send_optimizer_blocks`]).
+    fn write_state(&self, path: &Path) -> Result<()> {
+        match self.tensor {
+            Some(_) => super::tensor::write_gathered_optimizer_state(&self.adam, path),
+            None => save_optimizer(&self.adam, path),
+        }
     }
 
     /// What every rank but the writer does for a checkpoint's optimizer state (a collective;
@@ -389,24 +388,20 @@ impl<'a> Optimizer<'a> {
     /// writer's group: the writer writes the whole state in [`Optimizer::save`]).
     fn stage(&self, checkpoints: &Path) -> Result<()> {
         let data_rank = self.comm.rank();
-        if let Some(group) = &self.tensor {
-            if self.shards == 0 && data_rank != 0 {
-                return Ok(());
-            }
-            std::fs::create_dir_all(checkpoints).map_err(|e| CoreError::cannot_write(checkpoints, e))?;
-            if group.rank() != 0 {
-                // The writer (world rank 0) is rank 0 of the first group, the data rank 0.
-                let scratch = checkpoints.join(format!(".tmp-rank-{data_rank}-{}-blocks.bin", group.rank()));
+        let group_rank = self.tensor.as_ref().map(|group| group.rank());
+        // Unsharded, only the writer's tensor group takes part.
+        if self.shards == 0 && (group_rank.is_none() || data_rank != 0) {
+            return Ok(());
+        }
+        std::fs::create_dir_all(checkpoints).map_err(|e| CoreError::cannot_write(checkpoints, e))?;
+        match group_rank {
+            // To its group's rank 0 (the writer, world rank 0, for the data rank 0).
+            Some(rank) if rank != 0 => {
+                let scratch = checkpoints.join(format!(".tmp-rank-{data_rank}-{rank}-blocks.bin"));
                 super::tensor::send_optimizer_blocks(&self.adam, &scratch)?;
-            } else if data_rank != 0 {
-                super::tensor::write_gathered_optimizer_state(
-                    &self.adam,
-                    &staged_state(checkpoints, data_rank),
-                )?;
             }
-        } else if self.shards > 0 && data_rank != 0 {
-            std::fs::create_dir_all(checkpoints).map_err(|e| CoreError::cannot_write(checkpoints, e))?;
-            save_optimizer(&self.adam, &staged_state(checkpoints, data_rank))?;
+            _ if data_rank != 0 => self.write_state(&staged_state(checkpoints, data_rank))?,
+            _ => {}
         }
         match self.shards {
             0 => Ok(()),
